@@ -1,0 +1,1 @@
+"""Recipes: typed schema, loading/composition/overrides with provenance, preflight checks."""

@@ -1,0 +1,198 @@
+"""Load a recipe: resolve includes, merge, apply `--set` overrides, build the typed Recipe.
+
+Precedence, written down once: `--set` > the recipe file > its includes (later includes override
+earlier ones) > schema defaults. Every leaf remembers which file or flag set it (provenance)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from megalaunch.config.schema import Recipe
+from megalaunch.config.typed import build, did_you_mean, to_plain
+from megalaunch.errors import ConfigError
+
+RECIPE_GROUPS = ("train", "models", "clusters", "training", "tokenize")
+_MAX_INCLUDE_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    recipe: Recipe
+    raw: dict[str, Any]  # merged mapping before typing (what the user wrote, composed)
+    provenance: dict[str, str]  # dotted leaf path -> "file" or "--set"
+    source: str  # what the user named
+
+    def resolved(self) -> dict[str, Any]:
+        """The complete recipe with defaults filled in, as plain data (written to run.yaml)."""
+        return to_plain(self.recipe)
+
+    def origin(self, dotted: str) -> str:
+        return self.provenance.get(dotted, "default")
+
+
+def recipes_root() -> Path:
+    return Path(str(resources.files("megalaunch") / "recipes"))
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """'group/name' -> file, for every shipped recipe."""
+    root = recipes_root()
+    out = {}
+    for group in RECIPE_GROUPS:
+        for p in sorted((root / group).glob("*.yaml")):
+            out[f"{group}/{p.stem}"] = p
+    return out
+
+
+def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
+    """A file path (absolute, or relative to the including file / cwd) or a shipped name
+    ('train/tiny', or just 'tiny' for a training recipe)."""
+    candidates = []
+    p = Path(ref).expanduser()
+    if relative_to is not None and not p.is_absolute():
+        candidates.append(relative_to / p)
+    candidates.append(p)
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+        if c.suffix == "" and c.with_suffix(".yaml").is_file():
+            return c.with_suffix(".yaml").resolve()
+    shipped = shipped_recipes()
+    name = ref[:-5] if ref.endswith(".yaml") else ref
+    for key in (name, f"train/{name}"):
+        if key in shipped:
+            return shipped[key]
+    raise ConfigError(f"recipe '{ref}' not found{did_you_mean(name, shipped)}",
+                      valid="a YAML file path or a shipped recipe (see `megalaunch recipes list`)")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read recipe {path}: {e.strerror}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _display(path: Path) -> str:
+    root = recipes_root()
+    try:
+        return "recipes/" + str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any], source: str, prov: dict[str, str], prefix: str = "") -> None:
+    for key, value in src.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value, source, prov, dotted + ".")
+        else:
+            # a replaced subtree forgets where its old leaves came from
+            for k in [k for k in prov if k.startswith(dotted + ".")]:
+                del prov[k]
+            dst[key] = copy.deepcopy(value)
+            _mark(value, source, prov, dotted)
+
+
+def _mark(value: Any, source: str, prov: dict[str, str], dotted: str) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _mark(v, source, prov, f"{dotted}.{k}")
+    else:
+        prov[dotted] = source
+
+
+def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...]) -> dict[str, Any]:
+    if path in stack:
+        chain = " -> ".join(_display(p) for p in (*stack, path))
+        raise ConfigError(f"include cycle: {chain}", field="include", fix="remove one of the includes")
+    if len(stack) > _MAX_INCLUDE_DEPTH:
+        raise ConfigError("includes nest too deeply", field="include")
+    data = _read_yaml(path)
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{_display(path)}: include")
+    merged: dict[str, Any] = {}
+    for inc in includes:
+        sub = _load_tree(find_recipe(inc, path.parent), prov, (*stack, path))
+        _merge(merged, sub, _display(find_recipe(inc, path.parent)), prov)
+    _merge(merged, data, _display(path), prov)
+    return merged
+
+
+def parse_set(expr: str) -> tuple[list[str], Any]:
+    """'a.b=c' -> (['a','b'], value). Values are YAML: numbers, true/false, null, [lists], {maps}."""
+    if "=" not in expr:
+        raise ConfigError(f"--set {expr!r} is not KEY=VALUE", fix="e.g. --set training.lr=3e-4")
+    key, text = expr.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {expr!r}: empty key", fix="e.g. --set training.lr=3e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text  # not YAML: take it as a plain string
+    return key.split("."), value
+
+
+def _check_path(parts: list[str]) -> None:
+    """Reject `--set` keys that name no schema field, with a did-you-mean at the failing level."""
+    cls: Any = Recipe
+    for i, part in enumerate(parts):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return  # inside a free-form mapping (env, megatron_args, ...)
+        hints = get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            dotted = ".".join(parts[: i + 1])
+            raise ConfigError(f"unknown key{did_you_mean(part, names)}", field=f"--set {dotted}",
+                              valid=", ".join(sorted(names)))
+        tp = hints[part]
+        cls = tp if dataclasses.is_dataclass(tp) else None
+
+
+def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str]) -> None:
+    for expr in sets:
+        parts, value = parse_set(expr)
+        _check_path(parts)
+        node = tree
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        _merge(node, {parts[-1]: value}, "--set", prov, ".".join(parts[:-1]) + "." if len(parts) > 1 else "")
+
+
+def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> LoadedRecipe:
+    """Load, compose, override and type-check a recipe. Raises ConfigError (one line) on any problem."""
+    path = find_recipe(ref)
+    prov: dict[str, str] = {}
+    tree = _load_tree(path, prov, ())
+    apply_sets(tree, list(sets), prov)
+    if name is not None:
+        _merge(tree, {"name": name}, "--name", prov)
+    recipe = build(Recipe, tree)
+    return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref)
+
+
+def load_resolved(data: dict[str, Any]) -> Recipe:
+    """Re-type a resolved recipe (run.yaml) inside the job."""
+    return build(Recipe, data)

@@ -1,0 +1,106 @@
+"""Recipe -> Megatron command-line arguments (written one per line into RUN/megatron.args).
+
+Schema fields map one-to-one to Megatron flags (`num_layers` -> `--num-layers`); booleans are bare
+flags when true and omitted when false; `megatron_args` passthrough comes last, so it wins."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from megalaunch.config.schema import Recipe
+from megalaunch.runtime.paths import RunPaths
+
+# Fields that are megalaunch's own, not Megatron flags.
+_NOT_MEGATRON = {
+    "make_vocab_size_divisible_by": False,  # passed, but only when set (it is a Megatron flag)
+}
+_TRAINING_OWN = {"precision", "attention", "log_interval", "eval_interval", "eval_iters"}
+_CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
+                   "async_save"}
+_PARALLEL_OWN: set[str] = set()
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _emit(out: list[str], name: str, value: Any) -> None:
+    if value is None or value is False:
+        return
+    if value is True:
+        out.append(flag(name))
+    elif isinstance(value, (list, tuple)):
+        out.append(flag(name))
+        out.extend(str(v) for v in value)
+    else:
+        out.extend([flag(name), str(value)])
+
+
+def _section(out: list[str], section: Any, skip: set[str]) -> None:
+    for f in fields(section):
+        if f.name not in skip:
+            _emit(out, f.name, getattr(section, f.name))
+
+
+def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
+    """The full Megatron argument list for this recipe and run directory."""
+    out: list[str] = []
+    m = recipe.model
+    _section(out, m, {"num_experts", "moe_router_topk", "use_rope_scaling"})
+    if m.use_rope_scaling:
+        out.append("--use-rope-scaling")
+    if m.num_query_groups is not None:
+        out.append("--group-query-attention")
+    if m.num_experts:
+        _emit(out, "num_experts", m.num_experts)
+        _emit(out, "moe_router_topk", m.moe_router_topk)
+
+    _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size"})
+    vpp = recipe.parallel.virtual_pipeline_model_parallel_size
+    if vpp:
+        layers_per_chunk = m.num_layers // (recipe.parallel.pipeline_model_parallel_size * vpp)
+        _emit(out, "num_layers_per_virtual_pipeline_stage", layers_per_chunk)
+
+    t = recipe.training
+    _section(out, t, _TRAINING_OWN | {"lr_decay_iters", "transformer_impl"})
+    _emit(out, "lr_decay_iters", t.lr_decay_iters or t.train_iters)
+    _emit(out, "transformer_impl", t.transformer_impl)
+    if t.precision != "fp32":
+        out.append(flag(t.precision))
+    _emit(out, "log_interval", t.log_interval)
+    _emit(out, "eval_interval", t.eval_interval)
+    _emit(out, "eval_iters", t.eval_iters)
+    if t.transformer_impl == "local":
+        # Megatron's fused paths need apex/TE; the local implementation needs them off (FACTS.md).
+        out += ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
+
+    c = recipe.checkpoint
+    out += ["--save", str(paths.checkpoints), "--load", str(paths.checkpoints)]
+    _section(out, c, _CHECKPOINT_OWN)
+    if c.async_save:
+        out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+
+    d = recipe.data
+    if d.mock:
+        out.append("--mock-data")
+    else:
+        out += ["--data-args-path", str(paths.data_blend)]
+    out += ["--split", d.split, "--tokenizer-type", d.tokenizer_type, "--num-workers", str(d.num_workers)]
+    _emit(out, "tokenizer_model", d.tokenizer_model)
+    _emit(out, "vocab_size", d.vocab_size)
+
+    out += ["--exit-signal-handler", "--exit-signal", recipe.chain.stop_signal]
+    for key, value in recipe.megatron_args.items():
+        _emit(out, key, value)
+    return out
+
+
+def render_args_file(args: list[str]) -> str:
+    """One token per line: values with spaces survive, and the file is diffable."""
+    return "\n".join(args) + "\n"
+
+
+def read_args_file(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line != ""]

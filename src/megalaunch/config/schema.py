@@ -1,0 +1,280 @@
+"""The recipe schema. Field names follow Megatron's argument names (`num_layers` -> `--num-layers`),
+so a recipe reads like the Megatron command line it becomes. Each section is a frozen, keyword-only
+dataclass; each component receives only its own slice."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megalaunch.config.typed import doc
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$|^(\d+)$")
+
+
+def parse_time_limit(text: str) -> int:
+    """Slurm time ("D-HH:MM:SS", "HH:MM:SS" or minutes) -> seconds."""
+    m = _TIME_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"time {text!r} is not D-HH:MM:SS, HH:MM:SS or minutes")
+    if m.group(5) is not None:
+        return int(m.group(5)) * 60
+    days = int(m.group(1) or 0)
+    return days * 86400 + int(m.group(2)) * 3600 + int(m.group(3)) * 60 + int(m.group(4))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Model shape, in Megatron's terms."""
+
+    num_layers: int = doc("transformer layers (--num-layers)")
+    hidden_size: int = doc("model width (--hidden-size)")
+    num_attention_heads: int = doc("attention heads (--num-attention-heads)")
+    ffn_hidden_size: int | None = doc("MLP width; Megatron's default is 4 x hidden", None)
+    num_query_groups: int | None = doc("KV heads for grouped-query attention (--num-query-groups)", None)
+    seq_length: int = doc("training sequence length in tokens (--seq-length)", 2048)
+    max_position_embeddings: int = doc("positions the model supports (>= seq_length)", 2048)
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = doc("position encoding", "rope")
+    rotary_base: int = doc("RoPE theta (--rotary-base)", 10000)
+    rotary_percent: float = doc("fraction of head dim rotated", 1.0)
+    use_rope_scaling: bool = doc("Llama 3.1 RoPE frequency scaling", False)
+    normalization: Literal["RMSNorm", "LayerNorm"] = doc("norm layer (--normalization)", "RMSNorm")
+    norm_epsilon: float = doc("norm epsilon", 1e-5)
+    swiglu: bool = doc("gated SiLU MLP as in Llama (--swiglu)", True)
+    disable_bias_linear: bool = doc("no biases in linear layers (--disable-bias-linear)", True)
+    add_qkv_bias: bool = doc("bias on QKV only, as in Qwen2 (--add-qkv-bias)", False)
+    untie_embeddings_and_output_weights: bool = doc("separate output layer", True)
+    attention_dropout: float = doc("dropout on attention probabilities", 0.0)
+    hidden_dropout: float = doc("dropout on hidden states", 0.0)
+    num_experts: int | None = doc("MoE experts (--num-experts); null for dense", None)
+    moe_router_topk: int = doc("experts per token", 2)
+    make_vocab_size_divisible_by: int = doc("pad the vocabulary to a multiple of this", 128)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the model is split. World size = nodes x tasks per node = TP x PP x CP x DP (DP derived)."""
+
+    tensor_model_parallel_size: int = doc("TP: tensor-parallel degree", 1)
+    pipeline_model_parallel_size: int = doc("PP: pipeline stages", 1)
+    virtual_pipeline_model_parallel_size: int | None = doc("VPP: interleaved chunks per stage", None)
+    context_parallel_size: int = doc("CP: context-parallel degree", 1)
+    expert_model_parallel_size: int = doc("EP: expert-parallel degree", 1)
+    sequence_parallel: bool = doc("sequence parallelism (needs TP > 1)", False)
+    use_distributed_optimizer: bool = doc("shard optimizer state over DP (ZeRO-1)", True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Batch, schedule and optimizer."""
+
+    micro_batch_size: int = doc("sequences per GPU per micro-step", 1)
+    global_batch_size: int = doc("sequences per optimizer step (must divide by micro x DP)", 8)
+    train_iters: int = doc("target iteration count; constant across the chain", 1000)
+    lr: float = doc("peak learning rate", 3e-4)
+    min_lr: float = doc("final learning rate", 3e-5)
+    lr_warmup_iters: int = doc("warm-up iterations", 0)
+    lr_decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = doc("decay", "cosine")
+    lr_decay_iters: int | None = doc("iterations of decay (default: train_iters)", None)
+    weight_decay: float = doc("AdamW weight decay", 0.1)
+    adam_beta1: float = doc("Adam beta1", 0.9)
+    adam_beta2: float = doc("Adam beta2", 0.95)
+    adam_eps: float = doc("Adam epsilon", 1e-8)
+    clip_grad: float = doc("gradient-norm clip", 1.0)
+    init_method_std: float = doc("weight init std", 0.02)
+    precision: Literal["bf16", "fp16", "fp32"] = doc("training precision", "bf16")
+    seed: int = doc("random seed", 1234)
+    log_interval: int = doc("iterations between log lines and progress.json", 10)
+    eval_interval: int = doc("iterations between evaluations", 1000)
+    eval_iters: int = doc("batches per evaluation (0 disables)", 0)
+    attention: Literal["local", "sdpa", "te"] = doc("attention kernel: local (Megatron), sdpa (torch), te", "local")
+    transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError("training.lr must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving, resuming and retention."""
+
+    save_interval: int = doc("iterations between regular checkpoints", 1000)
+    ckpt_format: Literal["torch_dist", "torch"] = doc("Megatron checkpoint format", "torch_dist")
+    async_save: bool = doc("asynchronous checkpoint writes", False)
+    keep_last: int = doc("regular checkpoints kept", 2)
+    milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
+    save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
+    load: str | None = doc("start from this checkpoint directory (first segment only)", None)
+    allow_blend_change: bool = doc("resume even if the data blend changed", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlendEntry:
+    path: str = doc("a dataset prefix (without .bin/.idx) or a directory of them")
+    weight: float | None = doc("sampling weight; default: token count", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    mock: bool = doc("synthetic data (Megatron's mock dataset); no files needed", False)
+    blend: list[BlendEntry] = doc("dataset prefixes or directories with optional weights", [])
+    split: str = doc("train/valid/test split", "100,0,0")
+    tokenizer_type: Literal["NullTokenizer", "HuggingFaceTokenizer"] = doc("tokenizer kind", "NullTokenizer")
+    tokenizer_model: str | None = doc("local tokenizer directory or tokenizer.json (HuggingFaceTokenizer)", None)
+    vocab_size: int | None = doc("vocabulary size (NullTokenizer)", None)
+    num_workers: int = doc("data-loader workers per rank", 2)
+
+    def __post_init__(self) -> None:
+        if not self.mock and not self.blend:
+            raise ValueError("data: set data.blend (dataset prefixes) or data.mock: true")
+        if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
+            raise ValueError("data.vocab_size is required with the NullTokenizer")
+        if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
+            raise ValueError("data.tokenizer_model is required with the HuggingFaceTokenizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerConfig:
+    """A container for the job's tasks (pyxis/enroot or a CSCS environment file)."""
+
+    kind: Literal["none", "pyxis", "cscs"] = doc("none, pyxis (--container-image) or cscs (--environment)", "none")
+    image: str | None = doc("pyxis: image (squashfs path or registry reference)", None)
+    mounts: list[str] = doc("pyxis: SRC:DST mounts", [])
+    workdir: str | None = doc("pyxis: working directory inside the container", None)
+    environment: str | None = doc("cscs: environment definition file (.toml) or name", None)
+
+    def __post_init__(self) -> None:
+        if self.kind == "pyxis" and not self.image:
+            raise ValueError("cluster.container.image is required when kind is pyxis")
+        if self.kind == "cscs" and not self.environment:
+            raise ValueError("cluster.container.environment is required when kind is cscs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where and how the job runs."""
+
+    backend: Literal["slurm", "local"] = doc("slurm (sbatch) or local (this machine)", "slurm")
+    nodes: int = doc("nodes per segment", 1)
+    gpus_per_node: int = doc("GPUs per node (0: CPU-only)", 8)
+    tasks_per_node: int | None = doc("tasks per node (default: gpus_per_node, or 1 on CPU)", None)
+    cpus_per_task: int = doc("CPU cores per task", 8)
+    mem: str | None = doc("memory per node (Slurm --mem, e.g. 0 for all or 200G)", None)
+    time: str = doc("time limit per segment (HH:MM:SS or D-HH:MM:SS)", "04:00:00")
+    partition: str | None = doc("Slurm partition", None)
+    account: str | None = doc("Slurm account", None)
+    qos: str | None = doc("Slurm QoS", None)
+    reservation: str | None = doc("Slurm reservation", None)
+    constraint: str | None = doc("Slurm node constraint", None)
+    exclusive: bool = doc("whole nodes (--exclusive)", False)
+    sbatch_extra: dict[str, str] = doc("extra #SBATCH options, name -> value (quoted)", {})
+    modules: list[str] = doc("environment modules to load", [])
+    venv: str | None = doc("Python virtual environment to activate", None)
+    env: dict[str, str] = doc("environment variables to export (values, never secrets)", {})
+    secret_env: list[str] = doc("names of variables taken from the submitting shell (W&B key...)", [])
+    container: ContainerConfig = doc("container settings", ContainerConfig())
+    python: str = doc("Python interpreter inside the job", "python3")
+    megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch")
+    master_port: int = doc("rendezvous port", 29500)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("cluster.nodes must be >= 1")
+        if self.gpus_per_node < 0:
+            raise ValueError("cluster.gpus_per_node must be >= 0")
+        if self.tasks_per_node is not None and self.tasks_per_node < 1:
+            raise ValueError("cluster.tasks_per_node must be >= 1")
+        parse_time_limit(self.time)
+        for name in list(self.env) + list(self.secret_env):
+            if not _ENV_RE.match(name):
+                raise ValueError(f"cluster.env: {name!r} is not a valid environment variable name")
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.tasks_per_node or max(self.gpus_per_node, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ntasks_per_node
+
+    @property
+    def time_limit_s(self) -> int:
+        return parse_time_limit(self.time)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainConfig:
+    """The self-requeuing chain and its guardrails."""
+
+    auto_requeue: bool = doc("each segment queues its successor (singleton dependency)", True)
+    max_segments_without_progress: int = doc("stop after K consecutive segments with no new checkpoint", 3)
+    stop_signal: Literal["SIGUSR1", "SIGUSR2"] = doc("signal Slurm sends before the time limit", "SIGUSR2")
+    signal_margin_s: int = doc("extra seconds of signal lead beyond save + step + Slurm's 30 s", 30)
+    step_time_estimate_s: float = doc("expected seconds per iteration", 10.0)
+    min_train_time_s: int = doc("least training time a segment must get after the lead", 60)
+    trigger_interval: int = doc("iterations between looks at the trigger directory", 1)
+    hang_timeout_s: float = doc("no progress for this long: dump stacks, outcome hung", 1800.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DebugConfig:
+    """Optional diagnostics."""
+
+    nccl_debug: bool = doc("NCCL_DEBUG=INFO into per-rank files under RUN/debug", False)
+    flight_recorder: bool = doc("PyTorch NCCL flight recorder dumps under RUN/debug", False)
+    nsys: bool = doc("profile with Nsight Systems", False)
+    nsys_start_offset: int = doc("nsys window: first iteration after the resume point", 10)
+    nsys_iters: int = doc("nsys window length in iterations", 5)
+    code_snapshot: str | None = doc("copy this source tree into RUN/code (fails loudly)", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    wandb_project: str | None = doc("Weights & Biases project (null: off)", None)
+    wandb_entity: str | None = doc("W&B entity", None)
+    wandb_mode: Literal["online", "offline"] = doc("offline when compute nodes have no network", "offline")
+    tensorboard: bool = doc("write TensorBoard logs under RUN/tensorboard", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    root: str = doc("directory under which run directories are created", "~/megalaunch-runs")
+    group: str | None = doc("Unix group that owns the run directory (team triggers)", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A complete training recipe."""
+
+    name: str = doc("experiment name (letters, digits, . _ -)")
+    description: str = doc("free text", "")
+    model: ModelConfig = doc("model shape")
+    parallel: ParallelConfig = doc("parallelism", ParallelConfig())
+    training: TrainingConfig = doc("batch, schedule, optimizer", TrainingConfig())
+    checkpoint: CheckpointConfig = doc("checkpointing", CheckpointConfig())
+    data: DataConfig = doc("data and tokenizer")
+    cluster: ClusterConfig = doc("cluster profile", ClusterConfig())
+    chain: ChainConfig = doc("chain and guardrails", ChainConfig())
+    debug: DebugConfig = doc("diagnostics", DebugConfig())
+    logging: LoggingConfig = doc("experiment tracking", LoggingConfig())
+    run: RunSection = doc("run directory", RunSection())
+    workload: list[str] | None = doc("a command to run instead of Megatron training (tests, demos)", None)
+    megatron_args: dict[str, Any] = doc("extra Megatron flags, name -> value (true: bare flag)", {})
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name {self.name!r} must be 1-64 letters, digits, '.', '_' or '-'")

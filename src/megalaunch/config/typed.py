@@ -1,0 +1,160 @@
+"""Build frozen dataclasses from plain dicts, strictly.
+
+Unknown keys are errors with a "did you mean"; values are checked against the annotated types with a
+small set of coercions users expect (`5e-4` written in YAML arrives as a string and is a float; an int
+is a valid float). Every error names the dotted field path. Fields document themselves through
+`field(metadata={"doc": ...})`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from megalaunch.errors import ConfigError
+
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field with a docstring (shown by `recipes show --explain` and in errors)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"doc": text}, **kw)
+    return dataclasses.field(default=default, metadata={"doc": text}, **kw)
+
+
+def did_you_mean(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return "mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check/convert `value` to type `tp`; raise ConfigError naming `path` otherwise."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"got {value!r} ({type(value).__name__})", field=path, valid=_type_name(tp))
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"got {value!r}{did_you_mean(str(value), map(str, get_args(tp)))}",
+                          field=path, valid=_type_name(tp))
+    if origin is list or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"expected a list, got {value!r}", field=path, valid=_type_name(tp))
+        (item_tp,) = get_args(tp)[:1]
+        return tuple(coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a mapping, got {value!r}", field=path, valid="mapping")
+        key_tp, val_tp = get_args(tp)
+        return {coerce(k, key_tp, path): coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"expected true or false, got {value!r}", field=path, valid="true | false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and float(value).is_integer():
+            return int(float(value))
+        raise ConfigError(f"expected an integer, got {value!r}", field=path, valid="integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)
+        raise ConfigError(f"expected a number, got {value!r}", field=path, valid="number (e.g. 3e-4)")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"expected a string, got {value!r}", field=path, valid="string")
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in the schema, not user error
+
+
+def build(cls: Any, data: Any, path: str = "") -> Any:
+    """Construct dataclass `cls` from mapping `data`, rejecting unknown keys and missing required ones."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping, got {data!r}", field=path or "<recipe>", valid="mapping")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown key{did_you_mean(str(key), fields)}", field=sub,
+                              valid=", ".join(sorted(fields)),
+                              fix="remove it, or pass Megatron flags the schema lacks under megatron_args")
+        kwargs[key] = coerce(value, hints[key], sub)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            sub = f"{path}.{name}" if path else name
+            raise ConfigError("is required but not set", field=sub, valid=_type_name(hints[name]),
+                              fix=f"add it to the recipe or pass --set {sub}=...")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # invariants checked in __post_init__
+        raise ConfigError(str(e), field=path or "<recipe>") from None
+
+
+def field_docs(cls: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted field path -> docstring, recursively."""
+    out = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        out[name] = f.metadata.get("doc", "")
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(field_docs(tp, name + "."))
+    return out
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclass -> nested dicts/lists (tuples become lists) for YAML/JSON."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,1 @@
+"""Login-node side: run directories, rendering, the Slurm client, backends, chain, status, triggers."""

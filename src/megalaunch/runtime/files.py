@@ -1,0 +1,74 @@
+"""Atomic file writes: state lives in plain files that are either old or new, never half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        else:  # mkstemp creates 0600; give the file the permissions the umask would have given
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike[str], data: Any, mode: int | None = None) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode)
+
+
+def read_json(path: str | os.PathLike[str]) -> Any | None:
+    """The parsed file, or None when it does not exist or is not (yet) valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write() on an O_APPEND descriptor (atomic for small lines)."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records; a torn last line (crash mid-write) is ignored."""
+    out: list[dict[str, Any]] = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out

@@ -1,0 +1,112 @@
+"""RunPaths owns every file name of a run directory (see DESIGN.md, "Run directory").
+
+Both the launcher (login node) and the runtime (inside the job) use it, so it lives here and
+imports nothing beyond the standard library."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TRIGGER_VERBS = ("save", "exit", "abort")
+# Megatron's tracker file name; the test workload writes the same one so the chain logic is uniform.
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @classmethod
+    def from_env(cls) -> RunPaths:
+        return cls(Path(os.environ["MEGALAUNCH_RUN_DIR"]))
+
+    @property
+    def run_yaml(self) -> Path:
+        return self.root / "run.yaml"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def runtime_json(self) -> Path:
+        """The runtime's slice of the recipe (intervals, target, signal), read inside the job."""
+        return self.root / "runtime.json"
+
+    @property
+    def data_blend(self) -> Path:
+        return self.root / "data_blend.txt"
+
+    @property
+    def megatron_args(self) -> Path:
+        return self.root / "megatron.args"
+
+    @property
+    def job_script(self) -> Path:
+        return self.root / "job.sbatch"
+
+    @property
+    def triggers(self) -> Path:
+        return self.root / "triggers"
+
+    @property
+    def consumed_triggers(self) -> Path:
+        return self.root / "triggers" / "consumed"
+
+    def trigger(self, verb: str) -> Path:
+        return self.triggers / verb
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tracker(self) -> Path:
+        return self.checkpoints / TRACKER_NAME
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def ledger(self) -> Path:
+        return self.state / "ledger.jsonl"
+
+    @property
+    def progress(self) -> Path:
+        return self.state / "progress.json"
+
+    @property
+    def outcome(self) -> Path:
+        return self.state / "outcome.json"
+
+    @property
+    def cancel_requested(self) -> Path:
+        return self.state / "cancel_requested"
+
+    @property
+    def debug(self) -> Path:
+        return self.root / "debug"
+
+    @property
+    def code_snapshot(self) -> Path:
+        return self.root / "code"
+
+    def read_tracker(self) -> int | None:
+        """Iteration of the newest complete checkpoint per the tracker, or None."""
+        try:
+            text = self.tracker.read_text().strip()
+        except FileNotFoundError:
+            return None
+        if text == "release":
+            return 0
+        try:
+            return int(text)
+        except ValueError:
+            return None

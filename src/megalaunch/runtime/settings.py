@@ -1,0 +1,30 @@
+"""The runtime's slice of the recipe, written by the launcher into RUN/runtime.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from megalaunch.runtime.paths import RunPaths
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSettings:
+    train_iters: int
+    save_interval: int
+    log_interval: int = 10
+    trigger_interval: int = 1
+    stop_signal: str = "SIGUSR2"
+    hang_timeout_s: float = 1800.0
+    keep_last: int = 2
+    milestone_interval: int = 0
+    step_time_s: float = 0.0  # used only by the test workload to pace itself
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def load(cls, paths: RunPaths) -> RuntimeSettings:
+        data = json.loads(paths.runtime_json.read_text())
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})

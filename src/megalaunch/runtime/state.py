@@ -1,0 +1,52 @@
+"""Progress and outcome files written by rank 0 (DESIGN.md, "Run directory")."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from megalaunch.runtime.files import atomic_write_json, read_json
+from megalaunch.runtime.paths import RunPaths
+
+OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "hung")
+
+
+def current_job_id() -> str | None:
+    return os.environ.get("MEGALAUNCH_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+
+
+def write_progress(paths: RunPaths, *, iteration: int, consumed_samples: int | None = None,
+                   loss: float | None = None, tokens_per_s: float | None = None,
+                   tflops_per_gpu: float | None = None, **extra: Any) -> None:
+    atomic_write_json(paths.progress, {
+        "iteration": iteration, "consumed_samples": consumed_samples, "loss": loss,
+        "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops_per_gpu, "time": time.time(),
+        "job_id": current_job_id(), **extra,
+    })
+
+
+def read_progress(paths: RunPaths) -> dict[str, Any] | None:
+    return read_json(paths.progress)
+
+
+def write_outcome(paths: RunPaths, status: str, *, iteration: int | None = None,
+                  reason: str | None = None, kind: str | None = None, **extra: Any) -> None:
+    """The trainer's verdict at exit. `kind="config"` marks a failure that no retry can fix."""
+    if status not in OUTCOMES:
+        raise ValueError(f"outcome {status!r} is not one of {OUTCOMES}")
+    atomic_write_json(paths.outcome, {
+        "status": status, "iteration": iteration, "reason": reason, "kind": kind,
+        "job_id": current_job_id(), "time": time.time(), **extra,
+    })
+
+
+def read_outcome(paths: RunPaths, job_id: str | None = None) -> dict[str, Any] | None:
+    """The outcome file, only if it was written by `job_id` (a stale one from an earlier segment
+    says nothing about this one)."""
+    data = read_json(paths.outcome)
+    if not isinstance(data, dict):
+        return None
+    if job_id is not None and str(data.get("job_id")) != str(job_id):
+        return None
+    return data

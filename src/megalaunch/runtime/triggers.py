@@ -1,0 +1,106 @@
+"""Trigger files, the job's side: look (cheaply), decide, consume with an audit record.
+
+A trigger is `RUN/triggers/<verb>` holding JSON (who, uid, host, when, reason). Rank 0 looks once
+every `trigger_interval` steps with one directory listing, folds the result with the signal flag into
+one integer, and the caller makes every rank agree with a collective. Consuming moves the file to
+`triggers/consumed/` with the iteration and time it took effect."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from megalaunch.runtime.paths import TRIGGER_VERBS, RunPaths
+
+
+class Decision(enum.IntEnum):
+    """Ordered by severity, so a MAX all-reduce over ranks picks the strongest request."""
+
+    CONTINUE = 0
+    SAVE = 1  # checkpoint, keep training
+    SIGNAL = 2  # checkpoint, exit; the chain continues (outcome `saved`)
+    EXIT = 3  # checkpoint, exit; the chain ends (outcome `exited`)
+    ABORT = 4  # exit now without saving; the chain ends (outcome `aborted`)
+
+
+VERB_DECISION = {"save": Decision.SAVE, "exit": Decision.EXIT, "abort": Decision.ABORT}
+
+
+def pending_triggers(paths: RunPaths) -> list[str]:
+    """Verbs whose trigger file exists (one listing of one directory)."""
+    try:
+        names = os.listdir(paths.triggers)
+    except FileNotFoundError:
+        return []
+    return [v for v in TRIGGER_VERBS if v in names]
+
+
+def decide(paths: RunPaths | None, signal_received: bool) -> Decision:
+    """Rank 0's local decision: the strongest pending trigger, or the signal."""
+    d = Decision.SIGNAL if signal_received else Decision.CONTINUE
+    if paths is not None:
+        for verb in pending_triggers(paths):
+            d = max(d, VERB_DECISION[verb])
+    return d
+
+
+def read_trigger(paths: RunPaths, verb: str) -> dict[str, Any]:
+    try:
+        data = json.loads(paths.trigger(verb).read_text() or "{}")
+        return data if isinstance(data, dict) else {}
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def consume(paths: RunPaths, verb: str, iteration: int | None, job_id: str | None = None) -> dict[str, Any] | None:
+    """Move the trigger to triggers/consumed/ with when it took effect; returns the audit record,
+    or None if it was already gone (consumed by someone else)."""
+    record = read_trigger(paths, verb)
+    src = paths.trigger(verb)
+    if not src.exists():
+        return None
+    record.update({
+        "verb": verb,
+        "consumed_at": time.time(),
+        "consumed_iteration": iteration,
+        "consumed_by_job": job_id,
+        "consumed_on": socket.gethostname(),
+    })
+    paths.consumed_triggers.mkdir(exist_ok=True)
+    dst = paths.consumed_triggers / f"{time.strftime('%Y%m%dT%H%M%S')}-{verb}-{os.getpid()}.json"
+    tmp = dst.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, dst)
+    try:
+        os.unlink(src)
+    except FileNotFoundError:
+        return None
+    return record
+
+
+def consume_for(paths: RunPaths, decision: Decision, iteration: int | None,
+                job_id: str | None = None) -> list[dict[str, Any]]:
+    """Consume every trigger the decision acted on (an exit also satisfies a pending save)."""
+    verbs = {Decision.SAVE: ["save"], Decision.EXIT: ["save", "exit"],
+             Decision.ABORT: ["save", "exit", "abort"]}.get(decision, [])
+    out = []
+    for verb in verbs:
+        rec = consume(paths, verb, iteration, job_id)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def consumed_records(paths: RunPaths) -> list[dict[str, Any]]:
+    out = []
+    for p in sorted(Path(paths.consumed_triggers).glob("*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (json.JSONDecodeError, OSError):
+            continue
+    return out
