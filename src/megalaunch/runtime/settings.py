@@ -18,7 +18,6 @@ class RuntimeSettings:
     hang_timeout_s: float = 1800.0
     keep_last: int = 2
     milestone_interval: int = 0
-    step_time_s: float = 0.0  # used only by the test workload to pace itself
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,47 @@
+"""`megalaunch job begin|end RUN`: run by the job script at the start and end of every segment."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def _chain(run: str):  # noqa: ANN202
+    from megalaunch.launcher.chain import Chain, SlurmScheduler
+    from megalaunch.runtime.paths import RunPaths
+
+    return Chain(RunPaths(__import__("pathlib").Path(run).absolute()), SlurmScheduler())
+
+
+def _job_id() -> str:
+    from megalaunch.errors import MegalaunchError
+    from megalaunch.runtime.state import current_job_id
+
+    jid = current_job_id()
+    if not jid:
+        raise MegalaunchError("no SLURM_JOB_ID in the environment: `job begin/end` run inside a job",
+                              fix="this command is called by the job script, not by hand")
+    return jid
+
+
+@app.command()
+def begin(run: Annotated[str, typer.Argument(help="Run directory.")]) -> None:
+    """Segment start: ledger, guardrails, pending exit/abort, successor. Exit 100: do not train."""
+    from megalaunch.launcher.chain import STOP_EXIT_CODE
+
+    verdict = _chain(run).begin(_job_id())
+    if not verdict.proceed:
+        sys.exit(STOP_EXIT_CODE)
+
+
+@app.command()
+def end(
+    run: Annotated[str, typer.Argument(help="Run directory.")],
+    exit_code: Annotated[int | None, typer.Option("--exit-code", help="The training step's exit status.")] = None,
+) -> None:
+    """Segment end: read the outcome and stop or continue the chain."""
+    _chain(run).end(_job_id(), exit_code)

@@ -1,0 +1,84 @@
+"""The `megalaunch` command. One error boundary: a MegalaunchError prints one line and exits
+non-zero; `--debug` shows the traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from megalaunch import __version__
+import importlib
+import importlib.util
+
+from megalaunch.cli import job, recipes, run
+from megalaunch.errors import MegalaunchError
+
+app = typer.Typer(
+    name="megalaunch",
+    help="Launch and babysit Megatron-core training chains on Slurm clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+run.register(app)
+app.add_typer(recipes.app, name="recipes", help="List, show and validate recipes.")
+app.add_typer(job.app, name="job", help="Called by the job script inside each segment (not by hand).")
+for _name, _help in (("tokenize", "Tokenize raw text into Megatron .bin/.idx with datatrove."),
+                     ("data", "Check datasets, build data blends and mixtures."),
+                     ("convert", "Convert checkpoints between Hugging Face and Megatron-core.")):
+    if importlib.util.find_spec(f"megalaunch.cli.{_name}") is not None:
+        app.add_typer(importlib.import_module(f"megalaunch.cli.{_name}").app, name=_name, help=_help)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"megalaunch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    if debug:
+        os.environ["MEGALAUNCH_DEBUG"] = "1"
+
+
+def main(argv: list[str] | None = None) -> None:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("MEGALAUNCH_DEBUG") == "1"
+    try:
+        app(args=argv, standalone_mode=False)
+    except MegalaunchError as e:
+        if debug:
+            raise
+        print(f"megalaunch: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("megalaunch: aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("megalaunch: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if debug:
+            raise
+        print(f"megalaunch: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""`megalaunch recipes list|show|validate`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from megalaunch.cli.output import say
+
+app = typer.Typer(no_args_is_help=True)
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a value.")]
+
+
+@app.command("list")
+def list_() -> None:
+    """Shipped recipes, by group."""
+    from megalaunch.config.loader import shipped_recipes
+
+    group = None
+    for key, path in shipped_recipes().items():
+        g, name = key.split("/", 1)
+        if g != group:
+            say(f"{g}/")
+            group = g
+        first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        say(f"  {name:<22} {first}")
+
+
+@app.command()
+def show(
+    recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name.")],
+    set_: SetOpt = None,
+    explain: Annotated[bool, typer.Option("--explain", help="Say which file or flag set each value.")] = False,
+) -> None:
+    """Print a recipe fully resolved (with defaults)."""
+    from megalaunch.config.loader import find_recipe, load_recipe
+
+    if not explain and set_ is None and find_recipe(recipe).parent.name in ("models", "clusters", "training"):
+        say(find_recipe(recipe).read_text().rstrip())  # a fragment: show it as written
+        return
+    from megalaunch.launcher.explain import yaml_with_origins
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    origin = loaded.origin if explain else (lambda _: "default")
+    say(yaml_with_origins(loaded.resolved(), origin).rstrip())
+
+
+@app.command()
+def validate(
+    recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name.")],
+    set_: SetOpt = None,
+) -> None:
+    """Run every check `submit` runs (schema and preflight) without writing anything."""
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.preflight import preflight, signal_lead_s
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    topo, blend = preflight(loaded.recipe)
+    say(f"ok: {loaded.recipe.name}: world {topo.world_size} = TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x "
+        f"DP {topo.dp}, {topo.num_microbatches} micro-batches per step, signal lead "
+        f"{signal_lead_s(loaded.recipe)} s" + (f", data blend {blend.sha256[:12]}" if blend else ""))

@@ -1,0 +1,227 @@
+"""Commands on runs: submit, status, logs, trigger, cancel, resume."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from megalaunch.cli.output import emit_json, say
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE",
+                                                  help="Override a recipe value, e.g. training.lr=3e-4 (repeatable).")]
+
+
+class Backend(str, Enum):
+    slurm = "slurm"
+    local = "local"
+
+
+class Verb(str, Enum):
+    save = "save"
+    exit = "exit"
+    abort = "abort"
+
+
+def submit(
+    recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name (see `megalaunch recipes list`).")],
+    set_: SetOpt = None,
+    name: Annotated[str | None, typer.Option("--name", help="Experiment name (default: the recipe's).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and render; write and submit nothing.")] = False,
+    backend: Annotated[Backend | None, typer.Option("--backend", help="Override cluster.backend.")] = None,
+    no_auto_requeue: Annotated[bool, typer.Option("--no-auto-requeue", help="Run one segment, no successor.")] = False,
+) -> None:
+    """Validate a recipe, create the run directory and start the chain."""
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.launcher.rundir import prepare_run
+
+    sets = list(set_ or [])
+    if backend is not None:
+        sets.append(f"cluster.backend={backend.value}")
+    if no_auto_requeue:
+        sets.append("chain.auto_requeue=false")
+    loaded = load_recipe(recipe, sets, name=name)
+    prepared = prepare_run(loaded)
+    r = prepared.recipe
+    topo = prepared.topology
+    summary = (f"{r.name}: {r.model.num_layers} layers x {r.model.hidden_size} hidden, world {topo.world_size} "
+               f"= TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x DP {topo.dp}, "
+               f"{r.training.global_batch_size} seqs x {r.model.seq_length} tokens per step, "
+               f"{r.training.train_iters} iterations, backend {r.cluster.backend}")
+    if dry_run:
+        say(f"dry run: {summary}")
+        say(f"would create {prepared.paths.root}")
+        for rel, content in prepared.files.items():
+            if rel in ("job.sbatch", "megatron.args"):
+                say(f"----- {rel} -----")
+                say(content.rstrip("\n"))
+        say("nothing written, nothing submitted")
+        return
+    if r.cluster.backend == "slurm":
+        from megalaunch.launcher.control import submit_slurm
+
+        paths, job_id = submit_slurm(prepared)
+        say(summary)
+        say(f"run directory: {paths.root}")
+        say(f"submitted job {job_id} (chain {prepared.chain_name}; each segment queues its successor)")
+        say("next:")
+        say(f"  megalaunch status {paths.root}")
+        say(f"  megalaunch logs {paths.root} -f")
+        say(f"  megalaunch trigger save|exit|abort {paths.root} --reason '...'")
+        say(f"  megalaunch cancel {paths.root}")
+        return
+    from megalaunch.launcher.local import run_local_chain
+    from megalaunch.launcher.registry import register
+    from megalaunch.launcher.rundir import write_run
+
+    paths = write_run(prepared)
+    register(paths.root)
+    say(summary)
+    say(f"run directory: {paths.root}")
+    say("running the chain on this machine (Ctrl-C stops it; `megalaunch resume` continues it)")
+    verdict = run_local_chain(paths, r, prepared.chain_name, echo=say)
+    say(f"done: {verdict.reason}")
+    say(f"  megalaunch status {paths.root}")
+
+
+def status(
+    run: Annotated[str | None, typer.Argument(help="Run directory or name; none: all of your runs.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    watch: Annotated[float | None, typer.Option("--watch", help="Refresh every N seconds (Ctrl-C to stop).")] = None,
+) -> None:
+    """Show a run's chain (segments, iteration, checkpoint, triggers, guard) or all of your runs."""
+    from megalaunch.launcher.control import find_run
+    from megalaunch.launcher.registry import registered_runs
+    from megalaunch.launcher.status import all_runs_status, format_run_status, run_status
+    from megalaunch.runtime.paths import RunPaths
+
+    def once() -> None:
+        if run is not None:
+            st = run_status(find_run(run))
+            emit_json(st) if as_json else say(format_run_status(st))
+            return
+        rows = all_runs_status([RunPaths(p) for p in registered_runs()])
+        if as_json:
+            emit_json(rows)
+            return
+        if not rows:
+            say("no runs yet: megalaunch submit RECIPE")
+        for row in rows:
+            it = row["iteration"] if row["iteration"] is not None else "-"
+            say(f"{row['chain_name']:<32} {row['state']:<8} iter {it}/{row['target']}  "
+                f"jobs {','.join(row['jobs']) or '-'}  {row['run_dir']}"
+                + (f"  ({row['stop_reason']})" if row["stop_reason"] else ""))
+        if rows and rows[0]["slurm_error"]:
+            say(f"slurm: {rows[0]['slurm_error']}")
+
+    if watch is None:
+        once()
+        return
+    try:
+        while True:
+            print("\033[2J\033[H", end="")
+            once()
+            time.sleep(max(watch, 1.0))
+    except KeyboardInterrupt:
+        pass
+
+
+def logs(
+    run: Annotated[str, typer.Argument(help="Run directory or name.")],
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows.")] = False,
+    segment: Annotated[int | None, typer.Option("--segment", help="Segment number (1 = first); default: newest.")] = None,
+) -> None:
+    """Print a segment's log."""
+    from megalaunch.errors import RunDirError
+    from megalaunch.launcher.control import find_run
+
+    paths = find_run(run)
+    files = sorted(paths.logs.glob("*.out"), key=lambda p: p.stat().st_mtime)
+    from megalaunch.launcher.ledger import Ledger
+
+    order = [s.job_id for s in Ledger(paths).segments() if s.started is not None or s.ended is not None]
+    by_job = {f.stem.rsplit("-", 1)[-1] if not f.stem.endswith(tuple(order)) else _job_of(f, order): f for f in files}
+    ordered = [by_job[j] for j in order if j in by_job] or files
+    if not ordered:
+        raise RunDirError(f"no logs yet in {paths.logs}", fix=f"megalaunch status {paths.root}")
+    if segment is not None:
+        if not 1 <= segment <= len(ordered):
+            raise RunDirError(f"segment {segment} does not exist", field="--segment", valid=f"1..{len(ordered)}")
+        path = ordered[segment - 1]
+    else:
+        path = ordered[-1]
+    _print_file(path, follow)
+
+
+def _job_of(f: Path, order: list[str]) -> str:
+    return next(j for j in order if f.stem.endswith(j))
+
+
+def _print_file(path: Path, follow: bool) -> None:
+    import sys
+
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(65536)
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                continue
+            if not follow:
+                return
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                return
+
+
+def trigger(
+    verb: Annotated[Verb, typer.Argument(help="save: checkpoint and continue; exit: save and stop the chain; "
+                                              "abort: stop now without saving.")],
+    run: Annotated[str, typer.Argument(help="Run directory or name.")],
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
+) -> None:
+    """Ask a running job to save, exit or abort (any member of the run's group may)."""
+    from megalaunch.launcher.control import find_run, write_trigger
+
+    paths = find_run(run)
+    path = write_trigger(paths, verb.value, reason)
+    say(f"trigger '{verb.value}' written: {path}")
+    say(f"the job acts on it within chain.trigger_interval iterations; check: megalaunch status {paths.root}")
+
+
+def cancel(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
+    """Cancel the run's running and queued segments (by job id) and stop the chain."""
+    from megalaunch.launcher.control import cancel_run, find_run
+
+    paths = find_run(run)
+    ids = cancel_run(paths)
+    say(f"cancelled {', '.join(ids) if ids else 'nothing (no job of this run was queued or running)'}")
+    say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
+
+
+def resume(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
+    """Restart a stopped chain from its last checkpoint."""
+    from megalaunch.launcher.chain import load_run_recipe
+    from megalaunch.launcher.control import find_run, resume_run
+    from megalaunch.launcher.ledger import Ledger
+
+    paths = find_run(run)
+    recipe = load_run_recipe(paths)
+    if recipe.cluster.backend == "local":
+        from megalaunch.launcher.local import run_local_chain
+
+        Ledger(paths).append("chain_resumed")
+        verdict = run_local_chain(paths, recipe, paths.root.name, echo=say)
+        say(f"done: {verdict.reason}")
+        return
+    job_id = resume_run(paths)
+    say(f"submitted job {job_id}; megalaunch status {paths.root}")
+
+
+def register(app: typer.Typer) -> None:
+    for fn in (submit, status, logs, trigger, cancel, resume):
+        app.command()(fn)

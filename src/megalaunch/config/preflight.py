@@ -1,0 +1,238 @@
+"""Checks that run before anything is written or submitted. Each failure is one PreflightError
+naming the field, what is valid and the fix (DESIGN.md, "preflight")."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megalaunch.config.schema import Recipe
+from megalaunch.config.typed import to_plain
+from megalaunch.errors import PreflightError
+
+SLURM_CHECK_PERIOD_S = 30  # slurmctld looks at time limits and --signal warnings every 30 s
+
+# Values that look like credentials. A recipe names secret variables (cluster.secret_env); it never holds one.
+_SECRET_VALUE_RES = [
+    re.compile(r"^hf_[A-Za-z0-9]{20,}$"),  # Hugging Face token
+    re.compile(r"^(sk|pk)-[A-Za-z0-9_-]{20,}$"),  # OpenAI-style keys
+    re.compile(r"^gh[pousr]_[A-Za-z0-9]{20,}$"),  # GitHub tokens
+    re.compile(r"^xox[abprs]-[A-Za-z0-9-]{10,}$"),  # Slack
+    re.compile(r"^AKIA[0-9A-Z]{16}$"),  # AWS access key id
+    re.compile(r"^[0-9a-f]{40}$"),  # W&B API key (40 hex)
+    re.compile(r"^(local|wandb)-[0-9a-f]{40}$"),
+]
+_SECRET_NAME_RE = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    num_microbatches: int
+
+
+def signal_lead_s(recipe: Recipe) -> int:
+    """Seconds before the limit at which Slurm should signal: one save, one step, Slurm's check
+    period (the signal can come that much late) and a margin."""
+    c = recipe.chain
+    return math.ceil(recipe.checkpoint.save_time_estimate_s + c.step_time_estimate_s
+                     + check_period_s(recipe) + c.signal_margin_s)
+
+
+def check_period_s(recipe: Recipe) -> int:
+    """How late the signal may come: Slurm checks every 30 s; the local backend's timer is exact."""
+    return SLURM_CHECK_PERIOD_S if recipe.cluster.backend == "slurm" else 0
+
+
+def topology(recipe: Recipe) -> Topology:
+    p, t, cl = recipe.parallel, recipe.training, recipe.cluster
+    world = cl.world_size
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    if world % mp:
+        raise PreflightError(
+            f"world size {world} (nodes {cl.nodes} x tasks/node {cl.ntasks_per_node}) is not divisible by "
+            f"TP x PP x CP = {p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+            f"{p.context_parallel_size} = {mp}",
+            field="parallel", valid="nodes x tasks per node = TP x PP x CP x DP",
+            fix="change cluster.nodes/gpus_per_node or the parallel sizes")
+    dp = world // mp
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise PreflightError(
+            f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size x DP = "
+            f"{t.micro_batch_size} x {dp} = {per_step}",
+            field="training.global_batch_size", valid=f"a multiple of {per_step}",
+            fix=f"--set training.global_batch_size={max(per_step, t.global_batch_size // per_step * per_step)}")
+    return Topology(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                    p.context_parallel_size, dp, t.global_batch_size // per_step)
+
+
+def _require(ok: bool, field: str, message: str, valid: str, fix: str) -> None:
+    if not ok:
+        raise PreflightError(message, field=field, valid=valid, fix=fix)
+
+
+def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
+    m, p = recipe.model, recipe.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}", f"is {getattr(p, name)}", ">= 1",
+                 f"--set parallel.{name}=1")
+    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+             f"{m.hidden_size} is not divisible by num_attention_heads {m.num_attention_heads}",
+             "a multiple of the head count", "fix the model shape")
+    _require(m.num_attention_heads % tp == 0, "parallel.tensor_model_parallel_size",
+             f"TP {tp} does not divide num_attention_heads {m.num_attention_heads}",
+             "a divisor of the head count", "choose another TP")
+    groups = m.num_query_groups
+    if groups is not None:
+        _require(groups >= 1 and m.num_attention_heads % groups == 0, "model.num_query_groups",
+                 f"{groups} does not divide num_attention_heads {m.num_attention_heads}",
+                 "a divisor of the head count", "fix the model shape")
+        _require(groups % tp == 0, "parallel.tensor_model_parallel_size",
+                 f"TP {tp} does not divide num_query_groups {groups}",
+                 f"a divisor of {groups}", "choose a TP that divides the KV heads")
+    _require(m.num_layers % pp == 0, "parallel.pipeline_model_parallel_size",
+             f"PP {pp} does not divide num_layers {m.num_layers}", "a divisor of num_layers",
+             "choose another PP")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        _require(pp > 1, "parallel.virtual_pipeline_model_parallel_size",
+                 "interleaving needs pipeline_model_parallel_size > 1", "null when PP = 1",
+                 "--set parallel.virtual_pipeline_model_parallel_size=null")
+        _require(m.num_layers % (pp * vpp) == 0, "parallel.virtual_pipeline_model_parallel_size",
+                 f"num_layers {m.num_layers} is not divisible by PP x VPP = {pp * vpp}",
+                 "PP x VPP dividing num_layers", "choose another VPP")
+        _require(topo.num_microbatches % pp == 0, "training.global_batch_size",
+                 f"the interleaved schedule needs micro-batches per step ({topo.num_microbatches}) "
+                 f"divisible by PP {pp}", f"global batch = k x {pp} x micro x DP",
+                 "raise global_batch_size")
+    _require(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
+             "sequence parallelism needs tensor_model_parallel_size > 1", "false when TP = 1",
+             "--set parallel.sequence_parallel=false")
+    ep = p.expert_model_parallel_size
+    if ep > 1 or m.num_experts:
+        _require(bool(m.num_experts), "parallel.expert_model_parallel_size",
+                 f"EP {ep} needs an MoE model (model.num_experts)", "1 for dense models",
+                 "--set parallel.expert_model_parallel_size=1")
+        assert m.num_experts is not None
+        _require(m.num_experts % ep == 0, "parallel.expert_model_parallel_size",
+                 f"EP {ep} does not divide num_experts {m.num_experts}", "a divisor of num_experts",
+                 "choose another EP")
+        _require((topo.dp * topo.cp) % ep == 0, "parallel.expert_model_parallel_size",
+                 f"EP {ep} does not divide DP x CP = {topo.dp * topo.cp}", "a divisor of DP x CP",
+                 "choose another EP")
+    _require(m.seq_length <= m.max_position_embeddings, "model.seq_length",
+             f"{m.seq_length} exceeds max_position_embeddings {m.max_position_embeddings}",
+             f"<= {m.max_position_embeddings}", "lower seq_length or raise max_position_embeddings")
+    if topo.cp > 1:
+        _require(m.seq_length % (2 * topo.cp) == 0, "model.seq_length",
+                 f"{m.seq_length} is not divisible by 2 x CP = {2 * topo.cp}", "a multiple of 2 x CP",
+                 "choose another seq_length or CP")
+        _require(recipe.training.attention != "sdpa", "training.attention",
+                 "sdpa attention does not support context parallelism", "local or te with CP > 1",
+                 "--set training.attention=local")
+
+
+def check_cluster(recipe: Recipe) -> None:
+    cl, t = recipe.cluster, recipe.training
+    if cl.backend == "local":
+        _require(cl.nodes == 1, "cluster.nodes", f"the local backend runs on one node, not {cl.nodes}", "1",
+                 "--set cluster.nodes=1, or use --backend slurm")
+    if cl.gpus_per_node > 0 and cl.tasks_per_node is not None:
+        _require(cl.tasks_per_node == cl.gpus_per_node, "cluster.tasks_per_node",
+                 f"{cl.tasks_per_node} tasks for {cl.gpus_per_node} GPUs per node; megalaunch runs one task per GPU",
+                 f"{cl.gpus_per_node} (or unset)", "--set cluster.tasks_per_node=null")
+    if cl.gpus_per_node == 0:
+        _require(t.precision == "fp32", "training.precision",
+                 f"{t.precision} on a CPU-only job", "fp32 when gpus_per_node is 0", "--set training.precision=fp32")
+    lead = signal_lead_s(recipe)
+    period = check_period_s(recipe)
+    room = cl.time_limit_s - lead - period
+    _require(room >= recipe.chain.min_train_time_s, "cluster.time",
+             f"{cl.time} leaves {max(room, 0)} s of training after the {lead} s signal lead "
+             f"(save {recipe.checkpoint.save_time_estimate_s:g} s + step {recipe.chain.step_time_estimate_s:g} s "
+             f"+ check period {period} s + margin {recipe.chain.signal_margin_s} s, "
+             f"+ up to {period} s early)",
+             f"at least {lead + period + recipe.chain.min_train_time_s} s",
+             "raise cluster.time or lower checkpoint.save_time_estimate_s")
+    _require(recipe.chain.max_segments_without_progress >= 1, "chain.max_segments_without_progress",
+             "must be >= 1", ">= 1", "--set chain.max_segments_without_progress=3")
+    _require(recipe.chain.trigger_interval >= 1, "chain.trigger_interval", "must be >= 1", ">= 1",
+             "--set chain.trigger_interval=1")
+    _require(recipe.checkpoint.save_interval >= 1, "checkpoint.save_interval", "must be >= 1", ">= 1",
+             "--set checkpoint.save_interval=1000")
+
+
+def _walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def check_no_secrets(recipe: Recipe) -> None:
+    for path, value in _walk(to_plain(recipe)):
+        if not isinstance(value, str):
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        looks_secret = any(r.match(value.strip()) for r in _SECRET_VALUE_RES)
+        named_secret = _SECRET_NAME_RE.search(leaf) is not None and path.startswith(("cluster.env", "megatron_args"))
+        if looks_secret or (named_secret and value):
+            raise PreflightError("holds what looks like a secret value; recipes are copied into the run directory",
+                                 field=path, valid="the NAME of an environment variable in cluster.secret_env",
+                                 fix=f"remove the value and add '{leaf if named_secret else 'VAR_NAME'}' to "
+                                     "cluster.secret_env; export it in the shell you submit from")
+
+
+def check_files(recipe: Recipe) -> None:
+    d = recipe.data
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
+        _require(Path(d.tokenizer_model).expanduser().exists(), "data.tokenizer_model",
+                 f"{d.tokenizer_model} does not exist (model hubs are not reachable from compute nodes)",
+                 "a local tokenizer directory or tokenizer.json", "point it at a local copy")
+    if recipe.checkpoint.load:
+        _require(Path(recipe.checkpoint.load).expanduser().is_dir(), "checkpoint.load",
+                 f"{recipe.checkpoint.load} is not a directory", "a Megatron checkpoint directory",
+                 "fix the path or remove checkpoint.load")
+    if recipe.cluster.venv:
+        _require(Path(recipe.cluster.venv).expanduser().joinpath("bin", "activate").is_file(), "cluster.venv",
+                 f"{recipe.cluster.venv}/bin/activate does not exist", "a virtual environment directory",
+                 "create it or fix the path")
+
+
+def resolve_data_blend(recipe: Recipe) -> Any | None:
+    """The frozen blend (or None for mock data); raises PreflightError for missing .bin/.idx."""
+    if recipe.data.mock:
+        return None
+    from megalaunch.data.blend import resolve_blend
+
+    blend = resolve_blend([(os.path.expanduser(e.path), e.weight) for e in recipe.data.blend])
+    blend.check_files()
+    return blend
+
+
+def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
+    """Every check, in the order a user would want to hear about them. Returns the topology and
+    the resolved data blend."""
+    check_no_secrets(recipe)
+    check_cluster(recipe)
+    topo = topology(recipe)
+    check_model_parallel(recipe, topo)
+    check_files(recipe)
+    blend = resolve_data_blend(recipe)
+    return topo, blend

@@ -1,0 +1,204 @@
+"""The self-requeuing chain (DESIGN.md, "The chain"): what `megalaunch job begin` and `job end` decide.
+
+A segment's fate is read from state: outcome.json (written by the trainer, tagged with the job id),
+the checkpoint tracker and the ledger, never from the exit status alone. Both backends use this
+module; they differ only in how a successor is queued and a job cancelled (`Scheduler`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+import yaml
+
+from megalaunch.config.loader import load_resolved
+from megalaunch.config.schema import Recipe
+from megalaunch.errors import RunDirError
+from megalaunch.launcher.ledger import Ledger
+from megalaunch.runtime import triggers
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.state import read_outcome
+
+STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
+
+
+class Scheduler(Protocol):
+    def submit_successor(self, paths: RunPaths) -> str | None: ...
+    def cancel(self, job_ids: list[str]) -> None: ...
+    def state(self, job_id: str) -> str | None: ...
+
+
+class SlurmScheduler:
+    def __init__(self) -> None:
+        from megalaunch.launcher.slurm import SlurmClient
+
+        self.client = SlurmClient()
+
+    def submit_successor(self, paths: RunPaths) -> str | None:
+        return self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+
+    def cancel(self, job_ids: list[str]) -> None:
+        self.client.scancel(job_ids)
+
+    def state(self, job_id: str) -> str | None:
+        info = self.client.job_state(job_id)
+        return info.state if info else None
+
+
+class NoScheduler:
+    """The local backend: segments run in sequence in one process; nothing is queued."""
+
+    def submit_successor(self, paths: RunPaths) -> str | None:
+        return None
+
+    def cancel(self, job_ids: list[str]) -> None:
+        return None
+
+    def state(self, job_id: str) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    proceed: bool  # begin: train now / end: the chain goes on
+    reason: str
+
+
+def load_run_recipe(paths: RunPaths) -> Recipe:
+    try:
+        data = yaml.safe_load(paths.run_yaml.read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
+                          fix="pass the directory that `megalaunch submit` printed") from None
+    return load_resolved(data)
+
+
+def log(message: str) -> None:
+    print(f"megalaunch: {message}", file=sys.stderr, flush=True)
+
+
+class Chain:
+    def __init__(self, paths: RunPaths, scheduler: Scheduler, recipe: Recipe | None = None) -> None:
+        self.paths = paths
+        self.scheduler = scheduler
+        self.recipe = recipe or load_run_recipe(paths)
+        self.ledger = Ledger(paths)
+
+    # ----------------------------------------------------------------------------------- begin
+    def begin(self, job_id: str) -> Verdict:
+        """Run at the start of every segment, before training."""
+        self._account_for_vanished(job_id)
+        restart = os.environ.get("SLURM_RESTART_COUNT")
+        stopped = self.ledger.stopped()
+        if stopped is not None or self.paths.cancel_requested.exists():
+            reason = stopped["reason"] if stopped else "cancel requested"
+            self.ledger.append("skipped", job_id=job_id, reason=reason)
+            return Verdict(False, f"chain already stopped: {reason}")
+        iteration = self.paths.read_tracker()
+        pending = triggers.pending_triggers(self.paths)
+        for verb in ("abort", "exit"):
+            if verb in pending:
+                decision = triggers.VERB_DECISION[verb]
+                for rec in triggers.consume_for(self.paths, decision, iteration, job_id):
+                    self.ledger.append("trigger", job_id=job_id, verb=rec["verb"], iteration=iteration,
+                                       requested_by=rec.get("user"), reason=rec.get("reason"),
+                                       when="before training")
+                return self.stop(job_id, f"{verb} trigger pending at segment start")
+        budget = self.recipe.chain.max_segments_without_progress
+        failures = self.ledger.consecutive_without_progress()
+        if failures >= budget:
+            self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)
+            return self.stop(job_id, f"{failures} consecutive segments without a new checkpoint (budget {budget})")
+        target = self.recipe.training.train_iters
+        if iteration is not None and iteration >= target:
+            return self.stop(job_id, f"training already reached its target (iteration {iteration})")
+        self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
+                           nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart)
+        if self.recipe.chain.auto_requeue:
+            successor = self.scheduler.submit_successor(self.paths)
+            if successor is not None:
+                self.ledger.append("submitted", job_id=successor, by=f"segment {job_id}", dependency="singleton")
+                log(f"queued successor {successor} (singleton)")
+                if self.paths.cancel_requested.exists():  # a cancel raced with the submission
+                    self.scheduler.cancel([successor])
+        log(f"segment {job_id} starts at checkpoint iteration {iteration}")
+        return Verdict(True, "train")
+
+    def _account_for_vanished(self, current: str) -> None:
+        """A segment that started but never reached `job end` (killed, node failure) is recorded as
+        ended by the next segment, so the crash-loop budget sees it."""
+        for seg in self.ledger.segments(self.ledger.current_epoch()):
+            if seg.started is None or seg.ended is not None or seg.job_id == current:
+                continue
+            state = self.scheduler.state(seg.job_id)
+            start_iter = seg.started.get("checkpoint_iteration")
+            now = self.paths.read_tracker()
+            outcome = read_outcome(self.paths, seg.job_id)
+            self.ledger.append("ended", job_id=seg.job_id, outcome=(outcome or {}).get("status", "killed"),
+                               slurm_state=state, exit_code=None, checkpoint_iteration=now,
+                               new_checkpoint=_advanced(start_iter, now), accounted_by=current)
+
+    # ------------------------------------------------------------------------------------- end
+    def end(self, job_id: str, exit_code: int | None) -> Verdict:
+        """Run after the training step of a segment: record the outcome and decide the chain."""
+        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        start_iter = started.get("checkpoint_iteration") if started else None
+        now = self.paths.read_tracker()
+        outcome = read_outcome(self.paths, job_id)
+        status = outcome["status"] if outcome else "failed"
+        reason = (outcome or {}).get("reason") or (
+            None if outcome else f"no outcome written (exit status {exit_code})")
+        new_ckpt = _advanced(start_iter, now)
+        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
+                           checkpoint_iteration=now, new_checkpoint=new_ckpt)
+        log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
+            + f", checkpoint iteration {now}")
+        if status == "finished":
+            return self.stop(job_id, f"training reached its target (iteration {now})")
+        if status == "exited":
+            return self.stop(job_id, "exit trigger: saved and stopped")
+        if status == "aborted":
+            return self.stop(job_id, "abort trigger: stopped without saving")
+        if outcome and outcome.get("kind") == "config":
+            return self.stop(job_id, f"configuration error: {reason}")
+        if self.paths.cancel_requested.exists():
+            return self.stop(job_id, "cancel requested")
+        if now is not None and now >= self.recipe.training.train_iters:
+            return self.stop(job_id, f"training reached its target (iteration {now})")
+        budget = self.recipe.chain.max_segments_without_progress
+        failures = self.ledger.consecutive_without_progress()
+        if failures >= budget:
+            self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)
+            return self.stop(job_id, f"{failures} consecutive segments without a new checkpoint (budget {budget})")
+        if failures:
+            self.ledger.append("guard", job_id=job_id, decision="continue", failures=failures, budget=budget)
+        if not self.recipe.chain.auto_requeue:
+            return Verdict(False, "auto-requeue is off: one segment only")
+        return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    # ------------------------------------------------------------------------------------ stop
+    def pending_successors(self, current: str | None = None) -> list[str]:
+        return [s.job_id for s in self.ledger.segments()
+                if s.started is None and s.ended is None and s.job_id != current
+                and not any(e.get("job_id") == s.job_id and e["event"] in ("skipped", "cancelled")
+                            for e in self.ledger.events())]
+
+    def stop(self, job_id: str | None, reason: str) -> Verdict:
+        """End the chain: cancel the queued successor by job id and record why."""
+        successors = self.pending_successors(job_id)
+        if successors:
+            try:
+                self.scheduler.cancel(successors)
+            except Exception as e:  # a failed cancel must not lose the record of the decision
+                log(f"could not cancel successor(s) {successors}: {e}")
+        self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors)
+        log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else ""))
+        return Verdict(False, reason)
+
+
+def _advanced(before: int | None, after: int | None) -> bool:
+    if after is None:
+        return False
+    return before is None or after > before

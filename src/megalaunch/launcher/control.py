@@ -1,0 +1,126 @@
+"""Login-node actions on a run: submit, write a trigger, cancel, resume, find a run directory."""
+
+from __future__ import annotations
+
+import getpass
+import grp
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from megalaunch.errors import RunDirError
+from megalaunch.launcher.chain import load_run_recipe
+from megalaunch.launcher.ledger import Ledger
+from megalaunch.launcher.registry import register, registered_runs
+from megalaunch.launcher.rundir import PreparedRun, write_run
+from megalaunch.runtime.paths import TRIGGER_VERBS, RunPaths
+
+
+def find_run(ref: str) -> RunPaths:
+    """A run directory path, or the name/chain name of one of the user's registered runs."""
+    p = Path(ref).expanduser()
+    if (p / "run.yaml").exists():
+        return RunPaths(p.absolute())
+    matches = [r for r in registered_runs() if r.name == ref or r.name.rsplit("-", 1)[0] == ref]
+    if len(matches) == 1:
+        return RunPaths(matches[0])
+    if len(matches) > 1:
+        raise RunDirError(f"'{ref}' names {len(matches)} runs: {', '.join(m.name for m in matches)}",
+                          fix="pass the run directory or its full chain name")
+    if p.exists() and os.access(p, os.R_OK | os.X_OK) is False:
+        raise RunDirError(f"you cannot read {p}: not a member of the run's group", fix="ask the run's owner")
+    raise RunDirError(f"'{ref}' is not a run directory", fix="pass the directory that `megalaunch submit` printed")
+
+
+def submit_slurm(prepared: PreparedRun) -> tuple[RunPaths, str]:
+    """Write the run directory and queue the first segment."""
+    from megalaunch.launcher.slurm import SlurmClient
+
+    client = SlurmClient()
+    client._run(["sinfo", "--version"])  # fail before writing anything if Slurm is absent
+    paths = write_run(prepared)
+    ledger = Ledger(paths)
+    try:
+        job_id = client.sbatch(paths.job_script, cwd=paths.root)
+    except Exception as e:
+        ledger.append("submit_failed", reason=str(e))
+        raise
+    ledger.append("submitted", job_id=job_id, by="megalaunch submit")
+    register(paths.root)
+    return paths, job_id
+
+
+def write_trigger(paths: RunPaths, verb: str, reason: str | None) -> Path:
+    """Atomically create triggers/<verb> with who, when and why. Any member of the run's group can."""
+    if verb not in TRIGGER_VERBS:
+        raise RunDirError(f"unknown trigger '{verb}'", valid=", ".join(TRIGGER_VERBS))
+    tdir = paths.triggers
+    if not tdir.is_dir():
+        raise RunDirError(f"{paths.root} has no triggers/ directory", fix="is this a megalaunch run directory?")
+    record = {"verb": verb, "user": getpass.getuser(), "uid": os.getuid(), "host": socket.gethostname(),
+              "time": time.time(), "reason": reason}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{verb}.", dir=tdir)
+    except PermissionError:
+        group = _group_name(tdir)
+        raise RunDirError(f"permission denied writing a trigger in {tdir}: you ({getpass.getuser()}) are not "
+                          f"a member of the run's group '{group}'",
+                          fix=f"ask the run's owner to add you to '{group}' or to trigger it") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o660)
+    os.replace(tmp, tdir / verb)
+    return tdir / verb
+
+
+def _group_name(path: Path) -> str:
+    try:
+        return grp.getgrgid(path.stat().st_gid).gr_name
+    except (KeyError, OSError):
+        return "?"
+
+
+def cancel_run(paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
+    """Cancel every queued or running job of the chain, by job id from the ledger (plus any job
+    carrying the chain's unique name), and wait until none is left."""
+    from megalaunch.launcher.slurm import SlurmClient
+
+    ledger = Ledger(paths)
+    paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
+    client = SlurmClient()
+    ids = [s.job_id for s in ledger.segments() if s.ended is None and not s.job_id.startswith("local-")]
+    chain_name = paths.root.name
+    active = client.squeue(ids) if ids else {}
+    by_name = {j.job_id: j for j in client.squeue(me=True).values() if j.name == chain_name}
+    targets = sorted(set(active) | set(by_name))
+    client.scancel(targets)
+    deadline = time.monotonic() + timeout_s
+    while targets and time.monotonic() < deadline:
+        if not client.squeue(targets):
+            break
+        time.sleep(0.5)
+    ledger.append("cancelled", job_ids=targets)
+    ledger.append("chain_stopped", job_id=None, reason=f"cancelled by {getpass.getuser()}", cancelled=targets)
+    return targets
+
+
+def resume_run(paths: RunPaths) -> str:
+    """Restart a stopped chain from its last checkpoint (a new epoch in the ledger)."""
+    from megalaunch.launcher.slurm import SlurmClient
+
+    recipe = load_run_recipe(paths)
+    if recipe.cluster.backend != "slurm":
+        raise RunDirError("resume of local runs: run `megalaunch submit` again or `megalaunch job local RUN`")
+    try:
+        paths.cancel_requested.unlink()
+    except FileNotFoundError:
+        pass
+    ledger = Ledger(paths)
+    ledger.append("chain_resumed")
+    job_id = SlurmClient().sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+    ledger.append("submitted", job_id=job_id, by="megalaunch resume")
+    return job_id

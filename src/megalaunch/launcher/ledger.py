@@ -1,0 +1,101 @@
+"""The append-only ledger of a run: state/ledger.jsonl (DESIGN.md). Every event carries `event`,
+`time` and, where it concerns a job, `job_id`. Decisions are derived from it, never stored twice."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megalaunch.runtime.files import append_jsonl, read_jsonl
+from megalaunch.runtime.paths import RunPaths
+
+# Outcomes after which a segment made no progress unless a new checkpoint appeared.
+ENDING_OUTCOMES = {"finished", "exited", "aborted"}
+
+
+@dataclass
+class Segment:
+    """One job of the chain, as the ledger tells it."""
+
+    job_id: str
+    submitted_by: str | None = None
+    started: dict[str, Any] | None = None
+    ended: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> str | None:
+        return self.ended.get("outcome") if self.ended else None
+
+
+class Ledger:
+    def __init__(self, paths: RunPaths) -> None:
+        self.paths = paths
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "time": time.time(), "user": _user(), "host": socket.gethostname(), **fields}
+        append_jsonl(self.paths.ledger, record)
+        return record
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.paths.ledger)
+
+    def current_epoch(self) -> list[dict[str, Any]]:
+        """Events since the chain was last (re)started with `megalaunch resume`."""
+        events = self.events()
+        for i in range(len(events) - 1, -1, -1):
+            if events[i]["event"] == "chain_resumed":
+                return events[i:]
+        return events
+
+    def segments(self, events: list[dict[str, Any]] | None = None) -> list[Segment]:
+        """Segments in submission order."""
+        events = self.events() if events is None else events
+        by_id: dict[str, Segment] = {}
+        for e in events:
+            jid = e.get("job_id")
+            if jid is None:
+                continue
+            jid = str(jid)
+            seg = by_id.setdefault(jid, Segment(job_id=jid))
+            if e["event"] == "submitted":
+                seg.submitted_by = e.get("by")
+            elif e["event"] == "started":
+                seg.started = e
+            elif e["event"] == "ended":
+                seg.ended = e
+        return list(by_id.values())
+
+    def stopped(self) -> dict[str, Any] | None:
+        """The chain_stopped event of the current epoch, if any."""
+        for e in reversed(self.current_epoch()):
+            if e["event"] == "chain_stopped":
+                return e
+        return None
+
+    def consecutive_without_progress(self) -> int:
+        """Ended segments, counted back from the newest, that made no new checkpoint."""
+        n = 0
+        for seg in reversed(self.segments(self.current_epoch())):
+            if seg.ended is None:
+                continue
+            if seg.ended.get("new_checkpoint"):
+                break
+            n += 1
+        return n
+
+    def last(self, event: str) -> dict[str, Any] | None:
+        for e in reversed(self.events()):
+            if e["event"] == event:
+                return e
+        return None
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "?"

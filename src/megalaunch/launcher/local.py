@@ -1,0 +1,109 @@
+"""The local backend: the same run directory, chain, triggers and outcomes on one machine without
+Slurm. Segments run one after another in this process; a timer plays the time limit: the stop
+signal at LEAD before it, SIGTERM at the limit, SIGKILL a grace period later (as Slurm does)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megalaunch.config.preflight import signal_lead_s
+from megalaunch.config.schema import Recipe
+from megalaunch.launcher.chain import Chain, NoScheduler, Verdict
+from megalaunch.launcher.rundir import job_command
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.signals import resolve_signal
+
+KILL_WAIT_S = 10.0
+POLL_S = 0.2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
+                echo: Callable[[str], None] = print) -> int:
+    """Start one process per task, play the time limit, return the exit status (max over ranks)."""
+    cl = recipe.cluster
+    world = cl.ntasks_per_node
+    log_path = paths.logs / f"{chain_name}-{job_id}.out"
+    base_env = dict(os.environ)
+    base_env.update({k: v for k, v in cl.env.items()})
+    port = _free_port()
+    command = job_command(recipe, paths)
+    if command[0] == cl.python and cl.python == "python3":
+        command = [sys.executable, *command[1:]]  # the interpreter megalaunch runs in
+    procs: list[subprocess.Popen[bytes]] = []
+    with open(log_path, "ab") as log:
+        for rank in range(world):
+            env = dict(base_env, MEGALAUNCH_RUN_DIR=str(paths.root), MEGALAUNCH_JOB_ID=job_id,
+                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+    limit = cl.time_limit_s
+    lead = signal_lead_s(recipe)
+    stop_sig = resolve_signal(recipe.chain.stop_signal)
+    start = time.monotonic()
+    signalled = terminated = False
+    echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
+    while any(p.poll() is None for p in procs):
+        elapsed = time.monotonic() - start
+        if not signalled and elapsed >= limit - lead:
+            _send(procs, stop_sig)
+            signalled = True
+            echo(f"segment {job_id}: time-limit warning, sent {stop_sig.name}")
+        if not terminated and elapsed >= limit:
+            _send(procs, signal.SIGTERM)
+            terminated = True
+            echo(f"segment {job_id}: time limit reached, sent SIGTERM")
+        if terminated and elapsed >= limit + KILL_WAIT_S:
+            _send(procs, signal.SIGKILL, group=True)
+        time.sleep(POLL_S)
+    codes = [p.returncode for p in procs]
+    return max((c if c >= 0 else 128 - c) for c in codes)
+
+
+def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals, group: bool = False) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                if group:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
+                    echo: Callable[[str], None] = print) -> Verdict:
+    chain = Chain(paths, NoScheduler(), recipe)
+    n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
+    while True:
+        job_id = f"local-{n}"
+        chain.ledger.append("submitted", job_id=job_id, by="local backend")
+        verdict = chain.begin(job_id)
+        if not verdict.proceed:
+            echo(f"chain stopped: {verdict.reason}")
+            return verdict
+        code = run_segment(paths, recipe, job_id, chain_name, echo)
+        verdict = chain.end(job_id, code)
+        echo(f"segment {job_id} done (exit status {code}): {verdict.reason}")
+        if not verdict.proceed:
+            return verdict
+        n += 1
+
+
+def chain_name_of(paths: RunPaths) -> str:
+    return Path(paths.root).name

@@ -1,0 +1,53 @@
+"""Rendering: Jinja2 templates shipped as package data, StrictUndefined, and a quoting filter for
+every value that reaches a shell. #SBATCH values are not shell: they are restricted to a safe
+character set instead."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+
+from megalaunch.errors import ConfigError
+
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")
+
+
+def shell_quote(value: Any) -> str:
+    return shlex.quote(str(value))
+
+
+def sbatch_value(value: Any) -> str:
+    text = str(value)
+    if not _SBATCH_SAFE.match(text):
+        raise ConfigError(f"{text!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
+                          valid="letters, digits and . _ , : = @ / + % - [ ]", fix="fix the value in the recipe")
+    return text
+
+
+def comment_safe(value: Any) -> str:
+    """A value shown inside a `#` comment: newlines would end the comment, so they are escaped."""
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("megalaunch", "templates"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["q"] = shell_quote
+    env.filters["sbatch"] = sbatch_value
+    env.filters["comment"] = comment_safe
+    return env
+
+
+def render(template: str, **context: Any) -> str:
+    return environment().get_template(template).render(**context)

@@ -1,0 +1,268 @@
+"""Create a run directory: preflight, render everything in memory, write it into a temporary
+directory next to the final one and rename it into place, so a failure leaves nothing behind."""
+
+from __future__ import annotations
+
+import getpass
+import grp
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megalaunch import __version__
+from megalaunch.config.loader import LoadedRecipe
+from megalaunch.config.megatron_args import megatron_args, render_args_file
+from megalaunch.config.preflight import Topology, preflight, signal_lead_s
+from megalaunch.config.schema import Recipe
+from megalaunch.errors import ConfigError, PreflightError, RunDirError
+from megalaunch.launcher.explain import yaml_with_origins
+from megalaunch.launcher.render import render
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.settings import RuntimeSettings
+
+_MANAGED_SBATCH = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "mem", "time",
+                   "signal", "requeue", "no-requeue", "output", "error", "open-mode", "dependency",
+                   "partition", "account", "qos", "reservation", "constraint", "exclusive"}
+RUN_DIR_MODE = 0o2770  # group-private, setgid so everything inside stays in the run's group
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """Everything a submit writes, computed before anything touches the disk."""
+
+    loaded: LoadedRecipe
+    paths: RunPaths
+    chain_name: str
+    topology: Topology
+    files: dict[str, str]  # relative path -> content
+    blend_sha256: str | None
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.loaded.recipe
+
+
+def chain_name_for(recipe: Recipe, root: Path) -> str:
+    salt = f"{root}/{recipe.name}/{time.time_ns()}/{os.getpid()}/{socket.gethostname()}"
+    return f"{recipe.name}-{hashlib.sha256(salt.encode()).hexdigest()[:8]}"
+
+
+def run_root(recipe: Recipe) -> Path:
+    return Path(os.path.expanduser(os.path.expandvars(recipe.run.root))).absolute()
+
+
+def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
+    """What each task runs: Megatron training, or the recipe's `workload` ({run_dir} is substituted)."""
+    if recipe.workload:
+        return [arg.replace("{run_dir}", str(paths.root)) for arg in recipe.workload]
+    return [recipe.cluster.python, "-m", "megalaunch.runtime.train", str(paths.root)]
+
+
+def runtime_settings(recipe: Recipe) -> RuntimeSettings:
+    return RuntimeSettings(
+        train_iters=recipe.training.train_iters, save_interval=recipe.checkpoint.save_interval,
+        log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
+        stop_signal=recipe.chain.stop_signal, hang_timeout_s=recipe.chain.hang_timeout_s,
+        keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
+    )
+
+
+def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:
+    cl = recipe.cluster
+    options = [{"name": k, "value": getattr(cl, k)} for k in ("partition", "account", "qos", "reservation",
+                                                              "constraint") if getattr(cl, k)]
+    for name, value in sorted(cl.sbatch_extra.items()):
+        if name in _MANAGED_SBATCH or not name.replace("-", "").isalnum():
+            raise ConfigError(f"'{name}' is set by megalaunch or is not an sbatch option name",
+                              field=f"cluster.sbatch_extra.{name}", fix="use the dedicated recipe field")
+        options.append({"name": name, "value": value})
+    srun_args: list[str] = []
+    co = cl.container
+    if co.kind == "pyxis":
+        mounts = [f"{paths.root}:{paths.root}", *co.mounts]
+        srun_args += [f"--container-image={co.image}", f"--container-mounts={','.join(mounts)}"]
+        if co.workdir:
+            srun_args.append(f"--container-workdir={co.workdir}")
+    elif co.kind == "cscs":
+        srun_args.append(f"--environment={co.environment}")
+    command = job_command(recipe, paths)
+    return {
+        "version": __version__, "source": source, "created": created, "run_dir": str(paths.root),
+        "job_name": chain_name, "nodes": cl.nodes, "tasks_per_node": cl.ntasks_per_node,
+        "cpus_per_task": cl.cpus_per_task, "gpus_per_node": cl.gpus_per_node, "mem": cl.mem, "time": cl.time,
+        "slurm_options": options, "exclusive": cl.exclusive,
+        "stop_signal_short": recipe.chain.stop_signal.removeprefix("SIG"),
+        "signal_lead_s": signal_lead_s(recipe),
+        "log_pattern": str(paths.logs / "%x-%j.out"),
+        "modules": list(cl.modules), "venv": cl.venv,
+        "venv_activate": os.path.join(cl.venv, "bin", "activate") if cl.venv else "",
+        "env": [{"name": k, "value": v} for k, v in sorted(cl.env.items())],
+        "secret_env": list(cl.secret_env),
+        "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
+        "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys,
+        "nsys_start_offset": recipe.debug.nsys_start_offset, "nsys_iters": recipe.debug.nsys_iters,
+        "tracker": str(paths.tracker), "megalaunch": cl.megalaunch, "master_port": cl.master_port,
+        "srun_args": srun_args,
+        "command": command,
+    }
+
+
+def code_revision(path: Path) -> dict[str, Any]:
+    """git revision of `path` (+ a hash of the diff when dirty), or {} when not a git checkout."""
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return p.stdout if p.returncode == 0 else None
+
+    rev = git("rev-parse", "HEAD")
+    if rev is None:
+        return {}
+    diff = git("diff", "HEAD") or ""
+    return {"revision": rev.strip(), "dirty": bool(diff),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+
+
+def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created: str | None = None,
+                root: Path | None = None) -> PreparedRun:
+    """Preflight and render; touches no file."""
+    recipe = loaded.recipe
+    topo, blend = preflight(recipe)
+    root = root or run_root(recipe)
+    chain_name = chain_name or chain_name_for(recipe, root)
+    paths = RunPaths(root / chain_name)
+    created = created or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    resolved = loaded.resolved()
+    run_yaml = (f"# Resolved recipe of run {chain_name} (megalaunch {__version__}, {created}).\n"
+                "# Comments say which file or flag set each value; unmarked values are defaults.\n"
+                + yaml_with_origins(resolved, loaded.origin))
+    files = {
+        "run.yaml": run_yaml,
+        "megatron.args": render_args_file(megatron_args(recipe, paths)),
+        "runtime.json": runtime_settings(recipe).to_json(),
+    }
+    if recipe.cluster.backend == "slurm":
+        files["job.sbatch"] = render("train.sbatch.j2", **script_context(recipe, paths, chain_name,
+                                                                         loaded.source, created))
+    if blend is not None:
+        files["data_blend.txt"] = blend.text
+    return PreparedRun(loaded=loaded, paths=paths, chain_name=chain_name, topology=topo, files=files,
+                       blend_sha256=blend.sha256 if blend is not None else None)
+
+
+def _group_id(group: str | None) -> int | None:
+    if group is None:
+        return None
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise PreflightError(f"group '{group}' does not exist", field="run.group",
+                             fix="use a group from `id -Gn`") from None
+    if os.getuid() != 0 and gid not in os.getgroups():
+        raise PreflightError(f"you are not a member of group '{group}'", field="run.group",
+                             valid=", ".join(grp.getgrgid(g).gr_name for g in os.getgroups()),
+                             fix="choose one of your groups")
+    return gid
+
+
+def write_run(prepared: PreparedRun) -> RunPaths:
+    """Create the run directory atomically (temp dir + rename), group-private (umask 027, 2770)."""
+    recipe = prepared.recipe
+    paths = prepared.paths
+    gid = _group_id(recipe.run.group)
+    root = paths.root.parent
+    old_umask = os.umask(0o027)
+    try:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"cannot create the run root {root}: {e.strerror}", field="run.root",
+                              fix="choose a writable directory: --set run.root=/path") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise RunDirError(f"the run root {root} is not writable", field="run.root",
+                              fix="choose a writable directory: --set run.root=/path")
+        if paths.root.exists():
+            raise RunDirError(f"{paths.root} already exists", fix="choose another --name")
+        tmp = root / f".{paths.root.name}.partial"
+        try:
+            _populate(tmp, prepared, gid)
+            os.rename(tmp, paths.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        os.umask(old_umask)
+    return paths
+
+
+def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
+    recipe = prepared.recipe
+    tmp.mkdir()
+    if gid is not None:
+        os.chown(tmp, -1, gid)
+    os.chmod(tmp, RUN_DIR_MODE)
+    t = RunPaths(tmp)
+    for d in (t.triggers, t.consumed_triggers, t.checkpoints, t.logs, t.state, t.debug):
+        d.mkdir(parents=True)
+    # triggers are written by any group member: group-writable whatever the umask
+    for d in (t.triggers, t.consumed_triggers):
+        os.chmod(d, RUN_DIR_MODE)
+    for rel, content in prepared.files.items():
+        (tmp / rel).write_text(content)
+    if "job.sbatch" in prepared.files:
+        os.chmod(t.job_script, 0o750)
+    snapshot = recipe.debug.code_snapshot
+    if snapshot:
+        _snapshot_code(Path(os.path.expanduser(snapshot)), t.code_snapshot)
+    manifest = {
+        "megalaunch_version": __version__,
+        "chain_name": prepared.chain_name,
+        "run_dir": str(prepared.paths.root),
+        "user": getpass.getuser(),
+        "host": socket.gethostname(),
+        "created": time.time(),
+        "recipe_source": prepared.loaded.source,
+        "recipe_sha256": hashlib.sha256(prepared.files["run.yaml"].encode()).hexdigest(),
+        "data_blend_sha256": prepared.blend_sha256,
+        "backend": recipe.cluster.backend,
+        "code": code_revision(Path(os.path.expanduser(snapshot))) if snapshot
+        else code_revision(Path(__file__).resolve().parent),
+        "world_size": prepared.topology.world_size,
+        "data_parallel_size": prepared.topology.dp,
+    }
+    import json
+
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    t.ledger.touch()
+    os.chmod(t.ledger, 0o660)
+
+
+def _snapshot_code(src: Path, dst: Path) -> None:
+    """Copy the tracked files of a git checkout (or the whole tree) into RUN/code. Fails loudly."""
+    if not src.is_dir():
+        raise PreflightError(f"{src} is not a directory", field="debug.code_snapshot",
+                             fix="point it at your source tree or set it to null")
+    try:
+        listed = subprocess.run(["git", "-C", str(src), "ls-files", "-z"], capture_output=True, timeout=60)
+        names = [n for n in listed.stdout.decode().split("\0") if n] if listed.returncode == 0 else None
+        if names is None:
+            shutil.copytree(src, dst, symlinks=True)
+            return
+        for name in names:
+            target = dst / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s = src / name
+            if s.is_symlink():
+                os.symlink(os.readlink(s), target)
+            elif s.is_file():
+                shutil.copy2(s, target)
+    except (OSError, shutil.Error, subprocess.TimeoutExpired) as e:
+        raise RunDirError(f"code snapshot of {src} failed: {e}", field="debug.code_snapshot",
+                          fix="fix the source tree or set debug.code_snapshot to null") from None

@@ -1,0 +1,34 @@
+"""Rank environment inside a task. Under srun, RANK/LOCAL_RANK/WORLD_SIZE are derived from Slurm's
+own variables in the task itself, so no shell sits between Slurm and the trainer (a shell would be
+killed by the stop signal's default action)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def rank_env() -> RankEnv:
+    e = os.environ
+    rank = int(e.get("RANK", e.get("SLURM_PROCID", "0")))
+    local = int(e.get("LOCAL_RANK", e.get("SLURM_LOCALID", "0")))
+    world = int(e.get("WORLD_SIZE", e.get("SLURM_NTASKS", "1")))
+    return RankEnv(rank=rank, local_rank=local, world_size=world,
+                   master_addr=e.get("MASTER_ADDR", "127.0.0.1"), master_port=int(e.get("MASTER_PORT", "29500")))
+
+
+def export_rank_env() -> RankEnv:
+    """Set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for torch.distributed's env:// init."""
+    r = rank_env()
+    os.environ.update({"RANK": str(r.rank), "LOCAL_RANK": str(r.local_rank), "WORLD_SIZE": str(r.world_size),
+                       "MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port)})
+    return r
