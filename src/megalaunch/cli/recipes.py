@@ -11,6 +11,7 @@ from megalaunch.cli.output import say
 app = typer.Typer(no_args_is_help=True)
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a value.")]
+ClusterOpt = Annotated[str | None, typer.Option("--cluster", help="Cluster profile merged over the recipe.")]
 
 
 @app.command("list")
@@ -33,16 +34,17 @@ def show(
     recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name.")],
     set_: SetOpt = None,
     explain: Annotated[bool, typer.Option("--explain", help="Say which file or flag set each value.")] = False,
+    cluster: ClusterOpt = None,
 ) -> None:
     """Print a recipe fully resolved (with defaults)."""
     from megalaunch.config.loader import find_recipe, load_recipe
 
-    if not explain and set_ is None and find_recipe(recipe).parent.name in ("models", "clusters", "training"):
+    if not explain and set_ is None and cluster is None and find_recipe(recipe).parent.name in ("models", "clusters", "training"):
         say(find_recipe(recipe).read_text().rstrip())  # a fragment: show it as written
         return
     from megalaunch.launcher.explain import yaml_with_origins
 
-    loaded = load_recipe(recipe, list(set_ or []))
+    loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
     origin = loaded.origin if explain else (lambda _: "default")
     say(yaml_with_origins(loaded.resolved(), origin).rstrip())
 
@@ -51,12 +53,13 @@ def show(
 def validate(
     recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name.")],
     set_: SetOpt = None,
+    cluster: ClusterOpt = None,
 ) -> None:
     """Run every check `submit` runs (schema and preflight) without writing anything."""
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.preflight import preflight, signal_lead_s
 
-    loaded = load_recipe(recipe, list(set_ or []))
+    loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
     topo, blend = preflight(loaded.recipe)
     say(f"ok: {loaded.recipe.name}: world {topo.world_size} = TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x "
         f"DP {topo.dp}, {topo.num_microbatches} micro-batches per step, signal lead "

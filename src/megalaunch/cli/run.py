@@ -15,6 +15,10 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VA
                                                   help="Override a recipe value, e.g. training.lr=3e-4 (repeatable).")]
 
 
+ClusterOpt = Annotated[str | None, typer.Option("--cluster", help="Cluster profile merged over the recipe "
+                                                "(e.g. slurm, pyxis, cscs, modules, local).")]
+
+
 class Backend(str, Enum):
     slurm = "slurm"
     local = "local"
@@ -33,6 +37,7 @@ def submit(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and render; write and submit nothing.")] = False,
     backend: Annotated[Backend | None, typer.Option("--backend", help="Override cluster.backend.")] = None,
     no_auto_requeue: Annotated[bool, typer.Option("--no-auto-requeue", help="Run one segment, no successor.")] = False,
+    cluster: ClusterOpt = None,
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.config.loader import load_recipe
@@ -43,7 +48,7 @@ def submit(
         sets.append(f"cluster.backend={backend.value}")
     if no_auto_requeue:
         sets.append("chain.auto_requeue=false")
-    loaded = load_recipe(recipe, sets, name=name)
+    loaded = load_recipe(recipe, sets, name=name, cluster=cluster)
     prepared = prepare_run(loaded)
     r = prepared.recipe
     topo = prepared.topology
@@ -55,9 +60,15 @@ def submit(
         say(f"dry run: {summary}")
         say(f"would create {prepared.paths.root}")
         for rel, content in prepared.files.items():
-            if rel in ("job.sbatch", "megatron.args"):
+            if rel == "job.sbatch":
                 say(f"----- {rel} -----")
                 say(content.rstrip("\n"))
+        import shlex
+
+        from megalaunch.config.megatron_args import read_args_file
+
+        say("----- megatron.args -----")
+        say(shlex.join(read_args_file(prepared.files["megatron.args"])))
         say("nothing written, nothing submitted")
         return
     if r.cluster.backend == "slurm":

@@ -181,11 +181,18 @@ def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str]) -> N
         _merge(node, {parts[-1]: value}, "--set", prov, ".".join(parts[:-1]) + "." if len(parts) > 1 else "")
 
 
-def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None) -> LoadedRecipe:
-    """Load, compose, override and type-check a recipe. Raises ConfigError (one line) on any problem."""
+def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None,
+                cluster: str | None = None) -> LoadedRecipe:
+    """Load, compose, override and type-check a recipe. Raises ConfigError (one line) on any problem.
+
+    `cluster` names a cluster profile merged on top of the recipe (before `--set`)."""
     path = find_recipe(ref)
     prov: dict[str, str] = {}
     tree = _load_tree(path, prov, ())
+    if cluster is not None:
+        ref_c = cluster if "/" in cluster or cluster.endswith(".yaml") else f"clusters/{cluster}"
+        cpath = find_recipe(ref_c)
+        _merge(tree, _load_tree(cpath, prov, ()), _display(cpath), prov)
     apply_sets(tree, list(sets), prov)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)

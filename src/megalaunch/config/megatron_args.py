@@ -47,9 +47,9 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     """The full Megatron argument list for this recipe and run directory."""
     out: list[str] = []
     m = recipe.model
-    _section(out, m, {"num_experts", "moe_router_topk", "use_rope_scaling"})
+    _section(out, m, {"num_experts", "moe_router_topk", "use_rope_scaling", "rope_scaling_factor"})
     if m.use_rope_scaling:
-        out.append("--use-rope-scaling")
+        out += ["--use-rope-scaling", "--rope-scaling-factor", str(m.rope_scaling_factor)]
     if m.num_query_groups is not None:
         out.append("--group-query-attention")
     if m.num_experts:

@@ -209,10 +209,6 @@ def check_files(recipe: Recipe) -> None:
         _require(Path(recipe.checkpoint.load).expanduser().is_dir(), "checkpoint.load",
                  f"{recipe.checkpoint.load} is not a directory", "a Megatron checkpoint directory",
                  "fix the path or remove checkpoint.load")
-    if recipe.cluster.venv:
-        _require(Path(recipe.cluster.venv).expanduser().joinpath("bin", "activate").is_file(), "cluster.venv",
-                 f"{recipe.cluster.venv}/bin/activate does not exist", "a virtual environment directory",
-                 "create it or fix the path")
 
 
 def resolve_data_blend(recipe: Recipe) -> Any | None:

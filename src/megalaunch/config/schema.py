@@ -41,6 +41,7 @@ class ModelConfig:
     rotary_base: int = doc("RoPE theta (--rotary-base)", 10000)
     rotary_percent: float = doc("fraction of head dim rotated", 1.0)
     use_rope_scaling: bool = doc("Llama 3.1 RoPE frequency scaling", False)
+    rope_scaling_factor: float = doc("RoPE scaling factor (8 for Llama 3.1, 32 for Llama 3.2)", 8.0)
     normalization: Literal["RMSNorm", "LayerNorm"] = doc("norm layer (--normalization)", "RMSNorm")
     norm_epsilon: float = doc("norm epsilon", 1e-5)
     swiglu: bool = doc("gated SiLU MLP as in Llama (--swiglu)", True)
