@@ -15,6 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megalaunch.errors import PreflightError
 
@@ -124,3 +125,17 @@ def find_prefixes(directory: str | os.PathLike[str]) -> list[str]:
             if entry.name.endswith((".bin", ".idx")) and (entry.is_file() or entry.is_symlink()):
                 names.add(entry.name[:-4])
     return [os.path.join(os.fspath(directory), n) for n in sorted(names)]
+
+
+def read_documents(prefix: str | os.PathLike[str]) -> list[Any]:
+    """Every sequence of a dataset as a numpy array (tests and small tools; memory-maps the .bin)."""
+    import numpy as np
+
+    header = read_index_header(prefix)
+    n = header.sequence_count
+    if n == 0:
+        return []
+    sizes = np.fromfile(header.path, dtype=np.int32, count=n, offset=header.sizes_offset)
+    tokens = np.memmap(split_prefix(prefix) + ".bin", dtype=header.dtype, mode="r")
+    ends = np.cumsum(sizes, dtype=np.int64)
+    return [tokens[e - s:e] for s, e in zip(sizes, ends, strict=True)]

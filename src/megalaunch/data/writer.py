@@ -4,6 +4,7 @@ at close, so a killed job never leaves a pair that looks complete."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from array import array
@@ -34,7 +35,7 @@ class IndexedWriter:
         self._np_dtype = np.dtype(dtype)
         self._sizes = array("i")
         self._tmp_bin = f"{self.prefix}.bin.tmp"
-        self._bin = open(self._tmp_bin, "wb", buffering=1 << 22)
+        self._bin = open(self._tmp_bin, "wb", buffering=1 << 22)  # noqa: SIM115 (closed in close/abort)
         self.tokens = 0
 
     def add_batch(self, docs: Sequence[Sequence[int]]) -> None:
@@ -78,10 +79,8 @@ class IndexedWriter:
     def abort(self) -> None:
         self._bin.close()
         for path in (self._tmp_bin, f"{self.prefix}.idx.tmp"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> IndexedWriter:
         return self

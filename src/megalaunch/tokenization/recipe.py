@@ -1,0 +1,156 @@
+"""The tokenization recipe: a frozen, strictly built dataclass. Each component gets its slice:
+`inputs` -> the planner, `tokenizer` -> the pipeline, `slurm` -> the job array."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megalaunch.config.typed import build, doc
+from megalaunch.errors import ConfigError
+
+# Extensions the datatrove readers take (see tokenization/pipeline.py for the mapping).
+INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".ndjson",
+                  ".parquet", ".csv", ".csv.gz")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputsConfig:
+    roots: list[str] = doc("Directories (or single files) searched recursively for input files.")
+    filter_in: list[str] = doc("Glob patterns (on the path relative to its root; `**` crosses directories); "
+                               "a file must match one. Empty: every supported extension.", [])
+    filter_out: list[str] = doc("Glob patterns; a matching file is left out.", [])
+    text_key: str = doc("Field holding the document text.", "text")
+    id_key: str = doc("Field holding the document id (reported in logs only).", "id")
+
+    def __post_init__(self) -> None:
+        if not self.roots:
+            raise ValueError("inputs.roots is empty: name at least one directory with input files")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    path: str = doc("Local tokenizer.json (hubs are unreachable from compute nodes).")
+    bos: str | None = doc("Token prepended to every document, or null for none.", None)
+    eos: str | None = doc("Token appended to every document (Megatron's document separator), or null.",
+                          "<|endoftext|>")
+    add_special_tokens: bool = doc("Also apply the tokenizer's own post-processor template "
+                                   "(usually false: bos/eos above say it explicitly).", False)
+    batch_size: int = doc("Documents per encode_batch call and per write (memory grows with it).", 1000)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"tokenizer.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeSlurm:
+    partition: str | None = doc("Slurm partition (CPU nodes).", None)
+    account: str | None = doc("Slurm account.", None)
+    qos: str | None = doc("Slurm QOS.", None)
+    time: str = doc("Time limit of one dump job (HH:MM:SS or D-HH:MM:SS).", "04:00:00")
+    mem: str | None = doc("Memory per job, e.g. 64G (null: the partition's default).", None)
+    max_concurrent: int = doc("Array throttle: at most this many dumps run at once (`--array=...%N`).", 8)
+    options: dict[str, str] = doc("Further #SBATCH options, name -> value (e.g. constraint: cpu).", {})
+    setup: list[str] = doc("Shell lines run before the job (module load ..., source venv/bin/activate).", [])
+    python: str = doc("Python interpreter on the compute nodes (default: the one running megalaunch).", "")
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError(f"slurm.max_concurrent must be >= 1, got {self.max_concurrent}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeRecipe:
+    name: str = doc("Job name prefix; the array is named `tok-<name>`.")
+    inputs: InputsConfig = doc("Where the raw documents are.")
+    tokenizer: TokenizerConfig = doc("How documents become tokens.")
+    n_dumps: int = doc("Number of dumps (one Slurm array task each), balanced by input bytes.", 1)
+    tasks: int = doc("datatrove tasks per dump (each writes one .bin/.idx pair; the unit of resume).", 1)
+    workers: int = doc("Tasks run at once per dump = CPUs per job (-1: as many as tasks).", -1)
+    output_dir: str = doc("Where the .bin/.idx files go (empty: RUN/output).", "")
+    backend: Literal["slurm", "local"] = doc("Where `tokenize submit` runs the dumps.", "slurm")
+    slurm: TokenizeSlurm = doc("CPU-only resources of each dump job.", TokenizeSlurm())
+
+    def __post_init__(self) -> None:
+        if self.n_dumps < 1:
+            raise ValueError(f"n_dumps must be >= 1, got {self.n_dumps}")
+        if self.tasks < 1:
+            raise ValueError(f"tasks must be >= 1, got {self.tasks}")
+        if self.workers == 0 or self.workers < -1:
+            raise ValueError(f"workers must be -1 or >= 1, got {self.workers}")
+
+    @property
+    def concurrent_workers(self) -> int:
+        return self.tasks if self.workers == -1 else min(self.workers, self.tasks)
+
+
+def load_tokenize_recipe(ref: str, sets: list[str] | tuple[str, ...] = ()) -> tuple[TokenizeRecipe, dict[str, Any]]:
+    """A tokenization recipe from a YAML file or a shipped name (`tokenize/NAME`), with `--set`
+    overrides (`--set` > file > defaults). Returns the typed recipe and the merged mapping."""
+    import yaml
+
+    from megalaunch.config.loader import find_recipe, parse_set
+
+    path = _find(ref, find_recipe)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping at the top level")
+    shipped = Path(str(path)).is_relative_to(_package_recipes())
+    _anchor_paths(tree, Path.cwd() if shipped else path.parent)
+    for expr in sets:
+        keys, value = parse_set(expr)
+        node = tree
+        for key in keys[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        override: dict[str, Any] = {}
+        sub = override
+        for key in keys[:-1]:
+            sub = sub.setdefault(key, {})
+        sub[keys[-1]] = value
+        _anchor_paths(override, Path.cwd())  # paths on the command line are relative to the cwd
+        for key in keys[:-1]:
+            override = override[key]
+        node[keys[-1]] = override[keys[-1]]
+    return build(TokenizeRecipe, tree), tree
+
+
+def _package_recipes() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("megalaunch") / "recipes")).resolve()
+
+
+def _find(ref: str, find_recipe: Any) -> Path:
+    if os.path.isfile(ref):
+        return Path(ref).resolve()
+    shipped = ref if ref.startswith("tokenize/") else f"tokenize/{ref}"
+    try:
+        return find_recipe(shipped)
+    except ConfigError:
+        return find_recipe(ref)
+
+
+def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
+    """Relative paths in a recipe file are relative to the file, so a recipe works from any cwd."""
+
+    def anchor(p: Any) -> Any:
+        if isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)) and "://" not in p:
+            return str((base / p).resolve())
+        return p
+
+    inputs = tree.get("inputs")
+    if isinstance(inputs, dict) and isinstance(inputs.get("roots"), list):
+        inputs["roots"] = [anchor(r) for r in inputs["roots"]]
+    tok = tree.get("tokenizer")
+    if isinstance(tok, dict) and "path" in tok:
+        tok["path"] = anchor(tok["path"])
+    if tree.get("output_dir"):
+        tree["output_dir"] = anchor(tree["output_dir"])

@@ -1,0 +1,114 @@
+"""Per-dump status from the run directory (summaries, completion markers, progress files) and
+one `squeue` for the last Slurm submission: done / running / pending / failed / not submitted."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megalaunch.runtime.files import read_json
+from megalaunch.tokenization.rundir import TokenizeRun
+
+# A running task whose progress file is older than this is shown as stalled.
+STALE_S = 120.0
+
+
+@dataclass(frozen=True)
+class DumpStatus:
+    index: int
+    state: str  # done | running | pending | failed | cancelled | not submitted | stopped
+    tasks_done: int
+    tasks: int
+    documents: int
+    tokens: int
+    tokens_per_s: float
+    job: str = ""
+    detail: str = ""
+
+
+def _array_tasks(job_id: str, slurm: Any) -> dict[int, str]:
+    """Array task index -> Slurm state, for the active tasks of array `job_id` (one squeue)."""
+    out: dict[int, str] = {}
+    for jid, info in slurm.squeue([job_id]).items():
+        if "_" not in jid:
+            continue
+        tail = jid.split("_", 1)[1]
+        if tail.startswith("["):  # pending range: "[3-5,7%2]"
+            for part in tail.strip("[]").split("%")[0].split(","):
+                lo, _, hi = part.partition("-")
+                for i in range(int(lo), int(hi or lo) + 1):
+                    out[i] = info.state
+        elif tail.isdigit():
+            out[int(tail)] = info.state
+    return out
+
+
+def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus]:
+    plan = run.load_plan()
+    submissions = [e for e in run.events() if e.get("event") == "submitted"]
+    last = submissions[-1] if submissions else None
+    submitted = {d for e in submissions for d in e.get("dumps", [])}
+    active: dict[int, str] = {}
+    local_running = False
+    if last and last.get("backend") == "slurm":
+        if slurm is None:
+            from megalaunch.launcher.slurm import SlurmClient
+
+            slurm = SlurmClient()
+        active = _array_tasks(str(last["job_id"]), slurm)
+    elif last and last.get("backend") == "local":
+        from megalaunch.tokenization.submit import active_submission
+
+        local_running = active_submission(run) is not None
+    now = time.time()
+    out = []
+    for dump in plan.dumps:
+        n_tasks = len(dump.tasks)
+        done_tasks = sum(run.completion(dump.index, t).exists() for t in range(n_tasks))
+        summary = read_json(run.summary(dump.index))
+        job = f"{last['job_id']}_{dump.index}" if last and last.get("backend") == "slurm" else ""
+        if summary:
+            out.append(DumpStatus(dump.index, "done", n_tasks, n_tasks, summary["documents"], summary["tokens"],
+                                  0.0, job))
+            continue
+        documents = tokens = 0
+        rate = 0.0
+        newest = 0.0
+        for t in range(n_tasks):
+            prog = read_json(run.progress(dump.index, t))
+            if not prog:
+                continue
+            documents += prog["documents"]
+            tokens += prog["tokens"]
+            newest = max(newest, prog["updated"])
+            if not prog["done"] and prog["updated"] > prog["started"]:
+                rate += prog["tokens"] / (prog["updated"] - prog["started"])
+        state, detail = _state(dump.index, active, local_running, last, submitted, slurm, job)
+        if state == "running" and newest and now - newest > STALE_S:
+            detail = f"no progress for {now - newest:.0f} s"
+        out.append(DumpStatus(dump.index, state, done_tasks, n_tasks, documents, tokens, rate, job, detail))
+    return out
+
+
+def _state(index: int, active: dict[int, str], local_running: bool, last: dict[str, Any] | None,
+           submitted: set[int], slurm: Any, job: str) -> tuple[str, str]:
+    if index in active:
+        return ("running" if active[index] in ("RUNNING", "COMPLETING") else "pending"), ""
+    if local_running and last and index in last.get("dumps", []):
+        return "running", ""
+    if index not in submitted:
+        return "not submitted", ""
+    if last and last.get("backend") == "slurm" and index in last.get("dumps", []):
+        info = slurm.job_state(job)
+        if info is not None and info.state in ("CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+            return ("cancelled" if info.state == "CANCELLED" else "failed"), info.state
+        return "failed", "ended without completing all tasks"
+    return "stopped", "not running; resubmit to resume"
+
+
+def totals(statuses: list[DumpStatus]) -> dict[str, Any]:
+    return {"dumps": len(statuses), "done": sum(s.state == "done" for s in statuses),
+            "tasks": sum(s.tasks for s in statuses), "tasks_done": sum(s.tasks_done for s in statuses),
+            "documents": sum(s.documents for s in statuses), "tokens": sum(s.tokens for s in statuses),
+            "tokens_per_s": sum(s.tokens_per_s for s in statuses)}
