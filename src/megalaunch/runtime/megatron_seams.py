@@ -1,0 +1,317 @@
+"""Where megalaunch plugs into Megatron's training loop. Everything here touches Megatron's private
+names, so it lives in one module, is checked against the pinned version, and is covered by
+tests/megatron (a Megatron upgrade breaks those tests, not a training run).
+
+Seams (megatron-core 0.19.2, `megatron.training`):
+- `global_vars._set_signal_handler` -> `CollectiveSignalHandler`: Megatron asks it "was the exit
+  signal received?" once per iteration (its all-gather). We answer from one all-reduce MAX of a
+  `Decision` (signal flag on every rank + trigger files on rank 0), computed in the wrapper below.
+- `training.checkpoint_and_decide_exit` -> decide once per iteration, then: `save` checkpoints and
+  continues, `signal`/`exit` let Megatron save and exit, `abort` exits without saving.
+- `training.save_checkpoint_and_time` -> hooks before/after every save (watchdog, retention).
+- `training.training_log` -> the reduced loss of each iteration (progress, W&B).
+- `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
+  back to an older one if loading fails.
+- Bug fixes for megatron-core 0.19.2 without TE/apex (FACTS.md): dataset helper `make`; the
+  distributed optimizer's `assert len(steps) == 1` on an empty state; Adam's per-parameter `step`
+  lost (non-distributed optimizer) or aliased into one tensor (distributed optimizer) after a load.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Protocol
+
+PINNED_MEGATRON = "0.19.2"
+UNPINNED_ENV = "MEGALAUNCH_ALLOW_UNPINNED_MEGATRON"
+
+
+class Hooks(Protocol):
+    """What the training entry provides to the seams (see megalaunch.runtime.train.Session)."""
+
+    def decide(self, iteration: int) -> int: ...  # a collective: same Decision on every rank
+    def acted(self, decision: int, iteration: int) -> None: ...
+    def before_save(self, iteration: int) -> None: ...
+    def after_save(self, iteration: int) -> None: ...
+    def on_log(self, iteration: int, loss: float | None, lr: float | None, grad_norm: float | None) -> None: ...
+    def on_iteration(self, iteration: int, flops_so_far: float) -> None: ...
+    def choose_checkpoint(self) -> int | None: ...  # collective; None: start from scratch
+    def load_failed(self, iteration: int, error: BaseException) -> None: ...
+    def loaded(self, iteration: int, consumed_samples: int) -> None: ...
+
+
+def check_version() -> str:
+    """The installed megatron-core version; refuses another one unless explicitly allowed."""
+    from megatron.core import __version__
+
+    version = str(__version__).split("+")[0]
+    if version != PINNED_MEGATRON and os.environ.get(UNPINNED_ENV) != "1":
+        raise RuntimeError(
+            f"megalaunch's training runtime is pinned to megatron-core {PINNED_MEGATRON}, found {version}: "
+            f"pip install megatron-core=={PINNED_MEGATRON} (or set {UNPINNED_ENV}=1 at your own risk)")
+    return version
+
+
+def install(hooks: Hooks) -> None:
+    """Install every seam for this process (call once, before `pretrain`)."""
+    check_version()
+    skip_helper_compilation()
+    fix_optimizer_step()
+    _install_signal_handler()
+    _wrap_checkpoint_and_decide_exit(hooks)
+    _wrap_save(hooks)
+    _wrap_training_log(hooks)
+    _wrap_load_checkpoint(hooks)
+
+
+# --- bug 1: rank 0 runs `make` for a helper the wheel ships compiled --------------------------
+
+def skip_helper_compilation() -> None:
+    import megatron.core.datasets.utils as dutils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron compile it
+    dutils.compile_helpers = lambda: None
+
+
+# --- bugs 2 and 3: Adam's step with torch's optimizer fallback --------------------------------
+
+def fix_optimizer_step() -> None:
+    """Make Adam's `step` survive a checkpoint round trip exactly.
+
+    Non-distributed optimizer: at load time the state has no `step` yet, so Megatron does not ask
+    the checkpoint for its `common_step` (`if step:`), and Adam restarts its bias correction at 1.
+    We put a placeholder step into the empty state before the load request is built, so the saved
+    value is requested and restored.
+    Distributed optimizer: `state_dict()` asserts one step across an empty state when building the
+    load request, and `load_state_dict()` gives every parameter the same step tensor, which torch's
+    Adam then increments once per parameter. We answer the empty case with the param groups' step
+    and give each parameter its own copy after loading."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    if getattr(optimizer.MegatronOptimizer, "_megalaunch_step_fix", False):
+        return
+
+    def with_step_placeholder(original: Any) -> Any:
+        @functools.wraps(original)
+        def sharded_state_dict(self: Any, model_sharded_state_dict: Any, is_loading: bool = False,
+                               metadata: Any = None) -> Any:
+            if is_loading and getattr(self, "init_state_fn", None) is not None:
+                self.init_state_fn(self.optimizer, self.config)
+                for state in self.optimizer.state.values():
+                    if "step" not in state:  # placeholder; nonzero so that `if step:` requests it
+                        state["step"] = torch.tensor(1.0, dtype=torch.float32)
+            return original(self, model_sharded_state_dict, is_loading, metadata)
+
+        return sharded_state_dict
+
+    for cls in (optimizer.FP32Optimizer, optimizer.Float16OptimizerWithFloat16Params):
+        if "sharded_state_dict" in cls.__dict__:
+            cls.sharded_state_dict = with_step_placeholder(cls.__dict__["sharded_state_dict"])
+
+    dist_cls = distrib_optimizer.DistributedOptimizer
+    original_state_dict = dist_cls.state_dict
+    original_load = dist_cls.load_state_dict
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self: Any) -> Any:
+        inner = getattr(self, "optimizer", None)
+        if inner is not None and not distrib_optimizer.HAVE_APEX_OR_TE and len(inner.state) == 0:
+            # Building a load request before any step: no per-parameter state to read `step` from.
+            # The checkpoint's param-group step replaces this value when it is loaded.
+            for p in (p for g in inner.param_groups for p in g["params"]):
+                inner.state[p]["step"] = torch.tensor(0.0)
+            try:
+                return original_state_dict(self)
+            finally:
+                for p in list(inner.state):
+                    if set(inner.state[p]) == {"step"}:
+                        del inner.state[p]
+        return original_state_dict(self)
+
+    @functools.wraps(original_load)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        result = original_load(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if inner is not None:
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+        return result
+
+    dist_cls.state_dict = state_dict
+    dist_cls.load_state_dict = load_state_dict
+    optimizer.MegatronOptimizer._megalaunch_step_fix = True
+
+
+# --- the collective decision -------------------------------------------------------------------
+
+class _CollectiveSignalHandler:
+    """Stands where Megatron's DistributedSignalHandler stands. It installs no OS handler (the
+    entry's SignalFlag already owns the stop signal) and answers `signals_received()` from the
+    decision taken for the current iteration, so the loop needs no all-gather of its own."""
+
+    def __init__(self, sig: Any = None) -> None:
+        self.sig = sig
+        self.exit_requested = False
+
+    def signals_received(self) -> list[bool]:
+        return [self.exit_requested]
+
+    def __enter__(self) -> _CollectiveSignalHandler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def release(self) -> bool:
+        return True
+
+
+_HANDLER = _CollectiveSignalHandler()
+
+
+def _install_signal_handler() -> None:
+    from megatron.training import global_vars
+
+    def set_signal_handler(exit_signal: Any) -> None:
+        _HANDLER.sig = exit_signal
+        global_vars._GLOBAL_SIGNAL_HANDLER = _HANDLER
+
+    global_vars._set_signal_handler = set_signal_handler
+
+
+def _wrap_checkpoint_and_decide_exit(hooks: Hooks) -> None:
+    from megatron.training import get_args
+    from megatron.training import training as mtraining
+
+    from megalaunch.runtime.triggers import Decision
+
+    original = mtraining.checkpoint_and_decide_exit
+
+    @functools.wraps(original)
+    def checkpoint_and_decide_exit(model: Any, optimizer: Any, opt_param_scheduler: Any, iteration: int,
+                                   num_floating_point_operations_so_far: float, checkpointing_context: Any,
+                                   train_data_iterator: Any) -> bool:
+        hooks.on_iteration(iteration, num_floating_point_operations_so_far)
+        decision = Decision(hooks.decide(iteration))
+        if decision == Decision.ABORT:
+            hooks.acted(decision, iteration)
+            return True
+        args = get_args()
+        if decision == Decision.SAVE and not (args.save_interval and iteration % args.save_interval == 0):
+            mtraining.save_checkpoint_and_time(
+                iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                checkpointing_context, train_data_iterator=train_data_iterator)
+        _HANDLER.exit_requested = decision >= Decision.SIGNAL
+        try:
+            should_exit = original(model, optimizer, opt_param_scheduler, iteration,
+                                   num_floating_point_operations_so_far, checkpointing_context,
+                                   train_data_iterator)
+        finally:
+            _HANDLER.exit_requested = False
+        if decision != Decision.CONTINUE:
+            hooks.acted(decision, iteration)
+        return bool(should_exit)
+
+    mtraining.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+
+def _wrap_save(hooks: Hooks) -> None:
+    from megatron.training import training as mtraining
+
+    original = mtraining.save_checkpoint_and_time
+
+    @functools.wraps(original)
+    def save_checkpoint_and_time(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        hooks.before_save(iteration)
+        result = original(iteration, *args, **kwargs)
+        hooks.after_save(iteration)
+        return result
+
+    mtraining.save_checkpoint_and_time = save_checkpoint_and_time
+
+
+def _wrap_training_log(hooks: Hooks) -> None:
+    from megatron.training import training as mtraining
+
+    original = mtraining.training_log
+
+    @functools.wraps(original)
+    def training_log(loss_dict: dict[str, Any], total_loss_dict: Any, learning_rate: Any, iteration: int,
+                     loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+        loss = loss_dict.get("lm loss") if loss_dict else None
+        hooks.on_log(iteration, _as_float(loss), _as_float(learning_rate), _as_float(grad_norm))
+        return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                        report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+
+    mtraining.training_log = training_log
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# --- resume: choose a complete checkpoint, fall back when a load fails ------------------------
+
+MAX_LOAD_ATTEMPTS = 3
+
+
+def _wrap_load_checkpoint(hooks: Hooks) -> None:
+    import torch
+    from megatron.training import get_args
+    from megatron.training import training as mtraining
+
+    original = mtraining.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        margs = get_args()
+        for attempt in range(1, MAX_LOAD_ATTEMPTS + 1):
+            chosen = hooks.choose_checkpoint()
+            margs.ckpt_step = chosen  # None: the tracker is gone too, Megatron starts from scratch
+            error: BaseException | None = None
+            try:
+                result = original(*args, **kwargs)
+            except Exception as e:  # a shard that reads garbage, a pickle that fails...
+                error = e
+            if not _any_rank(error is not None, torch):
+                margs.ckpt_step = None
+                hooks.loaded(int(result[0]), int(getattr(margs, "consumed_train_samples", 0) or 0))
+                return result
+            if chosen is None or attempt == MAX_LOAD_ATTEMPTS:
+                raise error or RuntimeError(f"loading checkpoint {chosen} failed on another rank")
+            hooks.load_failed(chosen, error or RuntimeError("failed on another rank"))
+        raise AssertionError("unreachable")
+
+    mtraining.load_checkpoint = load_checkpoint
+
+
+def _any_rank(flag: bool, torch: Any) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def collective_device() -> Any:
+    """The device a tensor for the default process group must live on (gloo: CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,287 @@
+"""The GPT/Llama model for Megatron's loop: layer specs, the model provider, the forward step, and a
+public builder from a `megalaunch.config.schema.ModelConfig` (conversion and logits-parity tests).
+
+Attention implementations (`training.attention` in a recipe):
+- `local`: Megatron's own DotProductAttention (no transformer-engine needed; slow, memory-hungry);
+- `sdpa`:  `torch.nn.functional.scaled_dot_product_attention` (causal, GQA) as the core attention in
+           Megatron's local layer spec: ~20-28 % more tokens/s than `local` on one GPU (FACTS.md);
+- `te`:    transformer-engine's spec (needs `transformer_impl: transformer_engine` and TE installed).
+
+Heavy imports (torch, megatron) happen inside functions: importing this module is cheap."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megalaunch.config.schema import ModelConfig
+
+ATTENTIONS = ("local", "sdpa", "te")
+
+
+def sdpa_attention_class() -> type:
+    """The SDPA core-attention module (built lazily: it subclasses a Megatron class)."""
+    global _SDPA_CLASS
+    if _SDPA_CLASS is None:
+        _SDPA_CLASS = _make_sdpa_class()
+    return _SDPA_CLASS
+
+
+_SDPA_CLASS: type | None = None
+
+
+def _make_sdpa_class() -> type:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPAttention(DotProductAttention):
+        """Megatron's DotProductAttention interface, computed by torch's fused SDPA kernels.
+
+        Inputs are [s, b, heads, head_dim] (key/value with the KV-group count); the output is
+        [s, b, heads * head_dim] like Megatron's. Causal masking is implicit; an explicit
+        attention mask, packed sequences, attention bias and sliding windows are refused, as is
+        a non-vanilla softmax (Megatron's learnable offsets)."""
+
+        def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, *args: Any, **kwargs: Any):
+            super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+            if config.softmax_type != "vanilla":
+                raise ValueError("attention: sdpa supports only the vanilla softmax")
+            if config.window_size is not None:
+                raise ValueError("attention: sdpa does not support sliding-window attention")
+            if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+                raise ValueError(f"attention: sdpa supports causal attention only, got {attn_mask_type}")
+            self.dropout_p = config.attention_dropout if kwargs.get("attention_dropout") is None \
+                else kwargs["attention_dropout"]
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                    attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+            if packed_seq_params is not None:
+                raise ValueError("attention: sdpa does not support packed sequences")
+            if attention_bias is not None:
+                raise ValueError("attention: sdpa does not support an attention bias")
+            sq, b, np_, hn = query.shape
+            # [s, b, h, d] -> [b, h, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            # torch >= 2.5 shares each KV head among its query heads without copying (GQA).
+            extra = {"enable_gqa": True} if np_ != k.shape[1] else {}
+            dropout_p = self.dropout_p if self.training else 0.0
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                from megatron.core import tensor_parallel
+
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                         scale=self.softmax_scale, **extra)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                     scale=self.softmax_scale, **extra)
+            # [b, h, s, d] -> [s, b, h * d]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    return SDPAttention
+
+
+def layer_spec(config: TransformerConfig, *, attention: str = "local", transformer_impl: str = "local",
+               normalization: str = "RMSNorm", qk_layernorm: bool = False) -> ModuleSpec:
+    """The transformer-layer spec for this attention implementation."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
+    num_experts = getattr(config, "num_moe_experts", None)
+    moe_grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
+    if transformer_impl == "transformer_engine" or attention == "te":
+        if attention == "sdpa":
+            raise ValueError("attention: sdpa goes with transformer_impl: local (TE brings its own attention)")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization=normalization)
+    if attention == "sdpa":
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    return spec
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
+    """Megatron's vocabulary padding: up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tensor_parallel
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None = None,
+                       init_method_std: float = 0.02, use_cpu_initialization: bool | None = None,
+                       **overrides: Any) -> TransformerConfig:
+    """A Megatron TransformerConfig equivalent to what `--num-layers ...` etc. produce for this
+    ModelConfig with the local implementation (no fusions). `overrides` go to TransformerConfig."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = params_dtype or torch.float32
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_query_groups=model.num_query_groups,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        add_bias_linear=not model.disable_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        init_method_std=init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk if model.num_experts else 2,
+        persist_layer_norm=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None
+        else use_cpu_initialization,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",
+                    params_dtype: torch.dtype | None = None, pre_process: bool = True,
+                    post_process: bool = True, make_vocab_size_divisible_by: int | None = None,
+                    **config_overrides: Any) -> GPTModel:
+    """Build a Megatron-core GPTModel (the one `megalaunch.runtime.train` trains) from a recipe's
+    ModelConfig, outside of the training loop.
+
+    Args:
+        model: the recipe's `model` section (shape, RoPE, norm, SwiGLU, biases, ties...).
+        vocab_size: the tokenizer's vocabulary size, before padding; the embedding gets
+            `padded_vocab_size(vocab_size, make_vocab_size_divisible_by, TP)` rows, as in training.
+        attention: "local" (Megatron's), "sdpa" (torch SDPA) or "te" (transformer-engine).
+        params_dtype: parameter dtype (default float32).
+        make_vocab_size_divisible_by: default `model.make_vocab_size_divisible_by`.
+        config_overrides: extra TransformerConfig fields.
+
+    Megatron's model-parallel state must exist: inside training it does; in a test or a converter
+    use `with megatron_parallel_state(): ...` (one process, TP=PP=1, CPU or GPU). State-dict keys
+    are Megatron's (`embedding.word_embeddings.weight`, `decoder.layers.0.self_attention.
+    linear_qkv.weight`, ..., `output_layer.weight`), identical to the checkpoints training writes.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(model, params_dtype=params_dtype, **config_overrides)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
+    impl = "transformer_engine" if attention == "te" else "local"
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, attention=attention, transformer_impl=impl,
+                                          normalization=model.normalization),
+        vocab_size=padded_vocab_size(vocab_size, divisible, tp),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=False,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.use_rope_scaling,
+    )
+
+
+@contextlib.contextmanager
+def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
+    """One-process Megatron parallel state (TP=PP=1) for building and running a model outside the
+    training loop, e.g. logits-parity tests. Uses gloo and the CPU when no GPU is present (turning
+    on `cpu_compat` for the process), NCCL otherwise. Tears everything down on exit."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from megalaunch.runtime import cpu_compat
+
+        cpu_compat.enable()
+    created = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
+        created = True
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- inside Megatron's loop -------------------------------------------------------------------
+
+def model_provider(attention: str) -> Any:
+    """Megatron's `model_provider(pre_process, post_process, vp_stage, config, pg_collection)` for
+    a GPT built from the parsed Megatron arguments, with the given attention implementation."""
+
+    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                config: Any = None, pg_collection: Any = None) -> GPTModel:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.training import get_args
+        from megatron.training.argument_utils import core_transformer_config_from_args
+
+        args = get_args()
+        cfg = config if config is not None else core_transformer_config_from_args(args)
+        spec = layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
+                          normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+        return GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+
+    return provide

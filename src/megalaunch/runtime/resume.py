@@ -1,0 +1,262 @@
+"""Which checkpoint to resume from, and which ones to keep.
+
+Only complete checkpoints are trusted. A `torch_dist` checkpoint is complete when Megatron's
+`metadata.json` and torch.distributed.checkpoint's `.metadata` (written last, when every rank has
+finished) exist and parse, and every shard file that `.metadata` refers to exists and is long enough for the byte ranges it
+lists (a truncated or missing shard fails this). A legacy `torch` checkpoint is complete when each
+`mp_rank_*` directory holds a non-empty `model_optim_rng.pt`.
+
+Rank 0 plans; the others follow the plan through a broadcast. Checkpoints that cannot be used are
+renamed (`iter_0000200.incomplete-<job>`, `.unreadable-<job>`, `.abandoned-<job>`), never deleted,
+and every such step is a ledger record. Retention deletes old complete checkpoints only, and only
+when `keep_last` newer complete ones exist; milestones (every `milestone_interval`-th iteration)
+and the checkpoint training resumed from in this segment are kept."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megalaunch.runtime.files import append_jsonl, atomic_write_text
+from megalaunch.runtime.paths import RunPaths
+
+ITER_RE = re.compile(r"^iter_(\d{7})$")
+BLEND_HASH_NAME = "data_blend.sha256"
+
+
+def iter_dir(paths: RunPaths, iteration: int) -> Path:
+    return paths.checkpoints / f"iter_{iteration:07d}"
+
+
+def checkpoint_iterations(paths: RunPaths) -> list[int]:
+    """Iterations with an `iter_NNNNNNN` directory, oldest first (complete or not)."""
+    try:
+        names = os.listdir(paths.checkpoints)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := ITER_RE.match(n)) and (paths.checkpoints / n).is_dir())
+
+
+def read_tracker(paths: RunPaths) -> int | str | None:
+    """The tracker's iteration; "garbled" when it exists but holds no iteration; None when absent."""
+    try:
+        text = paths.tracker.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return "garbled"
+    if text.isdigit():
+        return int(text)
+    return "garbled"
+
+
+def incomplete_reason(directory: Path) -> str | None:
+    """None when the checkpoint in `directory` is complete, else why not (one line)."""
+    if not directory.is_dir():
+        return "missing"
+    if (directory / "metadata.json").exists() or (directory / ".metadata").exists():
+        return _torch_dist_incomplete(directory)
+    shards = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
+    if shards:
+        empty = [s for s in shards if s.stat().st_size == 0]
+        return f"empty {empty[0].relative_to(directory)}" if empty else None
+    return "no metadata.json, .metadata or mp_rank_*/model_optim_rng.pt"
+
+
+def _torch_dist_incomplete(directory: Path) -> str | None:
+    for name in ("metadata.json", ".metadata", "common.pt"):
+        path = directory / name
+        if not path.exists():
+            if name == "common.pt":  # older Megatron versions only; 0.19 keeps it in the shards
+                continue
+            return f"missing {name}"
+        if path.stat().st_size == 0:
+            return f"empty {name}"
+    try:
+        import json
+
+        json.loads((directory / "metadata.json").read_text())
+    except (ValueError, OSError) as e:
+        return f"unreadable metadata.json ({e})"
+    try:
+        needed = _dcp_extents(directory / ".metadata")
+    except Exception as e:  # a pickle that fails to load is the same as a missing one
+        return f"unreadable .metadata ({type(e).__name__}: {e})"
+    for rel, end in sorted(needed.items()):
+        path = directory / rel
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"missing shard {rel}"
+        if size < end:
+            return f"truncated shard {rel} ({size} < {end} bytes)"
+    return None
+
+
+def _dcp_extents(metadata_file: Path) -> dict[str, int]:
+    """Shard file -> bytes it must hold, from torch.distributed.checkpoint's `.metadata`."""
+    import pickle
+
+    with open(metadata_file, "rb") as f:
+        meta = pickle.load(f)
+    extents: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    return extents
+
+
+def is_complete(paths: RunPaths, iteration: int) -> bool:
+    return incomplete_reason(iter_dir(paths, iteration)) is None
+
+
+@dataclass
+class ResumePlan:
+    """Rank 0's choice. `iteration` None: start from scratch."""
+
+    iteration: int | None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = None,
+                skip: set[int] | frozenset[int] = frozenset()) -> ResumePlan:
+    """Choose the newest complete checkpoint (or `requested`), move unusable newer ones aside, make
+    the tracker name the choice, and return the plan with its ledger events (already appended)."""
+    tracker = read_tracker(paths)
+    iterations = [i for i in checkpoint_iterations(paths) if i not in skip]
+    plan = ResumePlan(None)
+
+    def event(name: str, **data: Any) -> None:
+        record = {"event": name, "time": time.time(), "job_id": job_id, **data}
+        plan.events.append(record)
+        append_jsonl(paths.ledger, record)
+
+    if requested is not None:
+        reason = incomplete_reason(iter_dir(paths, requested))
+        if reason is not None:
+            raise ValueError(f"--resume-from {requested}: checkpoint is not usable ({reason}); "
+                             f"complete ones: {[i for i in iterations if is_complete(paths, i)]}")
+        for newer in (i for i in iterations if i > requested):
+            _move_aside(paths, newer, "abandoned", job_id)
+        plan.iteration = requested
+        event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested])
+    else:
+        rejected: list[dict[str, Any]] = []
+        for candidate in reversed(iterations):
+            reason = incomplete_reason(iter_dir(paths, candidate))
+            if reason is None:
+                plan.iteration = candidate
+                break
+            rejected.append({"iteration": candidate, "reason": reason})
+        for r in rejected:
+            _move_aside(paths, r["iteration"], "incomplete", job_id)
+        newest = tracker if isinstance(tracker, int) else (iterations[-1] if iterations else None)
+        if rejected or tracker == "garbled" or (tracker is not None and tracker != plan.iteration):
+            event("resume_fallback", tracker=tracker, newest=newest, to=plan.iteration, rejected=rejected)
+    _point_tracker(paths, plan.iteration)
+    return plan
+
+
+def mark_unreadable(paths: RunPaths, iteration: int, error: BaseException, job_id: str | None) -> None:
+    """A checkpoint that passed the completeness check but failed to load: move it aside."""
+    _move_aside(paths, iteration, "unreadable", job_id)
+    append_jsonl(paths.ledger, {"event": "resume_fallback", "time": time.time(), "job_id": job_id,
+                                "unreadable": iteration, "reason": one_line(error)})
+
+
+def one_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+def _move_aside(paths: RunPaths, iteration: int, why: str, job_id: str | None) -> None:
+    src = iter_dir(paths, iteration)
+    if src.exists():
+        os.replace(src, src.with_name(f"{src.name}.{why}-{job_id or os.getpid()}"))
+
+
+def _point_tracker(paths: RunPaths, iteration: int | None) -> None:
+    current = read_tracker(paths)
+    if iteration is None:
+        if current is not None:
+            os.replace(paths.tracker, paths.tracker.with_name(paths.tracker.name + ".invalid"))
+    elif current != iteration:
+        atomic_write_text(paths.tracker, f"{iteration}\n")
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+def prune(paths: RunPaths, *, keep_last: int, milestone_interval: int = 0, protect: set[int] | None = None,
+          job_id: str | None = None) -> list[int]:
+    """Delete complete checkpoints older than the `keep_last` newest complete ones, except
+    milestones and `protect`; also delete incomplete leftovers older than the newest complete one
+    (a save that crashed). Returns the deleted iterations. Never touches anything newer than the
+    newest complete checkpoint (an asynchronous save may be writing it)."""
+    if keep_last < 1:
+        return []
+    protect = protect or set()
+    iterations = checkpoint_iterations(paths)
+    complete = [i for i in iterations if is_complete(paths, i)]
+    if not complete:
+        return []
+    kept = set(complete[-keep_last:]) | protect
+    if milestone_interval > 0:
+        kept |= {i for i in complete if i % milestone_interval == 0}
+    tracker = read_tracker(paths)
+    if isinstance(tracker, int):
+        kept.add(tracker)
+    doomed = [i for i in iterations if i < complete[-1] and i not in kept]
+    for iteration in doomed:
+        _delete(iter_dir(paths, iteration))
+        append_jsonl(paths.ledger, {"event": "checkpoint_deleted", "time": time.time(), "job_id": job_id,
+                                    "iteration": iteration})
+    return doomed
+
+
+def _delete(directory: Path) -> None:
+    # Rename first, so a half-deleted directory never looks like a checkpoint.
+    doomed = directory.with_name(f".deleting-{directory.name}-{os.getpid()}")
+    os.replace(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# --- the data blend this run trains on -----------------------------------------------------------
+
+def blend_hash(paths: RunPaths) -> str | None:
+    try:
+        return hashlib.sha256(paths.data_blend.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def check_blend(paths: RunPaths, *, allow_change: bool, write: bool, job_id: str | None) -> None:
+    """Refuse to resume on a data blend other than the one the checkpoints were trained on (the
+    hash is recorded next to them the first time), unless the recipe allows the change."""
+    current = blend_hash(paths)
+    record = paths.checkpoints / BLEND_HASH_NAME
+    try:
+        previous = record.read_text().strip()
+    except FileNotFoundError:
+        previous = None
+    has_checkpoint = bool(checkpoint_iterations(paths))
+    if previous and current and previous != current and has_checkpoint:
+        if not allow_change:
+            raise BlendChanged(
+                f"RUN/data_blend.txt changed since the checkpoints were written (sha256 {previous[:12]} -> "
+                f"{current[:12]}); set checkpoint.allow_blend_change: true to resume on the new blend")
+        if write:
+            append_jsonl(paths.ledger, {"event": "blend_changed", "time": time.time(), "job_id": job_id,
+                                        "previous": previous, "current": current})
+    if write and current and current != previous:
+        paths.checkpoints.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(record, current + "\n")
+
+
+class BlendChanged(ValueError):
+    """The data blend differs from the one the checkpoints were trained on."""

@@ -1,0 +1,506 @@
+"""The training entry: `python -m megalaunch.runtime.train RUN [--resume-from ITER]`.
+
+One process per GPU (srun task, or the local backend's processes), with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment. It runs Megatron's own loop
+(`megatron.training.pretrain`) on the arguments in RUN/megatron.args, a GPT/Llama model
+(runtime/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data), and adds what
+the chain needs (DESIGN.md, "Training entry"):
+
+- the stop signal and the trigger files folded into one decision per check, the same on every rank
+  (`Session.decide`, one all-reduce MAX); every rank logs the iteration at which it acted;
+- state/progress.json every log interval and state/outcome.json at exit, whatever happens;
+- resume from the newest complete checkpoint, falling back to an older one (runtime/resume.py);
+- retention of the last N checkpoints plus milestones; a data-blend check;
+- one W&B run for the whole experiment (runtime/wandb_run.py); a hang watchdog (runtime/watchdog.py).
+
+Test hooks (environment): MEGALAUNCH_LOSS_LOG=FILE appends {"iteration", "loss"} for every
+iteration (rank 0, full precision); MEGALAUNCH_TEST_HANG=ITER[:RANK] makes RANK (default 0) stop
+making progress inside iteration ITER."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megalaunch.runtime import resume
+from megalaunch.runtime.files import append_jsonl
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.settings import RuntimeSettings
+from megalaunch.runtime.signals import SignalFlag, resolve_signal
+from megalaunch.runtime.state import current_job_id, write_outcome, write_progress
+from megalaunch.runtime.triggers import Decision, consume, consume_for, decide
+
+LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
+HANG_ENV = "MEGALAUNCH_TEST_HANG"
+
+
+class ConfigFailure(Exception):
+    """A failure no retry can fix (outcome `failed`, kind `config`)."""
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank), from the launcher's variables or Slurm's; also makes sure
+    Megatron finds them (it reads RANK/WORLD_SIZE/LOCAL_RANK) and a rendezvous address."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local)})
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return rank, world, local
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Session:
+    """One segment of training on one rank: the state the Megatron seams report into."""
+
+    def __init__(self, paths: RunPaths, settings: RuntimeSettings, flag: SignalFlag, *,
+                 rank: int, world: int, resume_from: int | None = None) -> None:
+        self.paths = paths
+        self.settings = settings
+        self.flag = flag
+        self.rank = rank
+        self.world = world
+        self.job_id = current_job_id()
+        self.resume_from = resume_from
+        self.recipe: Any = None
+        self.iteration = 0
+        self.decision = Decision.CONTINUE
+        self.decision_iteration: int | None = None
+        self.resumed_from: int | None = None
+        self.loss: float | None = None
+        self.lr: float | None = None
+        self.grad_norm: float | None = None
+        self.save_times: list[float] = []
+        self._save_started = 0.0
+        self._window: tuple[float, int, float] | None = None  # (time, consumed samples, flops)
+        self._saving_in_window = 0.0
+        self._loss_log = os.environ.get(LOSS_LOG_ENV) if rank == 0 else None
+        self._hang_at = _parse_hang(os.environ.get(HANG_ENV), rank)
+        self.watchdog: Any = None
+        self.wandb: Any = None
+
+    # --- logging -------------------------------------------------------------------------------
+    def log(self, message: str) -> None:
+        print(f"[megalaunch rank {self.rank}] {message}", flush=True)
+
+    def ledger(self, event: str, **data: Any) -> None:
+        if self.rank == 0:
+            append_jsonl(self.paths.ledger, {"event": event, "time": time.time(), "job_id": self.job_id, **data})
+
+    # --- hooks called from megatron_seams ---------------------------------------------------------
+    def decide(self, iteration: int) -> int:
+        if iteration % max(1, self.settings.trigger_interval) != 0 and iteration < self.settings.train_iters:
+            return Decision.CONTINUE
+        import torch
+        import torch.distributed as dist
+
+        from megalaunch.runtime.megatron_seams import collective_device
+
+        local = decide(self.paths if self.rank == 0 else None, self.flag.received)
+        t = torch.tensor([int(local)], dtype=torch.int64, device=collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def acted(self, decision: int, iteration: int) -> None:
+        d = Decision(decision)
+        self.decision = max(self.decision, d)
+        self.decision_iteration = iteration
+        what = {Decision.SAVE: "saved a checkpoint and continues", Decision.SIGNAL: "saved on the stop signal, exiting",
+                Decision.EXIT: "saved on the exit trigger, exiting", Decision.ABORT: "aborting without a save"}[d]
+        self.log(f"decision {d.name.lower()} at iteration {iteration}: {what}")
+        if self.rank == 0:
+            consumed = consume_for(self.paths, d, iteration, self.job_id)
+            if d == Decision.SIGNAL:  # the checkpoint just written also satisfies a pending `save`
+                rec = consume(self.paths, "save", iteration, self.job_id)
+                consumed += [rec] if rec else []
+            self.ledger("decision", decision=d.name.lower(), iteration=iteration,
+                        triggers=[c.get("verb") for c in consumed], signal=self.flag.received)
+
+    def before_save(self, iteration: int) -> None:
+        self._save_started = time.monotonic()
+        if self.watchdog:
+            self.watchdog.beat(f"save at iteration {iteration} started")
+
+    def after_save(self, iteration: int) -> None:
+        elapsed = time.monotonic() - self._save_started
+        self.save_times.append(elapsed)
+        self._saving_in_window += elapsed
+        if self.watchdog:
+            self.watchdog.beat(f"save at iteration {iteration} done")
+        if self.rank == 0:
+            self.log(f"checkpoint at iteration {iteration}: {elapsed:.2f} s blocking")
+            deleted = resume.prune(self.paths, keep_last=self.settings.keep_last,
+                                   milestone_interval=self.settings.milestone_interval,
+                                   protect={self.resumed_from} if self.resumed_from else set(), job_id=self.job_id)
+            if deleted:
+                self.log(f"retention: deleted checkpoints {deleted}")
+
+    def on_log(self, iteration: int, loss: float | None, lr: float | None, grad_norm: float | None) -> None:
+        self.loss, self.lr, self.grad_norm = loss, lr, grad_norm
+        if self._loss_log and loss is not None:
+            with open(self._loss_log, "a") as f:
+                f.write(json.dumps({"iteration": iteration, "loss": loss}) + "\n")
+
+    def on_iteration(self, iteration: int, flops_so_far: float) -> None:
+        self.iteration = iteration
+        if self.watchdog:
+            self.watchdog.beat(f"iteration {iteration}")
+        if self.rank == 0 and iteration % self.settings.log_interval == 0:
+            self._report(iteration, flops_so_far)
+
+    def choose_checkpoint(self) -> int | None:
+        """Rank 0 plans (moving unusable checkpoints aside); every rank gets the same answer."""
+        import torch
+        import torch.distributed as dist
+
+        from megalaunch.runtime.megatron_seams import collective_device
+
+        chosen, error = -1, None
+        if self.rank == 0:
+            try:
+                plan = resume.plan_resume(self.paths, job_id=self.job_id, requested=self.resume_from)
+                chosen = plan.iteration if plan.iteration is not None else -1
+                for e in plan.events:
+                    self.log(f"resume: {e['event']} {json.dumps({k: v for k, v in e.items() if k not in ('event', 'time', 'job_id')})}")
+            except Exception as e:
+                chosen, error = -2, e
+        self.resume_from = None  # only for the first attempt
+        t = torch.tensor([chosen], dtype=torch.int64, device=collective_device())
+        if dist.is_initialized():
+            dist.broadcast(t, 0)
+        chosen = int(t.item())
+        if chosen == -2:
+            if error is not None and isinstance(error, ValueError):
+                raise ConfigFailure(str(error))
+            raise RuntimeError(f"rank 0 could not choose a checkpoint: {error}" if error else
+                               "rank 0 could not choose a checkpoint")
+        self.resumed_from = chosen if chosen >= 0 else None
+        return self.resumed_from
+
+    def load_failed(self, iteration: int, error: BaseException) -> None:
+        self.log(f"resume: checkpoint {iteration} failed to load ({resume.one_line(error)}); falling back")
+        if self.rank == 0:
+            resume.mark_unreadable(self.paths, iteration, error, self.job_id)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def loaded(self, iteration: int, consumed_samples: int) -> None:
+        self.iteration = iteration
+        if iteration > 0:
+            self.log(f"resumed at iteration {iteration} with {consumed_samples} consumed samples")
+            self.ledger("resumed", iteration=iteration, consumed_samples=consumed_samples)
+        else:
+            self.log("starting from scratch")
+        self._window = None
+
+    # --- progress ----------------------------------------------------------------------------------
+    def _report(self, iteration: int, flops_so_far: float) -> None:
+        from megatron.training import get_args
+
+        args = get_args()
+        now = time.monotonic()
+        samples = int(args.consumed_train_samples)
+        tokens_per_s = tflops = None
+        if self._window is not None:
+            t0, s0, f0 = self._window
+            dt = max(now - t0 - self._saving_in_window, 1e-9)
+            tokens_per_s = (samples - s0) * args.seq_length / dt
+            tflops = (flops_so_far - f0) / dt / self.world / 1e12
+        self._window = (now, samples, flops_so_far)
+        self._saving_in_window = 0.0
+        write_progress(self.paths, iteration=iteration, consumed_samples=samples, loss=self.loss,
+                       tokens_per_s=tokens_per_s, tflops_per_gpu=tflops, lr=self.lr, grad_norm=self.grad_norm,
+                       train_iters=self.settings.train_iters)
+        if self.wandb is not None:
+            self.wandb.log(iteration, {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                                       "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+                                       "consumed_samples": samples})
+
+    def maybe_hang(self) -> None:
+        """Test hook: stop making progress inside iteration MEGALAUNCH_TEST_HANG."""
+        if self._hang_at is not None and self.iteration + 1 == self._hang_at:
+            self.log(f"test hook: hanging in iteration {self._hang_at}")
+            while True:
+                time.sleep(3600)
+
+    # --- the verdict ---------------------------------------------------------------------------------
+    def verdict(self, exited_early: bool) -> tuple[str, str | None]:
+        if self.decision == Decision.ABORT:
+            return "aborted", f"abort trigger at iteration {self.decision_iteration}"
+        if self.iteration >= self.settings.train_iters:
+            return "finished", None
+        if self.decision == Decision.EXIT:
+            return "exited", f"exit trigger at iteration {self.decision_iteration}"
+        if self.decision == Decision.SIGNAL:
+            return "saved", f"{self.settings.stop_signal} at iteration {self.decision_iteration}"
+        how = "exited" if exited_early else "returned"
+        return "failed", f"Megatron {how} at iteration {self.iteration} before train_iters {self.settings.train_iters}"
+
+
+def _parse_hang(text: str | None, rank: int) -> int | None:
+    if not text:
+        return None
+    iteration, _, hang_rank = text.partition(":")
+    return int(iteration) if int(hang_rank or 0) == rank else None
+
+
+# --- Megatron arguments, data and the step ---------------------------------------------------------
+
+def megatron_argv(paths: RunPaths, recipe: Any, *, cpu: bool) -> list[str]:
+    from megalaunch.config.megatron_args import read_args_file
+
+    argv = read_args_file(paths.megatron_args.read_text())
+    if cpu:
+        from megalaunch.runtime import cpu_compat
+
+        argv += [a for a in cpu_compat.extra_megatron_args() if a not in argv]
+    if recipe is not None and recipe.logging.tensorboard and "--tensorboard-dir" not in argv:
+        argv += ["--tensorboard-dir", str(paths.root / "tensorboard")]
+    return argv
+
+
+def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> Any:
+    """GPTDataset over RUN/data_blend.txt (Megatron's --data-args-path), or mock data."""
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus, mmap_bin_files=args.mmap_bin_files,
+    )
+
+    def built_here() -> bool:
+        return (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()) and \
+            mpu.get_tensor_model_parallel_rank() == 0
+
+    cls = MockGPTDataset if config.mock else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, config).build()
+
+
+dataset_provider.is_distributed = True  # type: ignore[attr-defined]
+
+
+def get_batch(data_iterator: Any) -> dict[str, Any]:
+    """This micro-batch on this rank: TP rank 0 reads it, the other TP ranks receive it."""
+    import torch
+    from megatron.core import mpu
+    from megatron.training import get_args
+
+    args = get_args()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        raw = next(data_iterator)
+        batch = {k: raw[k].to(device, non_blocking=True) for k in keys}
+    else:
+        shape = (args.micro_batch_size, args.seq_length)
+        dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
+        batch = {k: torch.empty(shape, dtype=dtypes[k], device=device) for k in keys}
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        import torch.distributed as dist
+
+        for k in keys:
+            if batch[k].dtype != torch.float32 and k == "loss_mask":
+                batch[k] = batch[k].float()
+            dist.broadcast(batch[k], mpu.get_tensor_model_parallel_src_rank(),
+                           group=mpu.get_tensor_model_parallel_group())
+    return batch
+
+
+def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Summed token loss and token count; Megatron divides and reduces over data parallel."""
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def make_forward_step(session: Session | None) -> Any:
+    from functools import partial
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        if session is not None:
+            session.maybe_hang()
+        batch = get_batch(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(loss_func, batch["loss_mask"])
+
+    return forward_step
+
+
+# --- the entry ---------------------------------------------------------------------------------------
+
+def run_pretrain(argv: list[str], *, attention: str, session: Session | None) -> None:
+    """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain`."""
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.training import pretrain
+
+    from megalaunch.runtime.model import model_provider
+
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0], *argv]
+    try:
+        cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
+    finally:
+        sys.argv = saved_argv
+    pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, make_forward_step(session),
+             model_provider=model_provider(attention))
+
+
+def _load_recipe(paths: RunPaths) -> Any:
+    import yaml
+
+    from megalaunch.config.loader import load_resolved
+
+    try:
+        return load_resolved(yaml.safe_load(paths.run_yaml.read_text()) or {})
+    except Exception as e:
+        raise ConfigFailure(f"RUN/run.yaml: {resume.one_line(e)}") from e
+
+
+def _setup(session: Session) -> tuple[list[str], str]:
+    """Everything before Megatron starts: recipe, blend check, CPU mode, seams, W&B."""
+    import torch
+
+    paths, rank = session.paths, session.rank
+    recipe = session.recipe = _load_recipe(paths)
+    try:
+        resume.check_blend(paths, allow_change=recipe.checkpoint.allow_blend_change, write=rank == 0,
+                           job_id=session.job_id)
+    except resume.BlendChanged as e:
+        raise ConfigFailure(str(e)) from e
+    attention = recipe.training.attention
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from megalaunch.runtime import cpu_compat
+
+        cpu_compat.enable()
+        session.log("no GPU: running on the CPU (gloo, cpu_compat)")
+    from megalaunch.runtime import megatron_seams
+
+    megatron_seams.install(session)
+    if rank == 0 and recipe.logging.wandb_project:
+        from megalaunch.runtime.wandb_run import WandbRun, offline_by_default
+
+        mode = recipe.logging.wandb_mode
+        if mode == "online" and offline_by_default():
+            session.log("W&B: no WANDB_API_KEY in the environment, logging offline")
+            mode = "offline"
+        import yaml
+
+        session.wandb = WandbRun.open(paths, project=recipe.logging.wandb_project, entity=recipe.logging.wandb_entity,
+                                      mode=mode, name=recipe.name, config=yaml.safe_load(paths.run_yaml.read_text()),
+                                      job_id=session.job_id)
+        session.log(f"W&B run {session.wandb.run_id} ({mode})")
+    return megatron_argv(paths, recipe, cpu=cpu), attention
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megalaunch.runtime.train",
+                                     description="Train with Megatron's loop inside a megalaunch run directory.")
+    parser.add_argument("run_dir", nargs="?", default=os.environ.get("MEGALAUNCH_RUN_DIR"))
+    parser.add_argument("--resume-from", type=int, default=None,
+                        help="resume from this checkpoint iteration instead of the newest (newer ones are moved aside)")
+    opts = parser.parse_args(argv)
+    if not opts.run_dir:
+        parser.error("give the run directory (or set MEGALAUNCH_RUN_DIR)")
+    paths = RunPaths(Path(opts.run_dir).absolute())
+    settings = RuntimeSettings.load(paths)
+    # First thing after knowing which signal: before the handler exists, SIGUSR2 would kill us.
+    flag = SignalFlag(resolve_signal(settings.stop_signal))
+    rank, world, _ = rank_env()
+    os.environ["MEGALAUNCH_RUN_DIR"] = str(paths.root)
+    session = Session(paths, settings, flag, rank=rank, world=world,
+                      resume_from=opts.resume_from if opts.resume_from is not None else _env_int("MEGALAUNCH_RESUME_FROM"))
+    return run_session(session)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def run_session(session: Session) -> int:
+    from megalaunch.runtime.watchdog import Watchdog
+
+    paths = session.paths
+
+    def on_hang(reason: str) -> None:
+        if session.rank == 0:
+            write_outcome(paths, "hung", iteration=session.iteration, reason=reason)
+            session.ledger("hung", iteration=session.iteration, reason=reason)
+
+    session.watchdog = Watchdog(paths.debug, rank=session.rank, job_id=session.job_id,
+                                timeout_s=session.settings.hang_timeout_s, on_hang=on_hang).start()
+    status, reason, kind, code = "failed", "did not start", None, 1
+    try:
+        argv, attention = _setup(session)
+        run_pretrain(argv, attention=attention, session=session)
+        (status, reason), code = session.verdict(exited_early=False), 0
+    except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger
+        if e.code in (0, None):
+            (status, reason), code = session.verdict(exited_early=True), 0
+        else:
+            status, reason, kind, code = "failed", f"Megatron exited with status {e.code}", "config", 1
+    except ConfigFailure as e:
+        status, reason, kind, code = "failed", str(e), "config", 1
+    except BaseException as e:
+        import traceback
+
+        traceback.print_exc()
+        status, reason, code = "failed", resume.one_line(e), 1
+    finally:
+        session.watchdog.stop()
+    if status == "failed" and code == 0:
+        code = 1
+    session.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
+    if session.rank == 0:
+        write_outcome(paths, status, iteration=session.iteration, reason=reason, kind=kind,
+                      resumed_from=session.resumed_from, save_times_s=[round(t, 3) for t in session.save_times])
+    if session.wandb is not None:
+        session.wandb.finish(exit_code=code)
+    _shutdown()
+    return code
+
+
+def _shutdown() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

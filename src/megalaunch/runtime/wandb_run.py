@@ -1,0 +1,86 @@
+"""One Weights & Biases run per experiment, continued by every segment of the chain.
+
+The run id is created once and stored in RUN/state/wandb.json (with the project, the mode and the
+last step logged); every segment calls `wandb.init(id=..., resume="allow")`. Steps are iterations
+and only ever go forward: after a crash and a resume from an older checkpoint, iterations already
+logged are skipped rather than sent out of order (W&B would drop them anyway).
+
+Offline mode (compute nodes without network) writes under RUN/wandb/; wandb.json carries the
+command that uploads it (`wandb sync --include-offline RUN/wandb/offline-run-*`), which `megalaunch
+status` can show. Nothing secret is written: the API key stays in the environment (WANDB_API_KEY,
+passed by name through the cluster profile's `secret_env`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from megalaunch.runtime.files import atomic_write_json, read_json
+from megalaunch.runtime.paths import RunPaths
+
+
+def state_file(paths: RunPaths) -> Any:
+    return paths.state / "wandb.json"
+
+
+def wandb_dir(paths: RunPaths) -> Any:
+    return paths.root  # wandb appends "wandb/"
+
+
+def sync_command(paths: RunPaths) -> str:
+    return f"wandb sync --include-offline {paths.root / 'wandb'}/offline-run-*"
+
+
+class WandbRun:
+    """Rank 0's W&B run for this segment."""
+
+    def __init__(self, paths: RunPaths, run: Any, state: dict[str, Any]) -> None:
+        self.paths = paths
+        self.run = run
+        self.state = state
+
+    @classmethod
+    def open(cls, paths: RunPaths, *, project: str, entity: str | None, mode: str, name: str,
+             config: dict[str, Any] | None = None, job_id: str | None = None) -> WandbRun:
+        import wandb
+
+        state = read_json(state_file(paths)) or {}
+        if not state.get("id"):
+            state = {"id": wandb.util.generate_id(), "created": time.time(), "last_step": -1}
+        state.update({"project": project, "entity": entity, "mode": mode,
+                      "sync_command": sync_command(paths) if mode == "offline" else None})
+        paths.state.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(state_file(paths), state)
+        run = wandb.init(
+            project=project, entity=entity, id=state["id"], resume="allow", name=name, mode=mode,
+            dir=str(wandb_dir(paths)), config=config or {}, allow_val_change=True,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        if job_id is not None:
+            run.summary["megalaunch/last_job_id"] = job_id
+        return cls(paths, run, state)
+
+    @property
+    def run_id(self) -> str:
+        return str(self.state["id"])
+
+    def log(self, step: int, metrics: dict[str, Any]) -> bool:
+        """Log at `step` (an iteration) if it is past the last step logged; True if logged."""
+        if step <= int(self.state.get("last_step", -1)):
+            return False
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        self.state["last_step"] = step
+        atomic_write_json(state_file(self.paths), self.state)
+        return True
+
+    def finish(self, exit_code: int = 0) -> None:
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as e:  # never let logging turn an outcome into a failure
+            print(f"[megalaunch] W&B finish failed: {e}", flush=True)
+
+
+def offline_by_default() -> bool:
+    """True when W&B cannot reach its server: no key, or WANDB_MODE=offline in the environment."""
+    return os.environ.get("WANDB_MODE") == "offline" or not os.environ.get("WANDB_API_KEY")

@@ -1,0 +1,98 @@
+"""The hang watchdog: no progress for `timeout_s` -> every thread's Python stack dumped under
+RUN/debug/, outcome `hung` (rank 0), and the process exits.
+
+Each rank runs its own watchdog thread. A rank stuck inside a step leaves the other ranks stuck in
+a collective, so every rank stops making progress and every rank dumps its stacks. The thread
+needs the GIL, which blocking collectives and sleeps release; as a backstop for a thread that
+holds the GIL forever, `faulthandler.dump_traceback_later` (a C thread) dumps and exits a little
+later without Python's help (no outcome then: the chain sees a segment that ended without one)."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+EXIT_HUNG = 75  # distinct from 0/1 so a log reader sees why the task ended
+
+
+class Watchdog:
+    def __init__(self, debug_dir: Path, *, rank: int, job_id: str | None, timeout_s: float,
+                 on_hang: Callable[[str], None], check_s: float | None = None,
+                 exit: Callable[[int], None] = os._exit) -> None:
+        self.debug_dir = debug_dir
+        self.rank = rank
+        self.job_id = job_id or str(os.getpid())
+        self.timeout_s = timeout_s
+        self.check_s = check_s if check_s is not None else min(30.0, max(0.5, timeout_s / 10))
+        self.on_hang = on_hang
+        self._exit = exit
+        self._last = time.monotonic()
+        self._what = "start"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megalaunch-watchdog", daemon=True)
+        self._backstop_file: IO[str] | None = None
+        self._armed_at = 0.0
+
+    def start(self) -> Watchdog:
+        if self.timeout_s > 0:
+            self._thread.start()
+            self._arm_backstop()
+        return self
+
+    def beat(self, what: str = "") -> None:
+        """Progress was made (an iteration ended, a save began or ended)."""
+        now = time.monotonic()
+        self._last = now
+        self._what = what
+        # Re-arming starts a C thread: do it once per check period, not once per iteration.
+        if self._backstop_file is not None and now - self._armed_at >= self.check_s:
+            self._arm_backstop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        if self._backstop_file is not None:
+            self._backstop_file.close()
+            self._backstop_file = None
+
+    def stack_file(self, kind: str = "stacks") -> Path:
+        return self.debug_dir / f"{kind}-job{self.job_id}-rank{self.rank}.txt"
+
+    def _arm_backstop(self) -> None:
+        if self._backstop_file is None:
+            self.debug_dir.mkdir(parents=True, exist_ok=True)
+            self._backstop_file = open(self.stack_file("stacks-backstop"), "w")  # noqa: SIM115
+        self._armed_at = time.monotonic()
+        # The Python thread fires by timeout + one check; the backstop one check and a minute (or a
+        # timeout) after that.
+        faulthandler.dump_traceback_later(self.timeout_s + 2 * self.check_s + min(60.0, self.timeout_s),
+                                          repeat=False, file=self._backstop_file, exit=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.check_s):
+            idle = time.monotonic() - self._last
+            if idle >= self.timeout_s:
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        reason = (f"no progress for {idle:.0f} s (hang_timeout {self.timeout_s:g} s) on rank {self.rank}; "
+                  f"last: {self._what or 'start'}")
+        path = self.stack_file()
+        try:
+            self.debug_dir.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"# {reason}\n# pid {os.getpid()} time {time.time():.3f}\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            print(f"[megalaunch rank {self.rank}] HUNG: {reason}; stacks in {path}", file=sys.stderr, flush=True)
+            self.on_hang(reason)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            self._exit(EXIT_HUNG)
