@@ -97,28 +97,34 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def _merge(dst: dict[str, Any], src: dict[str, Any], source: str, prov: dict[str, str], prefix: str = "") -> None:
+def _merge(dst: dict[str, Any], src: dict[str, Any], source: str, prov: dict[str, str], prefix: str = "",
+           src_prov: dict[str, str] | None = None, src_prefix: str = "") -> None:
+    """Deep-merge `src` into `dst`; leaves take their origin from `src_prov` (an included tree's own
+    provenance) or else `source`."""
     for key, value in src.items():
         dotted = f"{prefix}{key}"
+        sdotted = f"{src_prefix}{key}"
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
-            _merge(dst[key], value, source, prov, dotted + ".")
+            _merge(dst[key], value, source, prov, dotted + ".", src_prov, sdotted + ".")
         else:
             # a replaced subtree forgets where its old leaves came from
             for k in [k for k in prov if k.startswith(dotted + ".")]:
                 del prov[k]
             dst[key] = copy.deepcopy(value)
-            _mark(value, source, prov, dotted)
+            _mark(value, source, prov, dotted, src_prov, sdotted)
 
 
-def _mark(value: Any, source: str, prov: dict[str, str], dotted: str) -> None:
+def _mark(value: Any, source: str, prov: dict[str, str], dotted: str,
+          src_prov: dict[str, str] | None = None, sdotted: str = "") -> None:
     if isinstance(value, dict) and value:
         for k, v in value.items():
-            _mark(v, source, prov, f"{dotted}.{k}")
+            _mark(v, source, prov, f"{dotted}.{k}", src_prov, f"{sdotted}.{k}")
     else:
-        prov[dotted] = source
+        prov[dotted] = (src_prov or {}).get(sdotted, source)
 
 
 def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...]) -> dict[str, Any]:
+    """The composed tree of `path`; fills `prov` with the origin of each of its leaves."""
     if path in stack:
         chain = " -> ".join(_display(p) for p in (*stack, path))
         raise ConfigError(f"include cycle: {chain}", field="include", fix="remove one of the includes")
@@ -132,8 +138,10 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...]) -> dic
         raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{_display(path)}: include")
     merged: dict[str, Any] = {}
     for inc in includes:
-        sub = _load_tree(find_recipe(inc, path.parent), prov, (*stack, path))
-        _merge(merged, sub, _display(find_recipe(inc, path.parent)), prov)
+        inc_path = find_recipe(inc, path.parent)
+        sub_prov: dict[str, str] = {}
+        sub = _load_tree(inc_path, sub_prov, (*stack, path))
+        _merge(merged, sub, _display(inc_path), prov, src_prov=sub_prov)
     _merge(merged, data, _display(path), prov)
     return merged
 
@@ -192,7 +200,8 @@ def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str |
     if cluster is not None:
         ref_c = cluster if "/" in cluster or cluster.endswith(".yaml") else f"clusters/{cluster}"
         cpath = find_recipe(ref_c)
-        _merge(tree, _load_tree(cpath, prov, ()), _display(cpath), prov)
+        sub_prov: dict[str, str] = {}
+        _merge(tree, _load_tree(cpath, sub_prov, ()), _display(cpath), prov, src_prov=sub_prov)
     apply_sets(tree, list(sets), prov)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)

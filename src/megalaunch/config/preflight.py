@@ -144,8 +144,25 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
                  "--set training.attention=local")
 
 
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")
+
+
+def check_sbatch_values(recipe: Recipe) -> None:
+    """#SBATCH lines are parsed by sbatch, not a shell: values are limited to a safe character set."""
+    cl = recipe.cluster
+    values = {f"cluster.{k}": getattr(cl, k) for k in ("partition", "account", "qos", "reservation",
+                                                        "constraint", "mem", "time")}
+    values.update({f"cluster.sbatch_extra.{k}": v for k, v in cl.sbatch_extra.items()})
+    for field, value in values.items():
+        if value is not None and not _SBATCH_SAFE.match(str(value)):
+            raise PreflightError(f"{value!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
+                                 field=field, valid="letters, digits and . _ , : = @ / + % - [ ]",
+                                 fix="fix the value in the recipe")
+
+
 def check_cluster(recipe: Recipe) -> None:
     cl, t = recipe.cluster, recipe.training
+    check_sbatch_values(recipe)
     if cl.backend == "local":
         _require(cl.nodes == 1, "cluster.nodes", f"the local backend runs on one node, not {cl.nodes}", "1",
                  "--set cluster.nodes=1, or use --backend slurm")

@@ -186,7 +186,8 @@ class ClusterConfig:
     modules: list[str] = doc("environment modules to load", [])
     venv: str | None = doc("Python virtual environment to activate", None)
     env: dict[str, str] = doc("environment variables to export (values, never secrets)", {})
-    secret_env: list[str] = doc("names of variables taken from the submitting shell (W&B key...)", [])
+    secret_env: list[str] = doc("names of variables that must be set in the submitting shell (W&B key...); "
+                                "sbatch passes them on, no file holds them", [])
     container: ContainerConfig = doc("container settings", ContainerConfig())
     python: str = doc("Python interpreter inside the job", "python3")
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch")

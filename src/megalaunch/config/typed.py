@@ -21,9 +21,11 @@ _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
     """A dataclass field with a docstring (shown by `recipes show --explain` and in errors)."""
-    if isinstance(default, (list, dict)):
+    if isinstance(default, list):  # lists are stored as tuples: the dataclasses are frozen
+        return dataclasses.field(default=tuple(default), metadata={"doc": text}, **kw)
+    if isinstance(default, dict):
         value = default
-        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"doc": text}, **kw)
+        return dataclasses.field(default_factory=lambda: dict(value), metadata={"doc": text}, **kw)
     return dataclasses.field(default=default, metadata={"doc": text}, **kw)
 
 

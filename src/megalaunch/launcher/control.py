@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megalaunch.errors import RunDirError
+from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.chain import load_run_recipe
 from megalaunch.launcher.ledger import Ledger
 from megalaunch.launcher.registry import register, registered_runs
@@ -39,8 +39,12 @@ def submit_slurm(prepared: PreparedRun) -> tuple[RunPaths, str]:
     """Write the run directory and queue the first segment."""
     from megalaunch.launcher.slurm import SlurmClient
 
+    missing = [n for n in prepared.recipe.cluster.secret_env if not os.environ.get(n)]
+    if missing:
+        raise PreflightError(f"{', '.join(missing)} not set in this shell", field="cluster.secret_env",
+                             fix=f"export {missing[0]}=... before submitting (its value is never written to disk)")
     client = SlurmClient()
-    client._run(["sinfo", "--version"])  # fail before writing anything if Slurm is absent
+    client.check_available()  # fail before writing anything if Slurm is absent
     paths = write_run(prepared)
     ledger = Ledger(paths)
     try:

@@ -61,7 +61,12 @@ def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
     """What each task runs: Megatron training, or the recipe's `workload` ({run_dir} is substituted)."""
     if recipe.workload:
         return [arg.replace("{run_dir}", str(paths.root)) for arg in recipe.workload]
-    return [recipe.cluster.python, "-m", "megalaunch.runtime.train", str(paths.root)]
+    return [_home(recipe.cluster.python), "-m", "megalaunch.runtime.train", str(paths.root)]
+
+
+def _home(path: str | None) -> str:
+    """Expand a leading ~ at render time: inside quotes the shell would not."""
+    return os.path.expanduser(path) if path else ""
 
 
 def runtime_settings(recipe: Recipe) -> RuntimeSettings:
@@ -90,7 +95,7 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
         if co.workdir:
             srun_args.append(f"--container-workdir={co.workdir}")
     elif co.kind == "cscs":
-        srun_args.append(f"--environment={co.environment}")
+        srun_args.append(f"--environment={_home(co.environment)}")
     command = job_command(recipe, paths)
     return {
         "version": __version__, "source": source, "created": created, "run_dir": str(paths.root),
@@ -101,13 +106,13 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
         "signal_lead_s": signal_lead_s(recipe),
         "log_pattern": str(paths.logs / "%x-%j.out"),
         "modules": list(cl.modules), "venv": cl.venv,
-        "venv_activate": os.path.join(cl.venv, "bin", "activate") if cl.venv else "",
+        "venv_activate": os.path.join(_home(cl.venv), "bin", "activate") if cl.venv else "",
         "env": [{"name": k, "value": v} for k, v in sorted(cl.env.items())],
         "secret_env": list(cl.secret_env),
         "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
         "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys,
         "nsys_start_offset": recipe.debug.nsys_start_offset, "nsys_iters": recipe.debug.nsys_iters,
-        "tracker": str(paths.tracker), "megalaunch": cl.megalaunch, "master_port": cl.master_port,
+        "tracker": str(paths.tracker), "megalaunch": _home(cl.megalaunch), "master_port": cl.master_port,
         "srun_args": srun_args,
         "command": command,
     }

@@ -57,6 +57,10 @@ class SlurmClient:
             raise SlurmError(f"{exe} failed: {detail}")
         return proc
 
+    def check_available(self) -> None:
+        """Slurm's client tools are installed and answer."""
+        self._run(["sinfo", "--version"])
+
     def sbatch(self, script: Path, extra_args: Iterable[str] = (), *, cwd: Path | None = None,
                env: dict[str, str] | None = None) -> str:
         """Submit `script`; returns the job id. `--parsable` prints `id[;cluster]`."""

@@ -1,0 +1,36 @@
+"""Helpers for unit tests: run the CLI in a subprocess exactly as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOADS = REPO / "tests" / "workloads"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "megalaunch.cli.main", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def counter_recipe(tmp: Path, name: str = "counter", **overrides: str) -> Path:
+    """A local-backend recipe whose workload is the counter stand-in trainer."""
+    lines = [
+        "include: [tiny]",
+        f"name: {name}",
+        f'workload: ["{sys.executable}", "{WORKLOADS / "counter.py"}"]',
+        f"run: {{root: {tmp / 'runs'}}}",
+        'cluster: {time: "00:00:12"}',
+        "checkpoint: {save_time_estimate_s: 1, save_interval: 20}",
+        "chain: {step_time_estimate_s: 0.5, signal_margin_s: 1, min_train_time_s: 5}",
+    ]
+    lines += [f"{k}: {v}" for k, v in overrides.items()]
+    path = tmp / f"{name}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path

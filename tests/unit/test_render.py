@@ -1,0 +1,135 @@
+"""Rendered job scripts: golden files for every shipped training recipe x Slurm cluster profile,
+`bash -n` and shellcheck on each, and hostile recipe strings rendered into inert scripts.
+
+Regenerate the golden files after an intended change with MEGALAUNCH_UPDATE_GOLDEN=1 (and read the diff)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.launcher.rundir import prepare_run
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+TRAIN = sorted(k.split("/")[1] for k in shipped_recipes() if k.startswith("train/"))
+SLURM_CLUSTERS = ["slurm", "pyxis", "cscs", "modules"]
+COMBOS = [(r, c) for r in TRAIN for c in SLURM_CLUSTERS]
+
+
+def render_combo(recipe: str, cluster: str) -> str:
+    loaded = load_recipe(recipe, cluster=cluster)
+    prepared = prepare_run(loaded, chain_name=f"{loaded.recipe.name}-00000000", created="2026-01-01T00:00:00",
+                           root=Path("/runs"))
+    return prepared.files["job.sbatch"]
+
+
+@pytest.fixture(autouse=True)
+def _fixed_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/user")  # ~ is expanded at render time
+
+
+@pytest.mark.parametrize(("recipe", "cluster"), COMBOS, ids=[f"{r}-{c}" for r, c in COMBOS])
+def test_golden_script(recipe: str, cluster: str, tmp_path: Path) -> None:
+    script = render_combo(recipe, cluster)
+    golden = GOLDEN / f"{recipe}.{cluster}.sbatch"
+    if os.environ.get("MEGALAUNCH_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(script)
+    assert golden.exists(), f"no golden file {golden}; run with MEGALAUNCH_UPDATE_GOLDEN=1"
+    assert script == golden.read_text(), f"{golden.name} changed; if intended, regenerate (see module doc)"
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_every_golden_file_has_a_combo() -> None:
+    expected = {f"{r}.{c}.sbatch" for r, c in COMBOS}
+    present = {p.name for p in GOLDEN.glob("*.sbatch")}
+    assert present == expected, f"stale golden files: {present - expected}; missing: {expected - present}"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (CI installs it)")
+def test_shellcheck_all_golden_scripts() -> None:
+    files = sorted(str(p) for p in GOLDEN.glob("*.sbatch"))
+    assert files
+    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *files], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_signal_lead_and_chain_directives() -> None:
+    script = render_combo("llama3-8b", "slurm")
+    # save 120 + step 10 + Slurm's 30 s check + margin 60
+    assert "#SBATCH --signal=USR2@220\n" in script
+    assert "#SBATCH --no-requeue\n" in script
+    assert "#SBATCH --job-name=llama3-8b-00000000\n" in script
+    assert "#SBATCH --output=/runs/llama3-8b-00000000/logs/%x-%j.out\n" in script
+    assert "#SBATCH --gpus-per-node=8\n" in script and "#SBATCH --ntasks-per-node=8\n" in script
+
+
+HOSTILE = ["$(touch {pwn})", "`touch {pwn}`", "'; touch {pwn}; '", '"; touch {pwn}; "', "a;touch {pwn}",
+           "x\ntouch {pwn}\n", "$HOME ${{PATH}} \\$(x) *", "--flag=\"$(touch {pwn})\""]
+
+
+def _stub(bindir: Path, name: str, body: str) -> None:
+    f = bindir / name
+    f.write_text("#!/bin/bash\n" + body + "\n")
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)
+
+
+def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
+    """Run the rendered script for real with stand-ins for srun/scontrol/module/megalaunch that record
+    their arguments: no hostile string runs, each arrives as one literal argument or value."""
+    pwn = tmp_path / "PWNED"
+    hostile = [h.format(pwn=pwn) for h in HOSTILE]
+    venv = tmp_path / hostile[0]  # a directory literally named "$(touch ...)"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("export ACTIVATED=yes\n")
+    recipe = tmp_path / "r.yaml"
+    import yaml
+
+    recipe.write_text(yaml.safe_dump({
+        "include": ["tiny"], "name": "hostile", "run": {"root": str(tmp_path / "runs")},
+        "description": hostile[5],
+        "workload": ["/bin/echo", *hostile],
+        "cluster": {"backend": "slurm", "gpus_per_node": 0, "venv": str(venv), "modules": hostile[:3],
+                    "env": {f"V{i}": h for i, h in enumerate(hostile)}, "time": "00:10:00"},
+        "megatron_args": {"note": hostile[0]},
+    }))
+    loaded = load_recipe(str(recipe))
+    prepared = prepare_run(loaded, chain_name="hostile-00000000", created=hostile[5], root=tmp_path / "runs")
+    script = tmp_path / "job.sbatch"
+    script.write_text(prepared.files["job.sbatch"])
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck"):
+        sc = subprocess.run(["shellcheck", "--shell=bash", "--exclude=SC2016", str(script)], capture_output=True, text=True)
+        assert sc.returncode == 0, sc.stdout  # SC2016 says single quotes do not expand: the point
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    _stub(bindir, "srun", f'printf "%s\\0" "$@" > {rec}/srun.argv\nenv -0 > {rec}/srun.env')
+    _stub(bindir, "scontrol", "echo node1")
+    _stub(bindir, "module", f'printf "%s\\0" "$@" >> {rec}/module.argv')
+    _stub(bindir, "megalaunch", f'echo "$@" >> {rec}/megalaunch.calls')
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_NNODES": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not pwn.exists(), "a hostile string was executed"
+    srun_argv = (rec / "srun.argv").read_text().split("\0")[:-1]
+    assert srun_argv[-len(hostile) - 1:] == ["/bin/echo", *hostile]
+    srun_env = dict(kv.split("=", 1) for kv in (rec / "srun.env").read_text().split("\0") if "=" in kv)
+    for i, h in enumerate(hostile):
+        if "\n" not in h:  # env -0 keeps newlines, but the split above is per NUL: compare all
+            assert srun_env[f"V{i}"] == h
+    assert srun_env["ACTIVATED"] == "yes"
+    module_argv = (rec / "module.argv").read_text().split("\0")[:-1]
+    assert module_argv == [x for h in hostile[:3] for x in ("load", h)]
+    calls = (rec / "megalaunch.calls").read_text().splitlines()
+    assert calls[0].startswith("job begin ") and calls[1].startswith("job end ")
