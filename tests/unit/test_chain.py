@@ -1,0 +1,155 @@
+"""Chain decisions (job begin/end) against a real run directory, with a scheduler stand-in that
+records successors and cancellations (the Slurm side is tested for real in tests/slurm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megalaunch.config.loader import load_recipe
+from megalaunch.launcher.chain import Chain
+from megalaunch.launcher.control import write_trigger
+from megalaunch.launcher.rundir import prepare_run, write_run
+from megalaunch.runtime.files import atomic_write_text
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.state import write_outcome
+
+
+class RecordingScheduler:
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+        self.states: dict[str, str] = {}
+
+    def submit_successor(self, paths: RunPaths) -> str | None:
+        jid = str(100 + len(self.submitted))
+        self.submitted.append(jid)
+        return jid
+
+    def cancel(self, job_ids: list[str]) -> None:
+        self.cancelled.extend(job_ids)
+
+    def state(self, job_id: str) -> str | None:
+        return self.states.get(job_id)
+
+
+@pytest.fixture()
+def run(tmp_path: Path) -> tuple[RunPaths, RecordingScheduler, Chain]:
+    loaded = load_recipe("tiny", [f"run.root={tmp_path}", "chain.max_segments_without_progress=2",
+                                  "training.train_iters=100"])
+    paths = write_run(prepare_run(loaded))
+    sched = RecordingScheduler()
+    return paths, sched, Chain(paths, sched)
+
+
+def _ckpt(paths: RunPaths, it: int) -> None:
+    atomic_write_text(paths.tracker, f"{it}\n")
+
+
+def _outcome(monkeypatch: pytest.MonkeyPatch, paths: RunPaths, job: str, status: str, **kw: object) -> None:
+    monkeypatch.setenv("MEGALAUNCH_JOB_ID", job)
+    write_outcome(paths, status, **kw)  # type: ignore[arg-type]
+
+
+def test_segment_queues_successor_and_continues_after_a_save(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    assert chain.begin("1").proceed
+    assert sched.submitted == ["100"]
+    _ckpt(paths, 40)
+    _outcome(monkeypatch, paths, "1", "saved", iteration=40)
+    v = chain.end("1", 0)
+    assert v.proceed and sched.cancelled == []
+
+
+def test_finished_cancels_the_waiting_successor(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")
+    _ckpt(paths, 100)
+    _outcome(monkeypatch, paths, "1", "finished", iteration=100)
+    v = chain.end("1", 0)
+    assert not v.proceed and "target" in v.reason
+    assert sched.cancelled == ["100"]
+    assert chain.ledger.stopped()["cancelled"] == ["100"]
+
+
+def test_exit_code_zero_without_outcome_is_a_failure(run) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")
+    chain.end("1", 0)
+    ended = chain.ledger.segments()[0].ended
+    assert ended["outcome"] == "failed" and "no outcome" in ended["reason"]
+
+
+def test_stale_outcome_of_another_job_is_ignored(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    _outcome(monkeypatch, paths, "0", "finished")
+    chain.begin("1")
+    v = chain.end("1", 0)
+    assert v.proceed  # a failure, within budget; not "finished"
+    assert chain.ledger.segments()[0].ended["outcome"] == "failed"
+
+
+def test_crash_loop_budget_stops_the_chain(run) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    assert chain.begin("1").proceed
+    assert chain.end("1", 1).proceed  # 1 of 2
+    assert chain.begin("100").proceed
+    v = chain.end("100", 1)
+    assert not v.proceed and "2 consecutive segments" in v.reason
+    assert sched.cancelled == ["101"]
+    guard = chain.ledger.last("guard")
+    assert guard["decision"] == "stop" and guard["failures"] == 2
+
+
+def test_progress_resets_the_budget(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")
+    chain.end("1", 1)
+    chain.begin("100")
+    _ckpt(paths, 10)
+    _outcome(monkeypatch, paths, "100", "saved")
+    chain.end("100", 0)
+    chain.begin("101")
+    assert chain.end("101", 1).proceed
+
+
+def test_pending_exit_trigger_stops_before_training(run) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    write_trigger(paths, "exit", "stop please")
+    v = chain.begin("1")
+    assert not v.proceed
+    assert sched.submitted == []
+    assert not paths.trigger("exit").exists()
+    consumed = list(paths.consumed_triggers.glob("*exit*.json"))
+    assert len(consumed) == 1
+    trig = chain.ledger.last("trigger")
+    assert trig["verb"] == "exit" and trig["reason"] == "stop please"
+
+
+def test_killed_segment_is_accounted_for_by_the_next(run) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")  # then the node dies: no `job end`
+    sched.states["1"] = "NODE_FAIL"
+    chain.begin("100")
+    seg1 = chain.ledger.segments()[0]
+    assert seg1.ended["outcome"] == "killed" and seg1.ended["slurm_state"] == "NODE_FAIL"
+    assert seg1.ended["accounted_by"] == "100"
+    assert chain.ledger.consecutive_without_progress() == 1
+
+
+def test_config_error_stops_at_once(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")
+    _outcome(monkeypatch, paths, "1", "failed", reason="bad flag", kind="config")
+    v = chain.end("1", 1)
+    assert not v.proceed and "configuration error" in v.reason
+
+
+def test_stopped_chain_skips_a_late_segment(run, monkeypatch) -> None:  # noqa: ANN001
+    paths, sched, chain = run
+    chain.begin("1")
+    _outcome(monkeypatch, paths, "1", "exited")
+    chain.end("1", 0)
+    v = chain.begin("100")
+    assert not v.proceed and "already stopped" in v.reason

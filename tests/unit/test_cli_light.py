@@ -1,0 +1,27 @@
+"""The CLI stays light on login nodes: importing it loads none of the heavy libraries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ["torch", "megatron", "transformers", "datatrove", "wandb", "numpy", "tokenizers", "safetensors"]
+
+
+def test_cli_import_pulls_in_no_heavy_library() -> None:
+    code = ("import sys, megalaunch.cli.main; "
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"heavy modules imported: {out.stdout.strip()}"
+
+
+def test_help_of_every_subcommand_is_light() -> None:
+    code = ("import sys\nfrom megalaunch.cli.main import app\nimport typer.testing\n"
+            "r = typer.testing.CliRunner()\n"
+            "for args in (['--help'], ['submit','--help'], ['status','--help'], ['recipes','list'],"
+            " ['tokenize','--help'], ['data','--help'], ['convert','--help']):\n"
+            "    res = r.invoke(app, args)\n    assert res.exit_code == 0, (args, res.output)\n"
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"heavy modules imported: {out.stdout.strip()}"

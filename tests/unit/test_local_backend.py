@@ -1,0 +1,136 @@
+"""The local backend end to end with the counter workload: the timer's signal saves and the next
+segment resumes; triggers save/exit/abort act on the running job; a crashing workload trips the
+crash-loop budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalaunch.launcher.ledger import Ledger
+from megalaunch.runtime.paths import RunPaths
+from tests.unit.helpers import REPO, cli, counter_recipe
+
+
+def _run_dir(tmp: Path) -> RunPaths:
+    dirs = [p for p in (tmp / "runs").iterdir() if not p.name.startswith(".")]
+    assert len(dirs) == 1
+    return RunPaths(dirs[0])
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_chain_of_segments_resumes_exactly(tmp_path: Path) -> None:
+    recipe = counter_recipe(tmp_path, training="{train_iters: 260}")
+    proc = cli("submit", str(recipe), env={"COUNTER_STEP_S": "0.05"}, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    paths = _run_dir(tmp_path)
+    segs = Ledger(paths).segments()
+    assert len(segs) >= 2
+    assert [s.ended["outcome"] for s in segs] == ["saved"] * (len(segs) - 1) + ["finished"]
+    for prev, nxt in zip(segs, segs[1:], strict=False):
+        # each segment resumes at exactly the iteration the previous one saved at
+        assert nxt.started["checkpoint_iteration"] == prev.ended["checkpoint_iteration"]
+        log = (paths.logs / f"{paths.root.name}-{nxt.job_id}.out").read_text()
+        assert f"resumes at iteration {prev.ended['checkpoint_iteration']}" in log
+    assert paths.read_tracker() == 260
+    state = json.loads((paths.checkpoints / "iter_0000260" / "state.json").read_text())
+    assert state["total"] == sum(range(1, 261))  # no step lost or repeated across segments
+    status = cli("status", str(paths.root), "--json")
+    st = json.loads(status.stdout)
+    assert st["chain_state"] == "stopped" and "target" in st["stop_reason"]
+
+
+def _start(recipe: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "megalaunch.cli.main", "submit", str(recipe)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**__import__("os").environ, "COUNTER_STEP_S": "0.05"})
+
+
+def _iteration(paths_holder: list[RunPaths], tmp: Path) -> int:
+    if not paths_holder:
+        runs = tmp / "runs"
+        if not runs.exists():
+            return -1
+        dirs = [p for p in runs.iterdir() if not p.name.startswith(".")]
+        if not dirs:
+            return -1
+        paths_holder.append(RunPaths(dirs[0]))
+    prog = paths_holder[0].progress
+    try:
+        return int(json.loads(prog.read_text())["iteration"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+
+
+def test_triggers_save_then_exit(tmp_path: Path) -> None:
+    recipe = counter_recipe(tmp_path, training="{train_iters: 100000}", cluster='{time: "00:05:00"}')
+    proc = _start(recipe)
+    holder: list[RunPaths] = []
+    try:
+        _wait_for(lambda: _iteration(holder, tmp_path) >= 10, 60, "training to start")
+        paths = holder[0]
+        assert cli("trigger", "save", str(paths.root), "--reason", "checkpoint for eval").returncode == 0
+        _wait_for(lambda: not paths.trigger("save").exists(), 30, "save trigger consumed")
+        (rec,) = [json.loads(r.read_text()) for r in paths.consumed_triggers.glob("*save*.json")]
+        saved_at = rec["consumed_iteration"]
+        assert (paths.checkpoints / f"iter_{saved_at:07d}" / "state.json").exists()  # a checkpoint at that step
+        it_then = _iteration(holder, tmp_path)
+        _wait_for(lambda: _iteration(holder, tmp_path) > it_then + 5, 30, "training to continue after save")
+        assert proc.poll() is None
+        assert cli("trigger", "exit", str(paths.root)).returncode == 0
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(paths.outcome.read_text())
+    assert outcome["status"] == "exited"
+    assert paths.read_tracker() == outcome["iteration"]  # saved before exiting
+    records = sorted(paths.consumed_triggers.glob("*.json"))
+    verbs = [json.loads(r.read_text())["verb"] for r in records]
+    assert sorted(verbs) == ["exit", "save"]
+    save_rec = next(json.loads(r.read_text()) for r in records if "save" in r.name)
+    assert save_rec["reason"] == "checkpoint for eval" and save_rec["consumed_iteration"] is not None
+    assert Ledger(paths).stopped()["reason"].startswith("exit trigger")
+
+
+def test_trigger_abort_stops_without_saving(tmp_path: Path) -> None:
+    recipe = counter_recipe(tmp_path, training="{train_iters: 100000}", cluster='{time: "00:05:00"}',
+                            checkpoint="{save_interval: 100000, save_time_estimate_s: 1}")
+    proc = _start(recipe)
+    holder: list[RunPaths] = []
+    try:
+        _wait_for(lambda: _iteration(holder, tmp_path) >= 10, 60, "training to start")
+        paths = holder[0]
+        assert cli("trigger", "abort", str(paths.root)).returncode == 0
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(paths.outcome.read_text())["status"] == "aborted"
+    assert paths.read_tracker() is None  # nothing saved
+    assert "abort" in Ledger(paths).stopped()["reason"]
+
+
+def test_crash_loop_stops_after_k_segments(tmp_path: Path) -> None:
+    recipe = counter_recipe(tmp_path, chain="{max_segments_without_progress: 3, step_time_estimate_s: 0.5, "
+                                            "signal_margin_s: 1, min_train_time_s: 5}")
+    proc = cli("submit", str(recipe), env={"COUNTER_FAIL": "start"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    paths = _run_dir(tmp_path)
+    segs = Ledger(paths).segments()
+    assert len(segs) == 3 and all(s.ended["outcome"] == "failed" for s in segs)
+    st = json.loads(cli("status", str(paths.root), "--json").stdout)
+    assert "3 consecutive segments without a new checkpoint" in st["stop_reason"]
+    assert st["last_guard"]["decision"] == "stop"
