@@ -1,0 +1,92 @@
+"""Tests against the local Slurm cluster (``sudo .ci/slurm-up``).
+
+Every test under tests/slurm gets the ``slurm`` marker. Without a cluster they are skipped,
+unless ``MEGALAUNCH_REQUIRE_SLURM=1`` (CI), where a missing cluster fails them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import cluster_available
+
+HERE = Path(__file__).resolve().parent
+#: Base for run directories that other users (mlalice, mlbob, mleve) must reach: pytest's own
+#: tmp_path (/tmp/pytest-of-root, mode 0700) is not traversable by them.
+SLURM_TMP_BASE = Path(os.environ.get("MEGALAUNCH_SLURM_TMP", "/tmp/megalaunch-slurm-tests"))
+
+_REQUIRE = os.environ.get("MEGALAUNCH_REQUIRE_SLURM") == "1"
+_available: bool | None = None
+
+
+def _cluster_up() -> bool:
+    global _available
+    if _available is None:
+        _available = cluster_available()
+    return _available
+
+
+def _is_ours(item: pytest.Item) -> bool:
+    return HERE in Path(str(item.path)).resolve().parents
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if _is_ours(item)]
+    if not ours:
+        return
+    for item in ours:
+        item.add_marker(pytest.mark.slurm)
+    if not _REQUIRE and not _cluster_up():
+        skip = pytest.mark.skip(
+            reason="no local Slurm cluster (sinfo shows no usable node): run `sudo .ci/slurm-up`"
+        )
+        for item in ours:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _require_cluster() -> None:
+    if _REQUIRE and not _cluster_up():
+        pytest.fail(
+            "MEGALAUNCH_REQUIRE_SLURM=1 but no local Slurm cluster answers "
+            "(sinfo shows no usable node within 5 s): run `sudo .ci/slurm-up`",
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh directory (mode 0777) under a base every user can traverse.
+
+    Use it as the cwd / run directory of jobs submitted as mlalice, mlbob or mleve; chmod it
+    yourself for permission tests. Removed after a passing test, kept after a failure.
+    """
+    SLURM_TMP_BASE.mkdir(parents=True, exist_ok=True)
+    # Like /tmp: anyone may create, only owners delete. Made by another user earlier: already so.
+    with contextlib.suppress(PermissionError):
+        SLURM_TMP_BASE.chmod(0o1777)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)[:60]
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=SLURM_TMP_BASE))
+    path.chmod(0o777)
+    yield path
+    if not request.node.stash.get(_FAILED, True):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        print(f"slurm_tmp kept: {path}")
