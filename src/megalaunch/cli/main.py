@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("megalaunch: aborted", file=sys.stderr)
         sys.exit(130)
+    except PermissionError as e:
+        if debug:
+            raise
+        print(f"megalaunch: error: permission denied: {e.filename or e} | fix: check that you are in the "
+              "run's group (`id -Gn`) or use a directory you can write", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("megalaunch: interrupted", file=sys.stderr)
         sys.exit(130)

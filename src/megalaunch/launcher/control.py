@@ -22,16 +22,21 @@ from megalaunch.runtime.paths import TRIGGER_VERBS, RunPaths
 def find_run(ref: str) -> RunPaths:
     """A run directory path, or the name/chain name of one of the user's registered runs."""
     p = Path(ref).expanduser()
-    if (p / "run.yaml").exists():
-        return RunPaths(p.absolute())
+    try:
+        if (p / "run.yaml").exists():
+            return RunPaths(p.absolute())
+    except PermissionError:
+        raise RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
+                          f"'{_group_name(p)}' can", fix="ask the run's owner to add you to that group") from None
     matches = [r for r in registered_runs() if r.name == ref or r.name.rsplit("-", 1)[0] == ref]
     if len(matches) == 1:
         return RunPaths(matches[0])
     if len(matches) > 1:
         raise RunDirError(f"'{ref}' names {len(matches)} runs: {', '.join(m.name for m in matches)}",
                           fix="pass the run directory or its full chain name")
-    if p.exists() and os.access(p, os.R_OK | os.X_OK) is False:
-        raise RunDirError(f"you cannot read {p}: not a member of the run's group", fix="ask the run's owner")
+    if p.is_dir() and not os.access(p, os.R_OK | os.X_OK):
+        raise RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
+                          f"'{_group_name(p)}' can", fix="ask the run's owner to add you to that group")
     raise RunDirError(f"'{ref}' is not a run directory", fix="pass the directory that `megalaunch submit` printed")
 
 

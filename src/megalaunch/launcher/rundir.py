@@ -186,7 +186,11 @@ def write_run(prepared: PreparedRun) -> RunPaths:
     old_umask = os.umask(0o027)
     try:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            if not root.exists():
+                root.mkdir(parents=True)
+                if gid is not None:  # the team must be able to reach its runs
+                    os.chown(root, -1, gid)
+                    os.chmod(root, RUN_DIR_MODE)
         except OSError as e:
             raise RunDirError(f"cannot create the run root {root}: {e.strerror}", field="run.root",
                               fix="choose a writable directory: --set run.root=/path") from None

@@ -1,0 +1,65 @@
+"""Helpers to submit megalaunch runs on the local Slurm cluster, as root or as a team member."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cluster import run_as
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+MEGALAUNCH = str(Path(sys.executable).with_name("megalaunch"))
+COUNTER = str(REPO / "tests" / "workloads" / "counter.py")
+RANKINFO = str(REPO / "tests" / "workloads" / "rankinfo.py")
+
+
+def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str | None = None,
+                   **sections: dict[str, Any]) -> Path:
+    """A Slurm recipe running a stand-in workload with the real runtime module."""
+    # the checkout may sit where other users cannot read (CI clones anywhere): copy the workload
+    local_workload = tmp / Path(workload).name
+    local_workload.write_text(Path(workload).read_text())
+    local_workload.chmod(0o644)
+    recipe: dict[str, Any] = {
+        "include": ["tiny"], "name": name, "workload": [PYTHON, str(local_workload)],
+        "run": {"root": str(tmp / "runs"), **({"group": group} if group else {})},
+        "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
+                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH,
+                    "env": {"COUNTER_STEP_S": "0.05"}},
+        "checkpoint": {"save_time_estimate_s": 1, "save_interval": 100},
+        # lead = save 1 + step 0.5 + Slurm's 30 s check + margin 29 = 61 s (FACTS: use >= 60 s)
+        "chain": {"step_time_estimate_s": 0.5, "signal_margin_s": 29, "min_train_time_s": 20},
+    }
+    for key, value in sections.items():
+        recipe.setdefault(key, {})
+        if isinstance(recipe[key], dict):
+            recipe[key].update(value)
+        else:
+            recipe[key] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    path.chmod(0o644)
+    return path
+
+
+def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: float = 120):  # noqa: ANN201
+    env = {"XDG_STATE_HOME": str(cwd / f".state-{user or 'root'}")} if cwd else None
+    return run_as(user, [MEGALAUNCH, *args], env, cwd=cwd, timeout=timeout)
+
+
+def run_dir_of(tmp: Path) -> Path:
+    dirs = [p for p in (tmp / "runs").iterdir() if not p.name.startswith(".")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def ledger(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "state" / "ledger.jsonl").read_text().splitlines() if line.strip()]
+
+
+def submitted_ids(run: Path) -> list[str]:
+    return [e["job_id"] for e in ledger(run) if e["event"] == "submitted"]
