@@ -24,6 +24,8 @@ def _folder(root, name, docs_per_file):
 def folders(tmp_path):
     a = _folder(tmp_path, "a", [[[1, 2, 3], [4]], [[5] * 10]])  # 4 and 10 tokens
     b = _folder(tmp_path, "b", [[[7, 8]], [[9] * 6, [1]], [[2] * 3]])  # 2, 7, 3 tokens
+    (b / "sub").mkdir()
+    write_dataset(b / "sub" / "deep", [[3] * 5])  # directories are searched recursively
     return a, b
 
 
@@ -38,9 +40,10 @@ def test_blend_weights_are_token_counts_sorted_by_prefix(folders):
     a, b = folders
     blend = resolve_blend([(str(b), None), (str(a), None)])
     assert [os.path.basename(os.path.dirname(p)) + "/" + os.path.basename(p) for p, _ in blend.prefixes] == [
-        "a/part_00", "a/part_01", "b/part_00", "b/part_01", "b/part_02"]
-    assert [w for _, w in blend.prefixes] == [4, 10, 2, 7, 3]
-    assert blend.text == f"4 {a}/part_00 10 {a}/part_01 2 {b}/part_00 7 {b}/part_01 3 {b}/part_02\n"
+        "a/part_00", "a/part_01", "b/part_00", "b/part_01", "b/part_02", "sub/deep"]
+    assert [w for _, w in blend.prefixes] == [4, 10, 2, 7, 3, 5]
+    assert blend.text == (f"4 {a}/part_00 10 {a}/part_01 2 {b}/part_00 7 {b}/part_01 3 {b}/part_02 "
+                          f"5 {b}/sub/deep\n")
     blend.check_files()
 
 
@@ -51,17 +54,29 @@ def test_blend_is_identical_whatever_the_listing_or_file_system_order(folders, m
     real_scandir = os.scandir
 
     class Reversed:
+        """os.scandir that yields entries in reverse name order (a file system with another order)."""
+
         def __init__(self, path):
-            self._it = real_scandir(path)
-            self._entries = sorted(self._it, key=lambda e: e.name, reverse=True)
+            with real_scandir(path) as it:
+                self._entries = iter(sorted(it, key=lambda e: e.name, reverse=True))
 
         def __enter__(self):
-            return iter(self._entries)
+            return self
 
         def __exit__(self, *exc):
-            self._it.close()
+            return False
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self._entries)
+
+        def close(self):
+            pass
 
     monkeypatch.setattr(os, "scandir", Reversed)
+    assert [e.name for e in os.scandir(a)] == ["part_01.idx", "part_01.bin", "part_00.idx", "part_00.bin"]
     third = resolve_blend([(str(b) + "/", None), (str(a), None)])
     assert first.text == second.text == third.text
     assert first.sha256 == second.sha256 == third.sha256
@@ -69,7 +84,7 @@ def test_blend_is_identical_whatever_the_listing_or_file_system_order(folders, m
 
 def test_given_weights_are_shared_within_a_directory_by_tokens(folders):
     a, b = folders
-    blend = resolve_blend([(str(a), 0.8), (str(b / "part_01") + ".bin", 0.2)])
+    blend = resolve_blend([(str(a), 0.8), (str(b / "part_01") + ".bin", 0.2)])  # a file names its prefix
     assert dict(blend.prefixes) == {f"{a}/part_00": pytest.approx(0.8 * 4 / 14),
                                     f"{a}/part_01": pytest.approx(0.8 * 10 / 14),
                                     f"{b}/part_01": 0.2}

@@ -115,17 +115,16 @@ def read_index_header(prefix: str | os.PathLike[str]) -> IndexHeader:
 
 
 def find_prefixes(directory: str | os.PathLike[str]) -> list[str]:
-    """Sorted prefixes of the `.bin`/`.idx` files directly inside `directory` (either half counts:
-    a missing partner is reported by whoever checks the files, not silently skipped)."""
+    """Sorted prefixes of the `.bin`/`.idx` files under `directory`, recursively, following links
+    (a mixture is a folder of links). Either half counts: a missing partner is reported by whoever
+    checks the files, not silently skipped. Hidden files and directories are ignored."""
     names = set()
-    with os.scandir(directory) as it:
-        for entry in it:
-            if entry.name.startswith("."):
-                continue
-            if entry.name.endswith((".bin", ".idx")) and (entry.is_file() or entry.is_symlink()):
-                names.add(entry.name[:-4])
-    return [os.path.join(os.fspath(directory), n) for n in sorted(names)]
-
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith(".") and name.endswith((".bin", ".idx")):
+                names.add(os.path.join(dirpath, name[:-4]))
+    return sorted(names)
 
 def read_documents(prefix: str | os.PathLike[str]) -> list[Any]:
     """Every sequence of a dataset as a numpy array (tests and small tools; memory-maps the .bin)."""

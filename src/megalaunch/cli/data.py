@@ -1,0 +1,144 @@
+"""`megalaunch data check|blend|mix`: validate .bin/.idx pairs, freeze data blends, build mixtures.
+
+`blend` and `mix` take lists after one flag (`--weights 0.8 0.2`), which click options cannot, so
+they parse their own arguments with argparse."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Annotated
+
+import typer
+
+from megalaunch.cli.output import emit_json, say
+
+app = typer.Typer(no_args_is_help=True)
+_RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command()
+def check(
+    paths: Annotated[list[str], typer.Argument(help="Prefixes (with or without .bin/.idx) or directories.")],
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="tokenizer.json: check dtype and ids "
+                                                  "against its vocabulary.")] = None,
+    vocab_size: Annotated[int | None, typer.Option("--vocab-size", help="Vocabulary size (instead of "
+                                                   "--tokenizer).")] = None,
+    no_scan: Annotated[bool, typer.Option("--no-scan", help="Skip reading every token id.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Verify every .bin/.idx pair (header, dtype vs vocabulary, sizes, document counts, truncation)
+    and count tokens from the index. Exits non-zero when a pair is bad."""
+    from dataclasses import asdict
+
+    from megalaunch.data.check import check_paths, raise_for_problems
+
+    if tokenizer:
+        vocab_size = _vocab_size(tokenizer)
+    reports = check_paths(paths, vocab_size=vocab_size, scan_ids=not no_scan)
+    if as_json:
+        emit_json([asdict(r) for r in reports])
+    else:
+        say(f"{'status':8}{'dtype':>7}{'documents':>13}{'tokens':>16}  prefix")
+        for r in reports:
+            say(f"{'ok' if r.ok else 'BAD':8}{r.dtype:>7}{r.sequences:>13,}{r.tokens:>16,}  {r.prefix}")
+            for problem in r.problems:
+                say(f"        - {problem}")
+        good = [r for r in reports if r.ok]
+        say(f"{len(good)}/{len(reports)} pairs ok, {sum(r.tokens for r in good):,} tokens"
+            + (f" (vocabulary {vocab_size})" if vocab_size else ""))
+    raise_for_problems(reports)
+
+
+def _vocab_size(path: str) -> int:
+    from megalaunch.errors import require
+
+    require("tokenizers", "tokenize")
+    from tokenizers import Tokenizer
+
+    from megalaunch.tokenization.encoder import check_tokenizer_file
+
+    return int(Tokenizer.from_file(check_tokenizer_file(path)).get_vocab_size(with_added_tokens=True))
+
+
+class _ArgParser(argparse.ArgumentParser):
+    """argparse whose usage errors become one-line ConfigErrors (the CLI's error boundary)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from megalaunch.errors import ConfigError
+
+        raise ConfigError(f"{message}", field=f"megalaunch {self.prog}",
+                          fix=" ".join(self.format_usage().split()))
+
+
+def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace:
+    try:
+        return parser.parse_args(args)
+    except SystemExit:  # --help printed the help
+        raise typer.Exit(0) from None
+
+
+@app.command(context_settings=_RAW, add_help_option=False)
+def blend(ctx: typer.Context) -> None:
+    """Resolve prefixes/directories into a frozen blend: DIR... [--weights W...] [--output FILE].
+
+    Sorted, validated, weighted by token counts (or the given weights, shared inside a directory by
+    tokens), hashed; written in Megatron's --data-args-path format."""
+    parser = _ArgParser(prog="data blend", description=blend.__doc__)
+    parser.add_argument("paths", nargs="+", help="prefixes or directories")
+    parser.add_argument("--weights", nargs="+", type=float, help="one weight per path (default: token counts)")
+    parser.add_argument("--output", help="write the blend file here (e.g. RUN/data_blend.txt)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = _parse(parser, list(ctx.args))
+    from megalaunch.data.blend import resolve_blend
+    from megalaunch.errors import ConfigError
+
+    if args.weights is not None and len(args.weights) != len(args.paths):
+        raise ConfigError(f"{len(args.paths)} paths but {len(args.weights)} weights", field="--weights",
+                          fix="give one weight per path, or none")
+    weights = args.weights or [None] * len(args.paths)
+    result = resolve_blend(list(zip(args.paths, weights, strict=True)))
+    result.check_files()
+    if args.output:
+        result.write(args.output)
+    if args.json:
+        emit_json({"prefixes": [{"prefix": p, "weight": w} for p, w in result.prefixes], "sha256": result.sha256,
+                   "skipped_empty": list(result.skipped_empty), "output": args.output})
+        return
+    total = sum(w for _, w in result.prefixes)
+    for prefix, weight in result.prefixes:
+        say(f"{weight:>16,.6g} {weight / total:>8.2%}  {prefix}")
+    for prefix in result.skipped_empty:
+        say(f"{'(empty, left out)':>25}  {prefix}")
+    say(f"{len(result.prefixes)} prefixes, sha256 {result.sha256}"
+        + (f", written to {args.output}" if args.output else ""))
+
+
+@app.command(context_settings=_RAW, add_help_option=False)
+def mix(ctx: typer.Context) -> None:
+    """Build a data mixture: --folders A B --weights 0.8 0.2 --output M [--mode links|blend].
+
+    links (default): a folder of links to whole .bin/.idx pairs chosen without repetition until the
+    limiting source is exhausted, shares in tokens (swiss-ai semantics). blend: every pair with the
+    weights spread over them; Megatron repeats small sources to reach their share."""
+    parser = _ArgParser(prog="data mix", description=mix.__doc__)
+    parser.add_argument("--folders", nargs="+", required=True)
+    parser.add_argument("--weights", nargs="+", type=float, required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--mode", choices=("links", "blend"), default="links")
+    parser.add_argument("--seed", type=int, default=1234, help="shuffle seed of each source's pairs")
+    parser.add_argument("--train-tokens", type=float, default=None,
+                        help="tokens you will train on: adds how many epochs of each source that is")
+    parser.add_argument("--json", action="store_true")
+    args = _parse(parser, list(ctx.args))
+    from megalaunch.data.mix import format_report, plan_mixture, write_mixture
+
+    mixture = plan_mixture(args.folders, args.weights, mode=args.mode, seed=args.seed)
+    out = write_mixture(mixture, args.output)
+    if args.json:
+        emit_json({"output": str(out), "mode": mixture.mode, "tokens": mixture.tokens,
+                   "sources": mixture.report_rows()})
+        return
+    say(format_report(mixture, int(args.train_tokens) if args.train_tokens else None))
+    use = f"{out}" if mixture.mode == "links" else f"{out}/data_blend.txt"
+    say(f"mixture written to {out}; train on it with data: [{use}]" if mixture.mode == "links"
+        else f"blend written to {use}")
