@@ -19,7 +19,9 @@ from datatrove.utils.batching import batched
 
 from megalaunch.tokenization.encoder import load_encoder
 
-PROGRESS_INTERVAL_S = 5.0
+PROGRESS_INTERVAL_S = float(os.environ.get("MEGALAUNCH_TOKENIZE_PROGRESS_S", "5"))
+# Tests only: seconds to sleep after each batch, so a job can be killed halfway on purpose.
+_BATCH_DELAY_S = float(os.environ.get("MEGALAUNCH_TOKENIZE_BATCH_DELAY_S", "0"))
 
 
 def reader_for(path: str, text_key: str, id_key: str) -> BaseDiskReader:
@@ -102,6 +104,8 @@ class MegatronTokenize(PipelineStep):
                 self.stats["documents"].update(len(batch), unit="batch")
                 self.stats["tokens"].update(len(tokens), unit="batch")
                 progress.update(len(batch), len(tokens))
+                if _BATCH_DELAY_S:
+                    time.sleep(_BATCH_DELAY_S)
         progress.finish()
         return
         yield  # a generator, like every datatrove step
