@@ -46,7 +46,7 @@ def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str 
     return path
 
 
-def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: float = 120):  # noqa: ANN201
+def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: float = 120):
     env = {"XDG_STATE_HOME": str(cwd / f".state-{user or 'root'}")} if cwd else None
     return run_as(user, [MEGALAUNCH, *args], env, cwd=cwd, timeout=timeout)
 

@@ -9,7 +9,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from tests.unit.helpers import cli
 
 BASE = """include: [tiny]
@@ -87,7 +86,7 @@ def fake_slurm(tmp_path: Path) -> tuple[Path, Path]:
     return bindir, marker
 
 
-def _assert_clean_failure(proc, must: str, root: Path, marker: Path) -> None:  # noqa: ANN001
+def _assert_clean_failure(proc, must: str, root: Path, marker: Path) -> None:
     assert proc.returncode != 0, proc.stdout
     err_lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(err_lines) == 1, proc.stderr

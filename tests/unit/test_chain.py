@@ -52,7 +52,7 @@ def _outcome(monkeypatch: pytest.MonkeyPatch, paths: RunPaths, job: str, status:
     write_outcome(paths, status, **kw)  # type: ignore[arg-type]
 
 
-def test_segment_queues_successor_and_continues_after_a_save(run, monkeypatch) -> None:  # noqa: ANN001
+def test_segment_queues_successor_and_continues_after_a_save(run, monkeypatch) -> None:
     paths, sched, chain = run
     assert chain.begin("1").proceed
     assert sched.submitted == ["100"]
@@ -62,7 +62,7 @@ def test_segment_queues_successor_and_continues_after_a_save(run, monkeypatch) -
     assert v.proceed and sched.cancelled == []
 
 
-def test_finished_cancels_the_waiting_successor(run, monkeypatch) -> None:  # noqa: ANN001
+def test_finished_cancels_the_waiting_successor(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")
     _ckpt(paths, 100)
@@ -73,7 +73,7 @@ def test_finished_cancels_the_waiting_successor(run, monkeypatch) -> None:  # no
     assert chain.ledger.stopped()["cancelled"] == ["100"]
 
 
-def test_exit_code_zero_without_outcome_is_a_failure(run) -> None:  # noqa: ANN001
+def test_exit_code_zero_without_outcome_is_a_failure(run) -> None:
     paths, sched, chain = run
     chain.begin("1")
     chain.end("1", 0)
@@ -81,7 +81,7 @@ def test_exit_code_zero_without_outcome_is_a_failure(run) -> None:  # noqa: ANN0
     assert ended["outcome"] == "failed" and "no outcome" in ended["reason"]
 
 
-def test_stale_outcome_of_another_job_is_ignored(run, monkeypatch) -> None:  # noqa: ANN001
+def test_stale_outcome_of_another_job_is_ignored(run, monkeypatch) -> None:
     paths, sched, chain = run
     _outcome(monkeypatch, paths, "0", "finished")
     chain.begin("1")
@@ -90,7 +90,7 @@ def test_stale_outcome_of_another_job_is_ignored(run, monkeypatch) -> None:  # n
     assert chain.ledger.segments()[0].ended["outcome"] == "failed"
 
 
-def test_crash_loop_budget_stops_the_chain(run) -> None:  # noqa: ANN001
+def test_crash_loop_budget_stops_the_chain(run) -> None:
     paths, sched, chain = run
     assert chain.begin("1").proceed
     assert chain.end("1", 1).proceed  # 1 of 2
@@ -102,7 +102,7 @@ def test_crash_loop_budget_stops_the_chain(run) -> None:  # noqa: ANN001
     assert guard["decision"] == "stop" and guard["failures"] == 2
 
 
-def test_progress_resets_the_budget(run, monkeypatch) -> None:  # noqa: ANN001
+def test_progress_resets_the_budget(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")
     chain.end("1", 1)
@@ -114,7 +114,7 @@ def test_progress_resets_the_budget(run, monkeypatch) -> None:  # noqa: ANN001
     assert chain.end("101", 1).proceed
 
 
-def test_pending_exit_trigger_stops_before_training(run) -> None:  # noqa: ANN001
+def test_pending_exit_trigger_stops_before_training(run) -> None:
     paths, sched, chain = run
     write_trigger(paths, "exit", "stop please")
     v = chain.begin("1")
@@ -127,7 +127,7 @@ def test_pending_exit_trigger_stops_before_training(run) -> None:  # noqa: ANN00
     assert trig["verb"] == "exit" and trig["reason"] == "stop please"
 
 
-def test_killed_segment_is_accounted_for_by_the_next(run) -> None:  # noqa: ANN001
+def test_killed_segment_is_accounted_for_by_the_next(run) -> None:
     paths, sched, chain = run
     chain.begin("1")  # then the node dies: no `job end`
     sched.states["1"] = "NODE_FAIL"
@@ -138,7 +138,7 @@ def test_killed_segment_is_accounted_for_by_the_next(run) -> None:  # noqa: ANN0
     assert chain.ledger.consecutive_without_progress() == 1
 
 
-def test_config_error_stops_at_once(run, monkeypatch) -> None:  # noqa: ANN001
+def test_config_error_stops_at_once(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")
     _outcome(monkeypatch, paths, "1", "failed", reason="bad flag", kind="config")
@@ -146,7 +146,7 @@ def test_config_error_stops_at_once(run, monkeypatch) -> None:  # noqa: ANN001
     assert not v.proceed and "configuration error" in v.reason
 
 
-def test_stopped_chain_skips_a_late_segment(run, monkeypatch) -> None:  # noqa: ANN001
+def test_stopped_chain_skips_a_late_segment(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")
     _outcome(monkeypatch, paths, "1", "exited")

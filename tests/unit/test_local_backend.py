@@ -4,15 +4,17 @@ crash-loop budget."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.unit.helpers import REPO, cli, counter_recipe
+
 from megalaunch.launcher.ledger import Ledger
 from megalaunch.runtime.paths import RunPaths
-from tests.unit.helpers import REPO, cli, counter_recipe
 
 
 def _run_dir(tmp: Path) -> RunPaths:
@@ -21,7 +23,7 @@ def _run_dir(tmp: Path) -> RunPaths:
     return RunPaths(dirs[0])
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+def _wait_for(pred, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -38,7 +40,7 @@ def test_chain_of_segments_resumes_exactly(tmp_path: Path) -> None:
     segs = Ledger(paths).segments()
     assert len(segs) >= 2
     assert [s.ended["outcome"] for s in segs] == ["saved"] * (len(segs) - 1) + ["finished"]
-    for prev, nxt in zip(segs, segs[1:], strict=False):
+    for prev, nxt in itertools.pairwise(segs):
         # each segment resumes at exactly the iteration the previous one saved at
         assert nxt.started["checkpoint_iteration"] == prev.ended["checkpoint_iteration"]
         log = (paths.logs / f"{paths.root.name}-{nxt.job_id}.out").read_text()

@@ -10,7 +10,7 @@ import typer
 app = typer.Typer(no_args_is_help=True)
 
 
-def _chain(run: str):  # noqa: ANN202
+def _chain(run: str):
     from megalaunch.launcher.chain import Chain, SlurmScheduler
     from megalaunch.runtime.paths import RunPaths
 

@@ -3,6 +3,8 @@ non-zero; `--debug` shows the traceback."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import sys
 from typing import Annotated
@@ -10,9 +12,6 @@ from typing import Annotated
 import typer
 
 from megalaunch import __version__
-import importlib
-import importlib.util
-
 from megalaunch.cli import job, recipes, run
 from megalaunch.errors import MegalaunchError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import grp
 import json
@@ -124,10 +125,8 @@ def resume_run(paths: RunPaths) -> str:
     recipe = load_run_recipe(paths)
     if recipe.cluster.backend != "slurm":
         raise RunDirError("resume of local runs: run `megalaunch submit` again or `megalaunch job local RUN`")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         paths.cancel_requested.unlink()
-    except FileNotFoundError:
-        pass
     ledger = Ledger(paths)
     ledger.append("chain_resumed")
     job_id = SlurmClient().sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def _process_umask() -> int:
+    """The umask, read without changing it (os.umask(0) would race with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
@@ -21,15 +34,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None 
         if mode is not None:
             os.chmod(tmp, mode)
         else:  # mkstemp creates 0600; give the file the permissions the umask would have given
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            os.chmod(tmp, 0o666 & ~_process_umask())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 
