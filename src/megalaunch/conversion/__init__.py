@@ -1,0 +1,9 @@
+"""Hugging Face <-> Megatron-core checkpoint conversion for Llama-family models (Llama 2/3/3.1,
+Mistral, Qwen2): declarative name tables (`tables`), named transforms (`transforms`), streaming
+safetensors (`safetensors_io`) and torch_dist (`mcore_io`) I/O, orchestrated by `converter`.
+
+Importing this package is cheap; torch, megatron and transformers load inside the functions."""
+
+from megalaunch.conversion.converter import Report, hf_to_mcore, mcore_to_hf
+
+__all__ = ["Report", "hf_to_mcore", "mcore_to_hf"]

@@ -1,0 +1,66 @@
+"""The sizes a conversion needs, derived once from a ModelConfig and the vocabulary.
+
+Name tables write tensor shapes with the symbols of `Dims.symbols()` (``("qkv", "h")``), so a table
+stays declarative and one place does the arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalaunch.config.schema import ModelConfig
+from megalaunch.conversion.errors import ConversionError
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
+    """Megatron's padding: the next multiple of make_vocab_size_divisible_by x TP."""
+    multiple = max(divisible_by, 1) * max(tensor_parallel, 1)
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dims:
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    """Rows of the Hugging Face embedding (its config's vocab_size)."""
+    padded_vocab: int
+    """Rows of the Megatron embedding (vocab padded to make_vocab_size_divisible_by x TP)."""
+    tied: bool
+    qkv_bias: bool
+
+    def __post_init__(self) -> None:
+        if self.heads % self.groups:
+            raise ConversionError(f"{self.heads} attention heads do not divide into {self.groups} query groups",
+                                  field="model.num_query_groups")
+        if self.padded_vocab < self.vocab:
+            raise ConversionError(f"padded vocabulary {self.padded_vocab} is smaller than the vocabulary {self.vocab}")
+
+    @classmethod
+    def from_model(cls, model: ModelConfig, *, vocab: int, padded_vocab: int | None = None,
+                   tensor_parallel: int = 1) -> Dims:
+        if model.hidden_size % model.num_attention_heads:
+            raise ConversionError(f"hidden_size {model.hidden_size} is not a multiple of "
+                                  f"{model.num_attention_heads} heads", field="model.hidden_size")
+        if padded_vocab is None:
+            padded_vocab = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tensor_parallel)
+        return cls(num_layers=model.num_layers, hidden=model.hidden_size,
+                   ffn=model.ffn_hidden_size or 4 * model.hidden_size,
+                   heads=model.num_attention_heads,
+                   groups=model.num_query_groups or model.num_attention_heads,
+                   head_dim=model.hidden_size // model.num_attention_heads,
+                   vocab=vocab, padded_vocab=padded_vocab,
+                   tied=not model.untie_embeddings_and_output_weights, qkv_bias=model.add_qkv_bias)
+
+    def symbols(self) -> dict[str, int]:
+        q = self.heads * self.head_dim
+        kv = self.groups * self.head_dim
+        return {"h": self.hidden, "f": self.ffn, "2f": 2 * self.ffn, "q": q, "kv": kv,
+                "qkv": q + 2 * kv, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers}
+
+    def shape(self, symbolic: tuple[str, ...]) -> tuple[int, ...]:
+        table = self.symbols()
+        return tuple(table[s] for s in symbolic)

@@ -1,0 +1,194 @@
+"""Hugging Face configs <-> megalaunch ModelConfig for the Llama family (Llama 2/3/3.1, Mistral, Qwen2).
+
+Only plain dicts (config.json) here: no transformers import, so this also runs where transformers is
+absent and is cheap to test."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from megalaunch.config.schema import ModelConfig
+from megalaunch.conversion.errors import UnsupportedModelError
+
+# Hugging Face architecture -> (family, model_type).
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "mistral"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+}
+FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
+# Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor, default 8);
+# ModelConfig has no field for the factor yet, so only the Llama 3.1 values convert.
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+# The fields that make two models the same architecture (the rest are training choices).
+ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling", "normalization",
+               "norm_epsilon", "swiglu", "disable_bias_linear", "add_qkv_bias",
+               "untie_embeddings_and_output_weights", "num_experts")
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """What a Hugging Face config says, in megalaunch terms."""
+
+    family: str
+    architecture: str
+    model: ModelConfig
+    vocab_size: int
+    dtype: str | None
+    notes: tuple[str, ...] = ()
+
+
+def _unsupported(what: str, fix: str | None = None) -> UnsupportedModelError:
+    return UnsupportedModelError(what, valid=", ".join(sorted(ARCHITECTURES)), fix=fix)
+
+
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 5 `rope_parameters` or transformers 4 `rope_theta`/`rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type parameters
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = None if kind in (None, "default") else {**params, "rope_type": kind}
+        return float(theta), scaling
+    scaling = cfg.get("rope_scaling")
+    if scaling:
+        scaling = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type"))}
+    return float(cfg.get("rope_theta", 10000.0)), scaling or None
+
+
+def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: int = 128) -> HFModel:
+    """Read a Hugging Face config.json dict; refuse what Megatron's GPT cannot represent exactly."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        by_type = {mt: a for a, (_, mt) in ARCHITECTURES.items()}
+        arch = by_type.get(cfg.get("model_type", ""))
+    if arch is None:
+        raise _unsupported(f"architecture {archs or cfg.get('model_type')!r} has no Megatron mapping")
+    family = ARCHITECTURES[arch][0]
+    notes: list[str] = []
+
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise _unsupported(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the recipe schema "
+                           "has no kv_channels field yet")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _unsupported(f"hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
+    if cfg.get("mlp_bias"):
+        raise _unsupported("mlp_bias: true has no mapping (Megatron's biases are all-or-nothing)")
+    qkv_bias = family == "qwen2"
+    if family == "llama" and cfg.get("attention_bias"):
+        raise _unsupported("attention_bias: true (bias on o_proj too) has no mapping; add_qkv_bias covers QKV only")
+    if cfg.get("use_sliding_window") or (family == "mistral" and cfg.get("sliding_window")
+                                         and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)):
+        notes.append(f"sliding_window {cfg.get('sliding_window')} is not in the recipe schema: logits agree only "
+                     "for sequences up to the window")
+
+    theta, scaling = rope_settings(cfg)
+    use_rope_scaling = False
+    if scaling is not None:
+        if scaling.get("rope_type") != "llama3":
+            raise _unsupported(f"rope scaling {scaling.get('rope_type')!r}: only Llama 3.1's 'llama3' is mapped")
+        differing = {k: scaling.get(k) for k, v in LLAMA3_ROPE.items() if not math.isclose(float(scaling.get(k, -1)), v)}
+        if differing:
+            raise _unsupported(f"llama3 rope scaling {differing} differs from Llama 3.1's {LLAMA3_ROPE}: the recipe "
+                               "schema has no rope_scaling_factor field yet")
+        use_rope_scaling = True
+    if theta != int(theta):
+        raise _unsupported(f"rope_theta {theta} is not an integer (model.rotary_base is)")
+
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    model = ModelConfig(
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        seq_length=min(max_pos, 4096),
+        max_position_embeddings=max_pos,
+        position_embedding_type="rope",
+        rotary_base=int(theta),
+        use_rope_scaling=use_rope_scaling,
+        normalization="RMSNorm",
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        swiglu=True,
+        disable_bias_linear=True,
+        add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return HFModel(family, arch, model, int(cfg["vocab_size"]), dtype, tuple(notes))
+
+
+def _normalized(model: ModelConfig) -> ModelConfig:
+    return replace(model, num_query_groups=model.num_query_groups or model.num_attention_heads,
+                   ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size)
+
+
+def differences(recipe: ModelConfig, hf: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(field, recipe value, Hugging Face value) for every architecture field that differs."""
+    a, b = _normalized(recipe), _normalized(hf)
+    out = []
+    for name in ARCH_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        same = math.isclose(x, y, rel_tol=1e-9) if isinstance(x, float) and isinstance(y, float) else x == y
+        if not same:
+            out.append((name, x, y))
+    return out
+
+
+def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dtype: str) -> dict[str, Any]:
+    """A config.json for `model` (when no Hugging Face config travels with the checkpoint)."""
+    if family not in FAMILY_ARCHITECTURE:
+        raise UnsupportedModelError(f"family {family!r}", valid=", ".join(sorted(FAMILY_ARCHITECTURE)))
+    if model.normalization != "RMSNorm" or not model.swiglu or not model.disable_bias_linear \
+            or model.position_embedding_type != "rope" or model.num_experts or model.rotary_percent != 1.0:
+        raise UnsupportedModelError("only RMSNorm + SwiGLU + RoPE models without linear biases or experts map to "
+                                    f"the {family} family")
+    if model.add_qkv_bias != (family == "qwen2"):
+        raise UnsupportedModelError(f"add_qkv_bias={model.add_qkv_bias} does not fit family {family!r}",
+                                    fix="use --family qwen2 for QKV biases, llama or mistral otherwise")
+    rope: dict[str, Any] = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
+    if model.use_rope_scaling:
+        rope = {**rope, "rope_type": "llama3", **LLAMA3_ROPE}
+    arch = FAMILY_ARCHITECTURE[family]
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch][1],
+        "vocab_size": vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
+        "head_dim": model.hidden_size // model.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "rope_parameters": rope,
+        "rope_theta": float(model.rotary_base),
+        "rope_scaling": None if not model.use_rope_scaling else {"rope_type": "llama3", **LLAMA3_ROPE},
+        "attention_dropout": 0.0,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if family == "mistral":
+        cfg["sliding_window"] = None
+    if family == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def model_fields() -> set[str]:
+    return {f.name for f in fields(ModelConfig)}
