@@ -101,7 +101,7 @@ def test_check_files_names_the_prefix_that_lost_a_file(folders):
     a, b = folders
     blend = resolve_blend([(str(a), None), (str(b), None)])
     os.unlink(f"{b}/part_01.bin")
-    with pytest.raises(PreflightError, match="part_01.bin is missing"):
+    with pytest.raises(PreflightError, match=r"part_01\.bin is missing"):
         blend.check_files()
 
 
@@ -109,7 +109,7 @@ def test_check_files_catches_a_truncated_bin(folders):
     a, _ = folders
     blend = resolve_blend([(str(a), None)])
     os.truncate(f"{a}/part_01.bin", 6)
-    with pytest.raises(PreflightError, match="part_01.bin has 6 bytes"):
+    with pytest.raises(PreflightError, match=r"part_01\.bin has 6 bytes"):
         blend.check_files()
 
 
@@ -122,7 +122,7 @@ def test_errors(folders, tmp_path):
     with pytest.raises(PreflightError, match="does not exist"):
         resolve_blend([(str(tmp_path / "nope"), None)])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PreflightError, match="holds no .bin/.idx"):
+    with pytest.raises(PreflightError, match=r"holds no \.bin/\.idx"):
         resolve_blend([(str(tmp_path / "empty"), None)])
     with pytest.raises(ConfigError, match="empty"):
         resolve_blend([])

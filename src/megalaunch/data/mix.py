@@ -1,9 +1,8 @@
 """Data mixtures, two ways (users choose):
 
 * `links` (swiss-ai semantics): a folder of symbolic links to whole `.bin/.idx` pairs, picked without
-  repetition — each source's pairs in a seeded shuffled order, always from the source furthest below
-  its weight — until the source that limits the ratios is exhausted. Shares are measured in tokens
-  (from the `.idx`), not bytes. Training then reads the folder with weights = token counts.
+  repetition in a seeded shuffled order per source, until the source that limits the ratios is
+  exhausted. Shares are measured in tokens (from the `.idx`), not bytes. Training then reads the folder with weights = token counts.
 * `blend` (Megatron's semantics): every pair of every source, with the sources' weights spread over
   their pairs; Megatron samples with repetition, so small sources are repeated to reach their share.
 """
@@ -125,24 +124,24 @@ def plan_mixture(folders: list[str], weights: list[float], *, mode: str = "links
 
 def _pick_without_repetition(weights: list[float], available: list[tuple[tuple[str, int], ...]],
                              seed: int) -> list[list[tuple[str, int]]]:
-    queues = []
-    for pairs in available:
+    """The limiting source (least tokens per unit of weight) is used whole; every other source gets
+    its share of that total, taking its pairs in a seeded shuffled order while each pair brings it
+    closer to its target. Pairs are never repeated."""
+    tokens = [sum(t for _, t in pairs) for pairs in available]
+    total = min(t / w for t, w in zip(tokens, weights, strict=True))
+    chosen: list[list[tuple[str, int]]] = []
+    for pairs, weight in zip(available, weights, strict=True):
         order = list(pairs)  # sorted by prefix: the file system's order never matters
         random.Random(seed).shuffle(order)
-        queues.append(order)
-    chosen: list[list[tuple[str, int]]] = [[] for _ in weights]
-    taken = [0] * len(weights)
-    total = 0
-    while True:
-        # the source furthest below its weight (ties: the first listed)
-        deficits = [w - (t / total if total else 0.0) for w, t in zip(weights, taken, strict=True)]
-        i = max(range(len(weights)), key=lambda k: (deficits[k], -k))
-        if len(chosen[i]) == len(queues[i]):
-            break  # the limiting source is exhausted: stop to keep the ratios
-        pair = queues[i][len(chosen[i])]
-        chosen[i].append(pair)
-        taken[i] += pair[1]
-        total += pair[1]
+        target = weight * total
+        taken: list[tuple[str, int]] = []
+        got = 0
+        for pair in order:
+            if abs(got + pair[1] - target) >= abs(got - target):
+                break
+            taken.append(pair)
+            got += pair[1]
+        chosen.append(taken)
     return chosen
 
 
