@@ -94,3 +94,37 @@ def test_relaunch_reruns_only_incomplete_tasks(corpus, tmp_path):
     assert _actual(run, plan) == _expected(run, plan, recipe)
     assert sorted(p.name for p in out.iterdir()) == [f"dump0000_task0000{i}.{s}" for i in range(3)
                                                      for s in ("bin", "idx")]
+
+
+def test_parallel_workers_and_datatrove_compatibility(corpus, tmp_path):
+    """workers=2 runs tasks in datatrove's process pool; the tokens equal those written by datatrove's
+    own MegatronDocumentTokenizer for the same files."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
+
+    root, tok = corpus
+    recipe = _recipe(root, tok, n_dumps=1, tasks=2, workers=2,
+                     tokenizer={"path": str(tok), "eos": "<|endoftext|>"},
+                     inputs={"roots": [str(root / "raw" / "a")]})
+    run, plan = create_run(recipe, tmp_path / "run")
+    submit(run)
+    ours = [list(map(int, d)) for t in range(2) for d in read_documents(run.root / "output" / plan.dumps[0].output_name(t))]
+    theirs_dir = tmp_path / "datatrove"
+    LocalPipelineExecutor([JsonlReader(str(root / "raw" / "a")),
+                           MegatronDocumentTokenizer(str(theirs_dir), tokenizer_name_or_path=str(tok))],
+                          tasks=1, workers=1, logging_dir=str(tmp_path / "dtlogs")).run()
+    theirs = [list(map(int, d)) for d in read_documents(theirs_dir / "00000_tokens")]
+    assert sorted(ours) == sorted(theirs) and len(ours) == 120
+
+
+@pytest.mark.megatron
+def test_megatron_reads_the_pipeline_output(corpus, tmp_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    root, tok = corpus
+    recipe = _recipe(root, tok, n_dumps=1, tasks=1, inputs={"roots": [str(root / "raw" / "b")]})
+    run, plan = create_run(recipe, tmp_path / "run")
+    submit(run)
+    prefix = str(run.root / "output" / plan.dumps[0].output_name(0))
+    ds = indexed.IndexedDataset(prefix)
+    assert [list(map(int, ds[i])) for i in range(len(ds))] == _expected(run, plan, recipe)[plan.dumps[0].output_name(0)]

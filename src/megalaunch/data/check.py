@@ -112,7 +112,7 @@ def max_token_id(prefix: str, header: IndexHeader) -> int:
 
 def check_paths(paths: list[str], *, vocab_size: int | None = None, scan_ids: bool = True) -> list[PairReport]:
     """Prefixes or directories (their pairs, sorted) -> one report per pair."""
-    reports = []
+    reports: list[PairReport] = []
     for path in paths:
         if os.path.isdir(path):
             prefixes = find_prefixes(path)

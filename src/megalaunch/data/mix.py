@@ -14,6 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megalaunch.data.index import find_prefixes, read_index_header
 from megalaunch.errors import ConfigError, PreflightError
@@ -50,7 +51,7 @@ class Mixture:
     def share(self, source: Source) -> float:
         return source.tokens_chosen / self.tokens if self.tokens else 0.0
 
-    def report_rows(self) -> list[dict[str, object]]:
+    def report_rows(self) -> list[dict[str, Any]]:
         rows = []
         for s in self.sources:
             size = sum(os.path.getsize(p + ".bin") for p, _ in s.chosen)

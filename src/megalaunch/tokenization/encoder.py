@@ -33,6 +33,8 @@ class Encoder:
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         ends = starts + np.asarray(lengths, dtype=np.int64)
+        positions: Any
+        values: Any
         if self.bos_id is not None and self.eos_id is not None:
             positions = np.empty(2 * len(lengths), dtype=np.int64)
             positions[0::2], positions[1::2] = starts, ends
@@ -63,7 +65,7 @@ def load_encoder(path: str, *, bos: str | None, eos: str | None, add_special_tok
     from megalaunch.data.writer import token_dtype_for_vocab
 
     tokenizer = Tokenizer.from_file(check_tokenizer_file(path))
-    ids = {}
+    ids: dict[str, int | None] = {}
     for role, token in (("bos", bos), ("eos", eos)):
         if token is None:
             ids[role] = None

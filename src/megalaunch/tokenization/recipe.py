@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -151,6 +152,9 @@ def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
         inputs["roots"] = [anchor(r) for r in inputs["roots"]]
     tok = tree.get("tokenizer")
     if isinstance(tok, dict) and "path" in tok:
-        tok["path"] = anchor(tok["path"])
+        anchored = anchor(tok["path"])
+        # keep what looks like a hub id ("org/name") as written, so the error can say what it is
+        looks_like_hub = isinstance(tok["path"], str) and re.fullmatch(r"[\w.-]+/[\w.-]+", tok["path"])
+        tok["path"] = tok["path"] if looks_like_hub and not os.path.exists(anchored) else anchored
     if tree.get("output_dir"):
         tree["output_dir"] = anchor(tree["output_dir"])

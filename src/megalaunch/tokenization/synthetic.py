@@ -16,7 +16,7 @@ _PUNCT = (",", ",", ".", ".", ".", ";", ":", "!", "?")
 
 
 def _vocabulary(rng: random.Random, size: int) -> list[str]:
-    words = set()
+    words: set[str] = set()
     while len(words) < size:
         words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((1, 1, 2, 2, 2, 3, 3, 4)))))
     return sorted(words)
@@ -30,7 +30,7 @@ def documents(n_docs: int, *, seed: int = 0, mean_words: int = 300) -> Iterator[
     for _ in range(n_docs):
         n_words = max(3, int(rng.expovariate(1.0 / mean_words)))
         words = rng.choices(vocab, weights=weights, k=n_words)
-        parts = []
+        parts: list[str] = []
         for i, word in enumerate(words):
             if i == 0 or parts[-1][-1] in ".!?":
                 word = word.capitalize()

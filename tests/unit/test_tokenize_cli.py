@@ -1,0 +1,162 @@
+"""CLI wiring of `tokenize` and `data`, the job-array script, Slurm submission with a fake client,
+status parsing, and one-line errors."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from megalaunch.cli.main import app, main
+from megalaunch.config.typed import build
+from megalaunch.data.writer import write_dataset
+from megalaunch.errors import RunDirError
+from megalaunch.launcher.slurm import JobInfo
+from megalaunch.tokenization.recipe import TokenizeRecipe
+from megalaunch.tokenization.status import _array_tasks, dump_statuses
+from megalaunch.tokenization.submit import array_spec, create_run, render_job_script, submit
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from megalaunch.tokenization.synthetic import documents, train_bpe_tokenizer
+
+    return train_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json",
+                               list(documents(50, mean_words=20)), vocab_size=300)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    from megalaunch.tokenization.synthetic import write_jsonl_corpus
+
+    write_jsonl_corpus(tmp_path / "raw", n_files=4, docs_per_file=5, mean_words=20)
+    return tmp_path / "raw"
+
+
+class FakeSlurm:
+    def __init__(self):
+        self.submitted = []
+        self.queue: dict[str, JobInfo] = {}
+        self.cancelled = []
+
+    def sbatch(self, script, extra_args=(), *, cwd=None, env=None):
+        self.submitted.append((Path(script), list(extra_args)))
+        return str(100 + len(self.submitted))
+
+    def squeue(self, job_ids=(), *, me=False):
+        return dict(self.queue)
+
+    def job_state(self, job_id):
+        return JobInfo(job_id, "tok-x", "CANCELLED", "")
+
+    def scancel(self, job_ids, **kw):
+        self.cancelled += list(job_ids)
+
+
+def _recipe(corpus, tok, **over):
+    return build(TokenizeRecipe, {"name": "x", "inputs": {"roots": [str(corpus)]}, "tokenizer": {"path": str(tok)},
+                                  "n_dumps": 3, "tasks": 2, "workers": 2,
+                                  "slurm": {"partition": "cpu", "max_concurrent": 2, "setup": ["module load foo"],
+                                            "options": {"constraint": "amd"}}, **over})
+
+
+def test_array_spec():
+    assert array_spec([0, 1, 2, 5, 7, 8], 4) == "0-2,5,7-8%4"
+    assert array_spec([3]) == "3"
+
+
+def test_job_script_is_cpu_only_valid_bash(corpus, tok, tmp_path):
+    recipe = _recipe(corpus, tok)
+    run, _ = create_run(recipe, tmp_path / "run")
+    script = render_job_script(run, recipe)
+    for line in ("#SBATCH --job-name=tok-x", "#SBATCH --cpus-per-task=2", "#SBATCH --partition=cpu",
+                 "#SBATCH --constraint=amd", "#SBATCH --no-requeue", "module load foo",
+                 "-m megalaunch.tokenization.job"):
+        assert line in script
+    assert f"#SBATCH --output={run.logs}/%x-%A_%a.out" in script
+    assert "gpu" not in script.replace("tokenization", "")
+    path = tmp_path / "s.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", "-S", "warning", str(path)], check=True)
+
+
+def test_slurm_submit_throttles_resumes_and_refuses_a_second_writer(corpus, tok, tmp_path):
+    run, _ = create_run(_recipe(corpus, tok), tmp_path / "run")
+    slurm = FakeSlurm()
+    first = submit(run, slurm=slurm)
+    assert first.job_id == "101" and slurm.submitted[0][1] == ["--array=0-2%2"]
+    slurm.queue = {"101_0": JobInfo("101_0", "tok-x", "RUNNING", ""),
+                   "101_[1-2%2]": JobInfo("101_[1-2%2]", "tok-x", "PENDING", "JobArrayTaskLimit")}
+    assert [s.state for s in dump_statuses(run, slurm)] == ["running", "pending", "pending"]
+    with pytest.raises(RunDirError, match="still queued or running"):
+        submit(run, slurm=slurm)
+    slurm.queue = {}
+    run.write_json(run.summary(1), {"documents": 5, "tokens": 50})
+    states = dump_statuses(run, slurm)
+    assert [s.state for s in states] == ["cancelled", "done", "cancelled"]
+    again = submit(run, slurm=slurm)
+    assert again.dumps == (0, 2) and slurm.submitted[-1][1] == ["--array=0,2%2"]
+
+
+def test_array_task_parsing():
+    class Q:
+        def squeue(self, ids):
+            return {"7_3": JobInfo("7_3", "n", "RUNNING", ""), "7_[4-5,9%2]": JobInfo("7_[4-5,9%2]", "n", "PENDING", "")}
+
+    assert _array_tasks("7", Q()) == {3: "RUNNING", 4: "PENDING", 5: "PENDING", 9: "PENDING"}
+
+
+def test_cli_plan_submit_status_check_blend(corpus, tok, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: c\ninputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}}}\nbackend: local\n")
+    runner = CliRunner()
+    run_dir = tmp_path / "run"
+    res = runner.invoke(app, ["tokenize", "plan", str(recipe), "--run-dir", str(run_dir), "--set", "n_dumps=2"])
+    assert res.exit_code == 0, res.output
+    assert "into 2 dumps" in res.output and "megalaunch tokenize submit" in res.output
+    res = runner.invoke(app, ["tokenize", "submit", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["tokenize", "status", str(run_dir)])
+    assert res.exit_code == 0 and "2/2 dumps" in res.output and "20 documents" in res.output, res.output
+    res = runner.invoke(app, ["data", "check", str(run_dir / "output"), "--tokenizer", str(tok)])
+    assert res.exit_code == 0 and "2/2 pairs ok" in res.output, res.output
+    res = runner.invoke(app, ["data", "blend", str(run_dir / "output"), "--output", str(tmp_path / "b.txt")])
+    assert res.exit_code == 0 and "sha256" in res.output, res.output
+    assert len((tmp_path / "b.txt").read_text().split()) == 4
+
+
+def test_one_line_errors(corpus, tok, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: c\ninputs: {{roots: [{corpus}]}}\ntokenizer: {{path: meta-llama/Llama-3-8B}}\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["tokenize", "plan", str(recipe), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert "tokenizer.path" in err and "hubs are unreachable" in err
+    recipe.write_text(f"name: c\ninputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}, bos: '<s>'}}\n")
+    with pytest.raises(SystemExit):
+        main(["tokenize", "plan", str(recipe), "--run-dir", str(tmp_path / "run")])
+    assert "'<s>' is not in the vocabulary" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    write_dataset(tmp_path / "d" / "p", [[1, 2, 3]])
+    (tmp_path / "d" / "p.bin").write_bytes(b"\x00")
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "check", str(tmp_path / "d")])
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and "BAD" in out.out and "truncated" in out.err
+
+
+def test_output_dir_not_writable(corpus, tok, tmp_path):
+    from megalaunch.errors import PreflightError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(PreflightError, match="cannot create output directory"):
+        create_run(_recipe(corpus, tok, output_dir=str(blocker / "out")), tmp_path / "run")
