@@ -1,0 +1,182 @@
+"""Conversion mapping: named transforms, name tables, Hugging Face configs <-> ModelConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megalaunch.config.schema import ModelConfig
+from megalaunch.conversion import families
+from megalaunch.conversion.dims import Dims, padded_vocab_size
+from megalaunch.conversion.errors import ConversionError, UnsupportedModelError
+from megalaunch.conversion.tables import TABLES, items
+
+torch = pytest.importorskip("torch")
+from megalaunch.conversion.transforms import TRANSFORMS  # noqa: E402
+
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+             "attention_bias": False, "mlp_bias": False, "dtype": "bfloat16"}
+
+
+def dims(heads: int = 4, groups: int = 2, hidden: int = 64, **kw: object) -> Dims:
+    base = dict(num_layers=2, hidden=hidden, ffn=128, heads=heads, groups=groups, head_dim=hidden // heads,
+                vocab=300, padded_vocab=384, tied=False, qkv_bias=False)
+    return Dims(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (4, 2), (4, 1), (8, 2)])
+def test_qkv_round_trip_and_megatron_interleave(heads: int, groups: int) -> None:
+    d = dims(heads=heads, groups=groups)
+    hd = d.head_dim
+    q = torch.randn(heads * hd, 64)
+    k = torch.randn(groups * hd, 64)
+    v = torch.randn(groups * hd, 64)
+    fused = TRANSFORMS["qkv"].to_mcore(d, q, k, v)
+    assert fused.shape == ((heads + 2 * groups) * hd, 64)
+    # Megatron's layout: per group g, its query heads, then k_g, then v_g.
+    per = heads // groups
+    block = (per + 2) * hd
+    for g in range(groups):
+        rows = fused[g * block:(g + 1) * block]
+        assert torch.equal(rows[: per * hd], q[g * per * hd:(g + 1) * per * hd])
+        assert torch.equal(rows[per * hd: per * hd + hd], k[g * hd:(g + 1) * hd])
+        assert torch.equal(rows[per * hd + hd:], v[g * hd:(g + 1) * hd])
+    back = TRANSFORMS["qkv"].to_hf(d, fused)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
+    bias = [torch.randn(t.shape[0]) for t in (q, k, v)]
+    assert all(torch.equal(a, b) for a, b in
+               zip(TRANSFORMS["qkv"].to_hf(d, TRANSFORMS["qkv"].to_mcore(d, *bias)), bias, strict=True))
+
+
+def test_gated_mlp_is_gate_then_up() -> None:
+    gate, up = torch.randn(128, 64), torch.randn(128, 64)
+    fused = TRANSFORMS["gated_mlp"].to_mcore(dims(), gate, up)
+    assert torch.equal(fused[:128], gate) and torch.equal(fused[128:], up)
+    assert all(torch.equal(a, b) for a, b in zip(TRANSFORMS["gated_mlp"].to_hf(dims(), fused), (gate, up), strict=True))
+
+
+def test_vocab_padding_is_zero_and_stripped_exactly() -> None:
+    emb = torch.randn(300, 64, dtype=torch.bfloat16)
+    padded = TRANSFORMS["vocab"].to_mcore(dims(), emb)
+    assert padded.shape == (384, 64) and padded.dtype == torch.bfloat16
+    assert torch.equal(padded[:300], emb) and not padded[300:].any()
+    (back,) = TRANSFORMS["vocab"].to_hf(dims(), padded)
+    assert torch.equal(back, emb)
+    (grown,) = TRANSFORMS["vocab"].to_hf(dims(vocab=400, padded_vocab=400), padded)  # fewer rows than HF
+    assert grown.shape == (400, 64) and torch.equal(grown[:384], padded)
+
+
+def test_padded_vocab_size_matches_megatron() -> None:
+    assert padded_vocab_size(300, 128) == 384
+    assert padded_vocab_size(300, 128, 2) == 512
+    assert padded_vocab_size(512, 64) == 512
+    assert padded_vocab_size(128256, 128, 8) == 129024
+
+
+@pytest.mark.parametrize(("tied", "qkv_bias", "expected"), [(False, False, 15), (True, False, 14), (True, True, 16)])
+def test_table_items_follow_the_conditions(tied: bool, qkv_bias: bool, expected: int) -> None:
+    work = list(items(TABLES["llama"], dims(tied=tied, qkv_bias=qkv_bias)))
+    assert len(work) == expected
+    keys = {i.rule.mcore for i in work}
+    assert ("output_layer.weight" in keys) is not tied
+    assert ("decoder.layers.self_attention.linear_qkv.bias" in keys) is qkv_bias
+    assert work[0].rule.mcore == "embedding.word_embeddings.weight"
+    assert work[1].hf_names == ("model.layers.0.input_layernorm.weight",)
+    names = [n for i in work for n in i.hf_names]
+    assert len(names) == len(set(names))
+
+
+def test_every_rule_shape_is_consistent_with_its_transform() -> None:
+    d = dims(tied=False, qkv_bias=True)
+    for item in items(TABLES["llama"], d):
+        sources = [torch.zeros(d.shape(s)) for s in item.rule.hf_shapes]
+        out = TRANSFORMS[item.rule.transform].to_mcore(d, *sources)
+        assert tuple(out.shape) == d.shape(item.rule.mcore_shape), item.label
+
+
+@pytest.mark.parametrize(("arch", "extra", "family", "qkv_bias"), [
+    ("LlamaForCausalLM", {}, "llama", False),
+    ("MistralForCausalLM", {"model_type": "mistral", "sliding_window": None}, "mistral", False),
+    ("Qwen2ForCausalLM", {"model_type": "qwen2", "use_sliding_window": False}, "qwen2", True),
+])
+def test_model_from_hf_config(arch: str, extra: dict[str, object], family: str, qkv_bias: bool) -> None:
+    hf = families.model_from_hf_config({**LLAMA_CFG, "architectures": [arch], **extra})
+    assert hf.family == family and hf.vocab_size == 300 and hf.dtype == "bfloat16"
+    m = hf.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == \
+        (2, 64, 128, 4, 2)
+    assert m.add_qkv_bias is qkv_bias and m.untie_embeddings_and_output_weights and m.norm_epsilon == 1e-5
+    assert not hf.notes
+
+
+def test_llama31_rope_scaling_and_transformers4_keys() -> None:
+    cfg = {k: v for k, v in LLAMA_CFG.items() if k != "rope_parameters"}
+    cfg.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    m = families.model_from_hf_config(cfg).model
+    assert m.use_rope_scaling and m.rotary_base == 500000
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "no Megatron mapping"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "rope_scaling_factor"),
+    ({"head_dim": 32}, "kv_channels"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "silu"),
+])
+def test_unsupported_configs_name_the_problem(change: dict[str, object], message: str) -> None:
+    with pytest.raises(UnsupportedModelError) as e:
+        families.model_from_hf_config({**LLAMA_CFG, **change})
+    assert message in str(e.value)
+    assert "LlamaForCausalLM" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mistral_sliding_window_is_a_note() -> None:
+    hf = families.model_from_hf_config({**LLAMA_CFG, "architectures": ["MistralForCausalLM"], "sliding_window": 32})
+    assert "sliding_window" in hf.notes[0]
+
+
+def test_differences_name_fields_and_ignore_training_choices() -> None:
+    hf = families.model_from_hf_config(LLAMA_CFG).model
+    recipe = dataclasses.replace(hf, seq_length=64, max_position_embeddings=64, make_vocab_size_divisible_by=64)
+    assert families.differences(recipe, hf) == []
+    wrong = dataclasses.replace(recipe, num_layers=3, norm_epsilon=1e-6)
+    assert [d[0] for d in families.differences(wrong, hf)] == ["num_layers", "norm_epsilon"]
+    assert families.differences(dataclasses.replace(hf, num_query_groups=None, num_attention_heads=4),
+                                dataclasses.replace(hf, num_query_groups=4)) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("scaling", [False, True])
+def test_hf_config_from_model_round_trips(family: str, scaling: bool) -> None:
+    model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                        rotary_base=500000, use_rope_scaling=scaling, add_qkv_bias=family == "qwen2",
+                        untie_embeddings_and_output_weights=family != "qwen2", max_position_embeddings=64,
+                        seq_length=64)
+    cfg = families.hf_config_from_model(model, family=family, vocab_size=512, dtype="float32")
+    back = families.model_from_hf_config(cfg)
+    assert back.family == family and back.vocab_size == 512
+    assert families.differences(model, back.model) == []
+
+
+def test_hf_config_from_model_refuses_what_does_not_fit() -> None:
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, add_qkv_bias=True)
+    with pytest.raises(UnsupportedModelError, match="qwen2"):
+        families.hf_config_from_model(model, family="llama", vocab_size=10, dtype="float32")
+    with pytest.raises(UnsupportedModelError):
+        families.hf_config_from_model(dataclasses.replace(model, swiglu=False), family="qwen2", vocab_size=10,
+                                      dtype="float32")
+
+
+def test_dims_refuse_inconsistent_shapes() -> None:
+    with pytest.raises(ConversionError, match="query groups"):
+        dims(heads=4, groups=3)
+    model = ModelConfig(num_layers=1, hidden_size=60, num_attention_heads=8)
+    with pytest.raises(ConversionError, match="hidden_size"):
+        Dims.from_model(model, vocab=10)
