@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -18,7 +18,7 @@ from .helpers import cli
 
 
 class FakeSlurm:
-    calls: list[tuple[Path, Any]] = []
+    calls: ClassVar[list[tuple[Path, Any]]] = []
 
     def sbatch(self, script: Path, extra_args: Any = (), *, cwd: Path | None = None, env: Any = None) -> str:
         FakeSlurm.calls.append((script, cwd))

@@ -85,7 +85,7 @@ def test_writer_refuses_wrong_shape_or_dtype(tmp_path: Path) -> None:
 
 
 def test_reader_errors(tmp_path: Path) -> None:
-    with pytest.raises(MissingFileError, match="no model.safetensors"):
+    with pytest.raises(MissingFileError, match=r"no model\.safetensors"):
         SafetensorsReader(tmp_path)
     (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(MissingFileError, match="model-00001-of-00002"):
@@ -109,7 +109,7 @@ def fake_iteration(root: Path, name: str) -> Path:
 
 
 def test_tracker_rules(tmp_path: Path) -> None:
-    with pytest.raises(IncompleteCheckpointError, match="latest_checkpointed_iteration.txt"):
+    with pytest.raises(IncompleteCheckpointError, match=r"latest_checkpointed_iteration\.txt"):
         mcore_io.resolve(tmp_path)
     (tmp_path / mcore_io.TRACKER).write_text("garbage")
     with pytest.raises(IncompleteCheckpointError, match="'garbage'"):
@@ -129,10 +129,10 @@ def test_tracker_rules(tmp_path: Path) -> None:
 def test_iteration_without_metadata_is_incomplete(tmp_path: Path) -> None:
     (tmp_path / "iter_0000010").mkdir()
     (tmp_path / mcore_io.TRACKER).write_text("10")
-    with pytest.raises(IncompleteCheckpointError, match="no metadata.json"):
+    with pytest.raises(IncompleteCheckpointError, match=r"no metadata\.json"):
         mcore_io.resolve(tmp_path)
     (tmp_path / "iter_0000010" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    with pytest.raises(IncompleteCheckpointError, match="no .metadata"):
+    with pytest.raises(IncompleteCheckpointError, match=r"no \.metadata"):
         mcore_io.resolve(tmp_path)
     (tmp_path / "iter_0000010" / ".metadata").write_bytes(b"\x80\x04truncated")
     with pytest.raises(IncompleteCheckpointError, match="unreadable"):
