@@ -132,7 +132,7 @@ def _user() -> str:
 
 
 def _parse_scontrol(text: str) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for token in text.split():
         if "=" in token:
             k, v = token.split("=", 1)

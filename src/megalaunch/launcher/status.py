@@ -33,6 +33,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     rows = []
     for i, s in enumerate(segments, 1):
         info = live.get(s.job_id)
+        reason: str | None
         if info is not None:
             state, reason = info.state, info.reason
         elif s.ended is not None:
@@ -94,6 +95,8 @@ def format_run_status(st: dict[str, Any]) -> str:
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
     """One line per run, from one `squeue` of the user's jobs."""
+    if not runs:
+        return []
     try:
         queue = SlurmClient(timeout_s=15).squeue(me=True)
         slurm_error = None
