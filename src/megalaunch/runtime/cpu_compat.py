@@ -34,9 +34,8 @@ def enable() -> None:
     global _ENABLED
     if _ENABLED:
         return
-    import torch
-
     import megatron.core  # noqa: F401  (import Megatron before torch.cuda changes under it)
+    import torch
 
     _patch_torch_cuda(torch)
     _patch_tensor_methods(torch)

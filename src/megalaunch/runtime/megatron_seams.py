@@ -12,9 +12,9 @@ Seams (megatron-core 0.19.2, `megatron.training`):
 - `training.training_log` -> the reduced loss of each iteration (progress, W&B).
 - `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
   back to an older one if loading fails.
-- Bug fixes for megatron-core 0.19.2 without TE/apex (FACTS.md): dataset helper `make`; the
+- Bug fixes for megatron-core 0.19.2 without TE/apex (FACTS.md): the dataset helper `make`; the
   distributed optimizer's `assert len(steps) == 1` on an empty state; Adam's per-parameter `step`
-  lost (non-distributed optimizer) or aliased into one tensor (distributed optimizer) after a load.
+  reset (and aliased into one tensor) after a load; fp32 main-param views copied outside no_grad.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Hooks(Protocol):
     def on_log(self, iteration: int, loss: float | None, lr: float | None, grad_norm: float | None) -> None: ...
     def on_iteration(self, iteration: int, flops_so_far: float) -> None: ...
     def choose_checkpoint(self) -> int | None: ...  # collective; None: start from scratch
-    def load_failed(self, iteration: int, error: BaseException) -> None: ...
+    def load_failed(self, iteration: int, error: BaseException) -> int | None: ...  # collective: fallback
     def loaded(self, iteration: int, consumed_samples: int) -> None: ...
 
 
@@ -80,72 +80,59 @@ def skip_helper_compilation() -> None:
 # --- bugs 2 and 3: Adam's step with torch's optimizer fallback --------------------------------
 
 def fix_optimizer_step() -> None:
-    """Make Adam's `step` survive a checkpoint round trip exactly.
+    """Make a distributed optimizer (torch's Adam, no TE/apex) resume exactly.
 
-    Non-distributed optimizer: at load time the state has no `step` yet, so Megatron does not ask
-    the checkpoint for its `common_step` (`if step:`), and Adam restarts its bias correction at 1.
-    We put a placeholder step into the empty state before the load request is built, so the saved
-    value is requested and restored.
-    Distributed optimizer: `state_dict()` asserts one step across an empty state when building the
-    load request, and `load_state_dict()` gives every parameter the same step tensor, which torch's
-    Adam then increments once per parameter. We answer the empty case with the param groups' step
-    and give each parameter its own copy after loading."""
+    - `state_dict()` asserts one step across an empty state when it builds the load request
+      (bug 2): we give the empty state a placeholder step for that call.
+    - After loading, every parameter's `step` is one shared tensor holding the load request's
+      placeholder instead of the checkpoint's step (bug 3): Adam's bias correction restarts,
+      silently. We give each parameter its own tensor with the step saved in the param groups.
+    - With fp32 parameters, the loaded values are copied into main params that are views of the
+      model's, outside `no_grad`: "a view of a leaf Variable that requires grad is being used in an
+      in-place operation". We run that copy under `no_grad`.
+    The non-distributed optimizer needs none of this: its step travels in the common state."""
     import torch
-    from megatron.core.optimizer import distrib_optimizer, optimizer
+    from megatron.core.optimizer import distrib_optimizer
 
-    if getattr(optimizer.MegatronOptimizer, "_megalaunch_step_fix", False):
+    cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls, "_megalaunch_step_fix", False):
         return
-
-    def with_step_placeholder(original: Any) -> Any:
-        @functools.wraps(original)
-        def sharded_state_dict(self: Any, model_sharded_state_dict: Any, is_loading: bool = False,
-                               metadata: Any = None) -> Any:
-            if is_loading and getattr(self, "init_state_fn", None) is not None:
-                self.init_state_fn(self.optimizer, self.config)
-                for state in self.optimizer.state.values():
-                    if "step" not in state:  # placeholder; nonzero so that `if step:` requests it
-                        state["step"] = torch.tensor(1.0, dtype=torch.float32)
-            return original(self, model_sharded_state_dict, is_loading, metadata)
-
-        return sharded_state_dict
-
-    for cls in (optimizer.FP32Optimizer, optimizer.Float16OptimizerWithFloat16Params):
-        if "sharded_state_dict" in cls.__dict__:
-            cls.sharded_state_dict = with_step_placeholder(cls.__dict__["sharded_state_dict"])
-
-    dist_cls = distrib_optimizer.DistributedOptimizer
-    original_state_dict = dist_cls.state_dict
-    original_load = dist_cls.load_state_dict
+    original_state_dict = cls.state_dict
+    original_load = cls.load_state_dict
+    reshardable = cls.load_parameter_state_from_dp_reshardable
 
     @functools.wraps(original_state_dict)
     def state_dict(self: Any) -> Any:
         inner = getattr(self, "optimizer", None)
-        if inner is not None and not distrib_optimizer.HAVE_APEX_OR_TE and len(inner.state) == 0:
-            # Building a load request before any step: no per-parameter state to read `step` from.
-            # The checkpoint's param-group step replaces this value when it is loaded.
-            for p in (p for g in inner.param_groups for p in g["params"]):
-                inner.state[p]["step"] = torch.tensor(0.0)
-            try:
-                return original_state_dict(self)
-            finally:
-                for p in list(inner.state):
-                    if set(inner.state[p]) == {"step"}:
-                        del inner.state[p]
-        return original_state_dict(self)
+        if inner is None or distrib_optimizer.HAVE_APEX_OR_TE or len(inner.state) != 0:
+            return original_state_dict(self)
+        params = [p for g in inner.param_groups for p in g["params"]]
+        for p in params:
+            inner.state[p]["step"] = torch.tensor(0.0)
+        try:
+            return original_state_dict(self)
+        finally:
+            for p in params:
+                if set(inner.state[p]) == {"step"}:
+                    del inner.state[p]
 
     @functools.wraps(original_load)
     def load_state_dict(self: Any, state_dict: Any) -> Any:
+        groups = state_dict.get("optimizer", {}).get("param_groups", [])
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
         result = original_load(self, state_dict)
         inner = getattr(self, "optimizer", None)
-        if inner is not None:
+        if inner is not None and not distrib_optimizer.HAVE_APEX_OR_TE and len(steps) == 1:
+            step = steps.pop()
             for state in inner.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
+                if "step" in state:  # its own tensor: torch's Adam increments it in place
+                    state["step"] = torch.tensor(step, dtype=torch.float32)
         return result
 
-    dist_cls.state_dict = state_dict
-    dist_cls.load_state_dict = load_state_dict
-    optimizer.MegatronOptimizer._megalaunch_step_fix = True
+    cls.state_dict = state_dict
+    cls.load_state_dict = load_state_dict
+    cls.load_parameter_state_from_dp_reshardable = functools.wraps(reshardable)(torch.no_grad()(reshardable))
+    cls._megalaunch_step_fix = True
 
 
 # --- the collective decision -------------------------------------------------------------------
@@ -264,9 +251,6 @@ def _as_float(value: Any) -> float | None:
 
 # --- resume: choose a complete checkpoint, fall back when a load fails ------------------------
 
-MAX_LOAD_ATTEMPTS = 3
-
-
 def _wrap_load_checkpoint(hooks: Hooks) -> None:
     import torch
     from megatron.training import get_args
@@ -277,9 +261,9 @@ def _wrap_load_checkpoint(hooks: Hooks) -> None:
     @functools.wraps(original)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         margs = get_args()
-        for attempt in range(1, MAX_LOAD_ATTEMPTS + 1):
-            chosen = hooks.choose_checkpoint()
-            margs.ckpt_step = chosen  # None: the tracker is gone too, Megatron starts from scratch
+        chosen = hooks.choose_checkpoint()  # None: no checkpoint, and no tracker: from scratch
+        for attempt in (1, 2):
+            margs.ckpt_step = chosen
             error: BaseException | None = None
             try:
                 result = original(*args, **kwargs)
@@ -289,9 +273,13 @@ def _wrap_load_checkpoint(hooks: Hooks) -> None:
                 margs.ckpt_step = None
                 hooks.loaded(int(result[0]), int(getattr(margs, "consumed_train_samples", 0) or 0))
                 return result
-            if chosen is None or attempt == MAX_LOAD_ATTEMPTS:
-                raise error or RuntimeError(f"loading checkpoint {chosen} failed on another rank")
-            hooks.load_failed(chosen, error or RuntimeError("failed on another rank"))
+            failure = error or RuntimeError(f"loading checkpoint {chosen} failed on another rank")
+            # One fallback, to an older complete checkpoint; never to scratch (that would silently
+            # throw away the run's progress), and not twice (then the cause is not this checkpoint).
+            older = hooks.load_failed(chosen, failure) if chosen is not None and attempt == 1 else None
+            if older is None:
+                raise failure
+            chosen = older
         raise AssertionError("unreachable")
 
     mtraining.load_checkpoint = load_checkpoint

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,7 +40,6 @@ _SDPA_CLASS: type | None = None
 
 
 def _make_sdpa_class() -> type:
-    import torch
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType

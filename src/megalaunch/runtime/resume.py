@@ -163,11 +163,18 @@ def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = 
     return plan
 
 
-def mark_unreadable(paths: RunPaths, iteration: int, error: BaseException, job_id: str | None) -> None:
-    """A checkpoint that passed the completeness check but failed to load: move it aside."""
+def fall_back_from(paths: RunPaths, iteration: int, error: BaseException, job_id: str | None) -> int | None:
+    """A checkpoint that passed the completeness check failed to load. If an older complete one
+    exists: move the bad one aside, point the tracker at the older one, record it, return it.
+    Otherwise change nothing and return None (the segment fails; nothing is thrown away)."""
+    older = [i for i in checkpoint_iterations(paths) if i < iteration and is_complete(paths, i)]
+    if not older:
+        return None
     _move_aside(paths, iteration, "unreadable", job_id)
+    _point_tracker(paths, older[-1])
     append_jsonl(paths.ledger, {"event": "resume_fallback", "time": time.time(), "job_id": job_id,
-                                "unreadable": iteration, "reason": one_line(error)})
+                                "unreadable": iteration, "to": older[-1], "reason": one_line(error)})
+    return older[-1]
 
 
 def one_line(error: BaseException) -> str:

@@ -191,14 +191,30 @@ class Session:
         self.resumed_from = chosen if chosen >= 0 else None
         return self.resumed_from
 
-    def load_failed(self, iteration: int, error: BaseException) -> None:
-        self.log(f"resume: checkpoint {iteration} failed to load ({resume.one_line(error)}); falling back")
-        if self.rank == 0:
-            resume.mark_unreadable(self.paths, iteration, error, self.job_id)
+    def load_failed(self, iteration: int, error: BaseException) -> int | None:
+        """A checkpoint passed the completeness check but failed to load: rank 0 moves it aside
+        and points the tracker at the next older complete one, if any; every rank gets the same."""
+        import traceback
+
+        import torch
         import torch.distributed as dist
 
+        from megalaunch.runtime.megatron_seams import collective_device
+
+        traceback.print_exception(error)
+        self.log(f"resume: checkpoint {iteration} failed to load ({resume.one_line(error)})")
+        older = -1
+        if self.rank == 0:
+            found = resume.fall_back_from(self.paths, iteration, error, self.job_id)
+            older = -1 if found is None else found
+        t = torch.tensor([older], dtype=torch.int64, device=collective_device())
         if dist.is_initialized():
-            dist.barrier()
+            dist.broadcast(t, 0)
+        older = int(t.item())
+        self.log(f"resume: falling back to checkpoint {older}" if older >= 0 else
+                 "resume: no older complete checkpoint to fall back to")
+        self.resumed_from = older if older >= 0 else None
+        return self.resumed_from
 
     def loaded(self, iteration: int, consumed_samples: int) -> None:
         self.iteration = iteration

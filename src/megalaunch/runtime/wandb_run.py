@@ -47,7 +47,7 @@ class WandbRun:
 
         state = read_json(state_file(paths)) or {}
         if not state.get("id"):
-            state = {"id": wandb.util.generate_id(), "created": time.time(), "last_step": -1}
+            state = {"id": new_run_id(), "created": time.time(), "last_step": -1}
         state.update({"project": project, "entity": entity, "mode": mode,
                       "sync_command": sync_command(paths) if mode == "offline" else None})
         paths.state.mkdir(parents=True, exist_ok=True)
@@ -79,6 +79,14 @@ class WandbRun:
             self.run.finish(exit_code=exit_code)
         except Exception as e:  # never let logging turn an outcome into a failure
             print(f"[megalaunch] W&B finish failed: {e}", flush=True)
+
+
+def new_run_id() -> str:
+    """Eight lowercase letters and digits, like W&B's own ids."""
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def offline_by_default() -> bool:
