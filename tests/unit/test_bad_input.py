@@ -143,3 +143,25 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     proc = cli("--debug", "submit", "llama9-900b")
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr
+
+
+def _dataset(prefix: Path) -> None:
+    from megalaunch.data.writer import IndexedWriter
+
+    w = IndexedWriter(prefix, dtype="uint16")
+    w.add_batch([[1, 2, 3], [4, 5]])
+    w.close()
+
+
+def test_blend_dtype_too_small_for_the_tokenizer(tmp_path: Path, fake_slurm: tuple[Path, Path]) -> None:
+    bindir, marker = fake_slurm
+    _dataset(tmp_path / "corpus_text_document")
+    root = tmp_path / "runs"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"include: [tiny]\nname: x\nrun: {{root: {root}}}\n"
+                      f"data: {{mock: false, vocab_size: 70000, blend: [{{path: {tmp_path}}}]}}\n")
+    proc = cli("submit", str(recipe), env={"PATH": f"{bindir}:{os.environ['PATH']}"})
+    _assert_clean_failure(proc, "data.blend", root, marker)
+    assert "uint16" in proc.stderr
+    ok = cli("submit", str(recipe), "--set", "data.vocab_size=1000", "--dry-run")
+    assert ok.returncode == 0, ok.stderr  # the same blend with a fitting vocabulary passes

@@ -14,6 +14,12 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VA
 ClusterOpt = Annotated[str | None, typer.Option("--cluster", help="Cluster profile merged over the recipe.")]
 
 
+def _is_tokenize(ref: str) -> bool:
+    from megalaunch.config.loader import find_recipe
+
+    return find_recipe(ref).parent.name == "tokenize"
+
+
 @app.command("list")
 def list_() -> None:
     """Shipped recipes, by group."""
@@ -39,6 +45,14 @@ def show(
     """Print a recipe fully resolved (with defaults)."""
     from megalaunch.config.loader import find_recipe, load_recipe
 
+    if _is_tokenize(recipe):
+        import yaml
+
+        from megalaunch.tokenization.recipe import load_tokenize_recipe
+
+        _, merged = load_tokenize_recipe(recipe, list(set_ or []))
+        say(yaml.safe_dump(merged, sort_keys=False).rstrip())
+        return
     if not explain and set_ is None and cluster is None and find_recipe(recipe).parent.name in ("models", "clusters", "training"):
         say(find_recipe(recipe).read_text().rstrip())  # a fragment: show it as written
         return
@@ -58,6 +72,13 @@ def validate(
     """Run every check `submit` runs (schema and preflight) without writing anything."""
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.preflight import preflight, signal_lead_s
+
+    if _is_tokenize(recipe):
+        from megalaunch.tokenization.recipe import load_tokenize_recipe
+
+        tok, _ = load_tokenize_recipe(recipe, list(set_ or []))
+        say(f"ok: tokenization recipe ({type(tok).__name__})")
+        return
 
     loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
     topo, blend = preflight(loaded.recipe)

@@ -239,6 +239,43 @@ def resolve_data_blend(recipe: Recipe) -> Any | None:
     return blend
 
 
+def tokenizer_vocab_size(recipe: Recipe) -> int | None:
+    """The tokenizer's vocabulary size, read cheaply (tokenizer.json is plain JSON)."""
+    d = recipe.data
+    if d.tokenizer_type == "NullTokenizer":
+        return d.vocab_size
+    if not d.tokenizer_model:
+        return None
+    path = Path(d.tokenizer_model).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        import json
+
+        tok = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = tok.get("model", {}).get("vocab", {})
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
+    ids.update(t["id"] for t in tok.get("added_tokens", []) if isinstance(t, dict) and "id" in t)
+    return max(ids) + 1 if ids else None
+
+
+def check_blend_dtypes(recipe: Recipe, blend: Any) -> None:
+    """A uint16 dataset cannot hold the ids of a tokenizer with more than 65,536 entries."""
+    vocab = tokenizer_vocab_size(recipe)
+    if blend is None or vocab is None:
+        return
+    from megalaunch.data.index import read_index_header
+
+    for prefix, _ in blend.prefixes:
+        header = read_index_header(prefix)
+        if header.itemsize == 2 and vocab > 65536:
+            raise PreflightError(f"{prefix} stores uint16 tokens but the tokenizer has {vocab} entries",
+                                 field="data.blend", valid="int32 datasets for vocabularies over 65,536",
+                                 fix=f"re-tokenize with this tokenizer, or check the dataset: megalaunch data check {prefix}")
+
+
 def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     """Every check, in the order a user would want to hear about them. Returns the topology and
     the resolved data blend."""
@@ -248,4 +285,5 @@ def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     check_model_parallel(recipe, topo)
     check_files(recipe)
     blend = resolve_data_blend(recipe)
+    check_blend_dtypes(recipe, blend)
     return topo, blend
