@@ -93,7 +93,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120, what: str = "co
             if value:
                 return value
             raise AssertionError(f"trainer exited before {what}:\n{trainer.log()[-3000:]}")
-        time.sleep(0.1)
+        time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -132,9 +132,15 @@ def checkpoint_state(directory: Path) -> dict[str, Any]:
         out = Path(tmp) / "ckpt.pt"
         dcp_to_torch_save(str(directory), str(out))
         sd = torch.load(out, weights_only=False)
-    state = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    state: dict[str, Any] = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     common = sd["common_state/shard_0_1"][0]
-    state["optimizer.common_step"] = common["optimizer"]["state"].get("common_step")
+    if "state" in common["optimizer"]:  # non-distributed optimizer: one step for all parameters
+        step = common["optimizer"]["state"].get("common_step")
+    else:  # distributed optimizer: the step travels in the param groups
+        groups = next(v for k, v in sd.items() if k.startswith("optimizer.distributed.") and
+                      k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
+        step = groups[0]["step"]
+    state["optimizer.step"] = float(step)
     state["iteration"] = common["iteration"]
     return state
 

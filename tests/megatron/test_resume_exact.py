@@ -15,7 +15,7 @@ from megalaunch.runtime.resume import iter_dir
 
 pytestmark = pytest.mark.megatron
 
-ITERS = 12
+ITERS = 24
 SETS = (f"training.train_iters={ITERS}", "checkpoint.save_interval=1000", "training.lr_warmup_iters=2", "parallel.use_distributed_optimizer=true")
 
 
@@ -61,10 +61,13 @@ def test_signal_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 
     a, b = checkpoint_state(iter_dir(straight, ITERS)), checkpoint_state(iter_dir(chain, ITERS))
     assert a.keys() == b.keys()
-    assert float(a["optimizer.common_step"]) == float(b["optimizer.common_step"]) == ITERS
+    assert a["optimizer.step"] == b["optimizer.step"] == ITERS  # Adam's step survived two resumes
+    compared = 0
     for key in a:
-        if key.startswith(("optimizer.state.", "embedding", "decoder", "output_layer")):
+        if key.startswith(("optimizer.", "embedding", "decoder", "output_layer")) and key != "optimizer.step":
+            compared += 1
             assert (a[key] - b[key]).abs().max().item() <= 1e-6 * max(1.0, a[key].abs().max().item()), key
+    assert compared > 10 and any(".exp_avg_sq" in k for k in a)  # weights and Adam moments
 
     _check_wandb(chain, stops)
 
