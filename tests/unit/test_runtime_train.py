@@ -1,0 +1,99 @@
+"""The training entry's bookkeeping, without Megatron: decisions acted on (log, ledger, consumed
+triggers), the verdict that becomes outcome.json, the Megatron argument list, rank environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megalaunch.runtime.files import read_jsonl
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.settings import RuntimeSettings
+from megalaunch.runtime.signals import SignalFlag
+from megalaunch.runtime.train import Session, _parse_hang, megatron_argv, rank_env
+from megalaunch.runtime.triggers import Decision, consumed_records
+
+
+@pytest.fixture
+def session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Session:
+    monkeypatch.setenv("MEGALAUNCH_JOB_ID", "42")
+    paths = RunPaths(tmp_path)
+    for d in (paths.triggers, paths.state, paths.checkpoints):
+        d.mkdir(parents=True, exist_ok=True)
+    flag = SignalFlag()
+    yield Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=0, world=2)
+    flag.restore()
+
+
+def test_acted_logs_consumes_and_records(session: Session, capsys: pytest.CaptureFixture[str]) -> None:
+    (session.paths.triggers / "exit").write_text(json.dumps({"user": "ada", "reason": "done"}))
+    (session.paths.triggers / "save").write_text("{}")
+    session.acted(Decision.EXIT, 37)
+    assert "[megalaunch rank 0] decision exit at iteration 37" in capsys.readouterr().out
+    assert {(r["verb"], r["consumed_iteration"], r["consumed_by_job"]) for r in consumed_records(session.paths)} == {
+        ("exit", 37, "42"), ("save", 37, "42")}
+    (rec,) = read_jsonl(session.paths.ledger)
+    assert (rec["event"], rec["decision"], rec["iteration"], rec["job_id"]) == ("decision", "exit", 37, "42")
+    assert sorted(rec["triggers"]) == ["exit", "save"]
+
+
+def test_signal_also_satisfies_a_pending_save(session: Session) -> None:
+    (session.paths.triggers / "save").write_text("{}")
+    session.acted(Decision.SIGNAL, 5)
+    assert [r["verb"] for r in consumed_records(session.paths)] == ["save"]
+
+
+def test_other_ranks_only_log(session: Session, capsys: pytest.CaptureFixture[str]) -> None:
+    session.rank = 1
+    (session.paths.triggers / "abort").write_text("{}")
+    session.acted(Decision.ABORT, 9)
+    assert "[megalaunch rank 1] decision abort at iteration 9" in capsys.readouterr().out
+    assert (session.paths.triggers / "abort").exists() and not session.paths.ledger.exists()
+
+
+@pytest.mark.parametrize(("decision", "iteration", "early", "status"), [
+    (Decision.CONTINUE, 100, False, "finished"),
+    (Decision.SIGNAL, 100, True, "finished"),  # the signal came at the last iteration
+    (Decision.SIGNAL, 40, True, "saved"),
+    (Decision.EXIT, 40, True, "exited"),
+    (Decision.ABORT, 100, True, "aborted"),
+    (Decision.SAVE, 40, True, "failed"),  # Megatron left its loop for a reason of its own
+    (Decision.CONTINUE, 0, False, "failed"),
+])
+def test_verdict(session: Session, decision: Decision, iteration: int, early: bool, status: str) -> None:
+    session.decision, session.decision_iteration, session.iteration = decision, iteration, iteration
+    assert session.verdict(exited_early=early)[0] == status
+
+
+def test_parse_hang() -> None:
+    assert _parse_hang(None, 0) is None
+    assert _parse_hang("4", 0) == 4 and _parse_hang("4", 1) is None
+    assert _parse_hang("4:1", 1) == 4 and _parse_hang("4:1", 0) is None
+
+
+def test_megatron_argv_adds_cpu_and_tensorboard_flags(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path)
+    paths.megatron_args.write_text("--num-layers\n2\n--save\n/x\n")
+
+    class Logging:
+        tensorboard = True
+
+    class Recipe:
+        logging = Logging()
+
+    argv = megatron_argv(paths, Recipe(), cpu=True)
+    assert argv[:4] == ["--num-layers", "2", "--save", "/x"]
+    assert "--distributed-backend" in argv and argv[argv.index("--distributed-backend") + 1] == "gloo"
+    assert argv[argv.index("--tensorboard-dir") + 1] == str(tmp_path / "tensorboard")
+    assert megatron_argv(paths, None, cpu=False) == ["--num-layers", "2", "--save", "/x"]
+
+
+def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert rank_env() == (5, 8, 1)
