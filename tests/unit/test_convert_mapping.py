@@ -13,7 +13,7 @@ from megalaunch.conversion.errors import ConversionError, UnsupportedModelError
 from megalaunch.conversion.tables import TABLES, items
 
 torch = pytest.importorskip("torch")
-from megalaunch.conversion.transforms import TRANSFORMS  # noqa: E402
+from megalaunch.conversion.transforms import Block, blocks, to_hf, to_mcore  # noqa: E402
 
 LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -35,8 +35,7 @@ def test_qkv_round_trip_and_megatron_interleave(heads: int, groups: int) -> None
     q = torch.randn(heads * hd, 64)
     k = torch.randn(groups * hd, 64)
     v = torch.randn(groups * hd, 64)
-    fused = TRANSFORMS["qkv"].to_mcore(d, q, k, v)
-    assert fused.shape == ((heads + 2 * groups) * hd, 64)
+    fused = to_mcore("qkv", d, [q, k, v], ((heads + 2 * groups) * hd, 64))
     # Megatron's layout: per group g, its query heads, then k_g, then v_g.
     per = heads // groups
     block = (per + 2) * hd
@@ -45,28 +44,36 @@ def test_qkv_round_trip_and_megatron_interleave(heads: int, groups: int) -> None
         assert torch.equal(rows[: per * hd], q[g * per * hd:(g + 1) * per * hd])
         assert torch.equal(rows[per * hd: per * hd + hd], k[g * hd:(g + 1) * hd])
         assert torch.equal(rows[per * hd + hd:], v[g * hd:(g + 1) * hd])
-    back = TRANSFORMS["qkv"].to_hf(d, fused)
+    shapes = [tuple(t.shape) for t in (q, k, v)]
+    back = to_hf("qkv", d, fused, shapes)
     assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
     bias = [torch.randn(t.shape[0]) for t in (q, k, v)]
-    assert all(torch.equal(a, b) for a, b in
-               zip(TRANSFORMS["qkv"].to_hf(d, TRANSFORMS["qkv"].to_mcore(d, *bias)), bias, strict=True))
+    fused_bias = to_mcore("qkv", d, bias, (fused.shape[0],))
+    assert all(torch.equal(a, b) for a, b in zip(to_hf("qkv", d, fused_bias, [(s[0],) for s in shapes]), bias,
+                                                strict=True))
+    # every Megatron row comes from exactly one Hugging Face row
+    covered = sorted(r for b in blocks("qkv", d, [s[0] for s in shapes], fused.shape[0])
+                     for r in range(b.dest, b.dest + b.rows))
+    assert covered == list(range(fused.shape[0]))
 
 
 def test_gated_mlp_is_gate_then_up() -> None:
     gate, up = torch.randn(128, 64), torch.randn(128, 64)
-    fused = TRANSFORMS["gated_mlp"].to_mcore(dims(), gate, up)
+    fused = to_mcore("gated_mlp", dims(), [gate, up], (256, 64))
     assert torch.equal(fused[:128], gate) and torch.equal(fused[128:], up)
-    assert all(torch.equal(a, b) for a, b in zip(TRANSFORMS["gated_mlp"].to_hf(dims(), fused), (gate, up), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(to_hf("gated_mlp", dims(), fused, [(128, 64)] * 2), (gate, up),
+                                                strict=True))
+    assert blocks("gated_mlp", dims(), [128, 128], 256) == [Block(0, 0, 128, 0), Block(1, 0, 128, 128)]
 
 
 def test_vocab_padding_is_zero_and_stripped_exactly() -> None:
     emb = torch.randn(300, 64, dtype=torch.bfloat16)
-    padded = TRANSFORMS["vocab"].to_mcore(dims(), emb)
+    padded = to_mcore("vocab", dims(), [emb], (384, 64))
     assert padded.shape == (384, 64) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:300], emb) and not padded[300:].any()
-    (back,) = TRANSFORMS["vocab"].to_hf(dims(), padded)
+    (back,) = to_hf("vocab", dims(), padded, [(300, 64)])
     assert torch.equal(back, emb)
-    (grown,) = TRANSFORMS["vocab"].to_hf(dims(vocab=400, padded_vocab=400), padded)  # fewer rows than HF
+    (grown,) = to_hf("vocab", dims(vocab=400, padded_vocab=400), padded, [(400, 64)])  # fewer rows than HF
     assert grown.shape == (400, 64) and torch.equal(grown[:384], padded)
 
 
@@ -93,9 +100,13 @@ def test_table_items_follow_the_conditions(tied: bool, qkv_bias: bool, expected:
 def test_every_rule_shape_is_consistent_with_its_transform() -> None:
     d = dims(tied=False, qkv_bias=True)
     for item in items(TABLES["llama"], d):
-        sources = [torch.zeros(d.shape(s)) for s in item.rule.hf_shapes]
-        out = TRANSFORMS[item.rule.transform].to_mcore(d, *sources)
-        assert tuple(out.shape) == d.shape(item.rule.mcore_shape), item.label
+        hf_rows = [d.shape(s)[0] for s in item.rule.hf_shapes]
+        mcore_rows = d.shape(item.rule.mcore_shape)[0]
+        covered = sorted(r for b in blocks(item.rule.transform, d, hf_rows, mcore_rows)
+                         for r in range(b.dest, b.dest + b.rows))
+        expected = d.vocab if item.rule.vocab_rows else mcore_rows
+        assert covered == list(range(expected)), item.label
+        assert all(d.shape(s)[1:] == d.shape(item.rule.mcore_shape)[1:] for s in item.rule.hf_shapes), item.label
 
 
 @pytest.mark.parametrize(("arch", "extra", "family", "qkv_bias"), [

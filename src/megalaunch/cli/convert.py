@@ -31,6 +31,7 @@ GpusOpt = Annotated[int | None, typer.Option("--gpus", min=0, help="GPUs for --s
 TimeOpt = Annotated[str | None, typer.Option("--time", help="Time limit for --submit (default: the recipe's).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]
+FsyncOpt = Annotated[bool, typer.Option("--fsync", help="Flush every output file to the device before returning.")]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 
@@ -133,6 +134,7 @@ def hf_to_mcore(
                                                                   "group each).")] = 1,
     overwrite: OverwriteOpt = False,
     progress: ProgressOpt = True,
+    fsync: FsyncOpt = False,
     submit: SubmitOpt = False,
     gpus: GpusOpt = None,
     time_limit: TimeOpt = None,
@@ -145,7 +147,8 @@ def hf_to_mcore(
     if submit:
         command = _command("hf-to-mcore", hf_dir, {"--out": out, "--recipe": recipe, "--iteration": iteration,
                                                    "--tp": tp, "--dtype": dtype, "--threads": threads,
-                                                   "--overwrite": overwrite, "--no-progress": True}, set_)
+                                                   "--overwrite": overwrite, "--fsync": fsync,
+                                                   "--no-progress": True}, set_)
         _submit(loaded, command, out, gpus, time_limit)
         return
     from megalaunch.conversion.converter import hf_to_mcore as convert
@@ -153,7 +156,7 @@ def hf_to_mcore(
     tensor_parallel = tp or (loaded.parallel.tensor_model_parallel_size if loaded else 1)
     report = convert(hf_dir, out, model=loaded.model if loaded else None, vocab_size=_recipe_vocab(loaded),
                      tensor_parallel=tensor_parallel, iteration=iteration, dtype=dtype, threads=threads,
-                     overwrite=overwrite, progress=progress)
+                     overwrite=overwrite, progress=progress, fsync=fsync)
     _print_report(report, "hf-to-mcore")
     say(f"next: train from it with --set checkpoint.load={out.absolute()}")
 
@@ -176,6 +179,7 @@ def mcore_to_hf(
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors file.")] = "5GB",
     overwrite: OverwriteOpt = False,
     progress: ProgressOpt = True,
+    fsync: FsyncOpt = False,
     submit: SubmitOpt = False,
     gpus: GpusOpt = None,
     time_limit: TimeOpt = None,
@@ -192,13 +196,14 @@ def mcore_to_hf(
         command = _command("mcore-to-hf", checkpoint, {
             "--out": out, "--iteration": iteration, "--hf-template": hf_template, "--recipe": recipe,
             "--family": family, "--vocab-size": vocab_size, "--dtype": dtype, "--max-shard-size": max_shard_size,
-            "--overwrite": overwrite, "--no-progress": True}, set_)
+            "--overwrite": overwrite, "--fsync": fsync, "--no-progress": True}, set_)
         _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit)
         return
     from megalaunch.conversion.converter import mcore_to_hf as convert
 
     report = convert(checkpoint, out, iteration=iteration, hf_template=hf_template, family=family,
                      model=loaded.model if loaded else None, vocab_size=vocab_size or _recipe_vocab(loaded),
-                     dtype=dtype, max_shard_bytes=shard_bytes, overwrite=overwrite, progress=progress)
+                     dtype=dtype, max_shard_bytes=shard_bytes, overwrite=overwrite, progress=progress,
+                     fsync=fsync)
     _print_report(report, "mcore-to-hf")
     say(f"next: AutoModelForCausalLM.from_pretrained({str(out.absolute())!r})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,12 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
-from megalaunch.conversion import families, mcore_io, safetensors_io
+from megalaunch.conversion import families, mcore_io, safetensors_io, transforms
 from megalaunch.conversion.dims import Dims, padded_vocab_size
 from megalaunch.conversion.errors import ConversionError, MissingFileError, ShapeMismatchError
 from megalaunch.conversion.progress import Progress
 from megalaunch.conversion.tables import EXTRA_STATE_MODULES, IGNORED_HF_SUFFIXES, TABLES, Item, items
-from megalaunch.conversion.transforms import TRANSFORMS
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +77,16 @@ def _stacked_shape(item: Item, dims: Dims) -> tuple[int, ...]:
 
 def _hf_shapes(item: Item, dims: Dims) -> list[tuple[int, ...]]:
     return [dims.shape(s) for s in item.rule.hf_shapes]
+
+
+def largest_group_bytes(work: list[Item], dims: Dims, element_size: int) -> int:
+    """Bytes of the largest tensor group converted together: the embedding (or output layer) on its own,
+    or one transformer layer. Peak memory is bounded by about twice this."""
+    sizes: dict[object, int] = {}
+    for item in work:
+        group = item.layer if item.rule.per_layer else item.rule.mcore
+        sizes[group] = sizes.get(group, 0) + _numel(dims.shape(item.rule.mcore_shape)) * element_size
+    return max(sizes.values())
 
 
 def _prepare_output(out: Path, iteration: int | None, overwrite: bool) -> Path:
@@ -140,7 +150,7 @@ def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims:
 
 def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vocab_size: int | None = None,
                 tensor_parallel: int = 1, iteration: int | None = None, dtype: str | None = None,
-                threads: int = 1, overwrite: bool = False, progress: bool = True) -> Report:
+                threads: int = 1, overwrite: bool = False, progress: bool = True, fsync: bool = False) -> Report:
     """Convert a Hugging Face Llama-family model into a Megatron-core checkpoint under `out`.
 
     model: the recipe's model section; its architecture must match the Hugging Face config (else an
@@ -151,8 +161,9 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         make_vocab_size_divisible_by x TP; other TPs still load: Megatron marks the embedding with
         allow_shape_mismatch).
     iteration: None writes a `release` checkpoint (Megatron loads it as weights only: iteration 0, fresh
-        optimizer); N writes iter_N (load it with --finetune or --no-load-optim --no-load-rng)."""
-    import torch
+        optimizer); N writes iter_N (load it with --finetune or --no-load-optim --no-load-rng).
+    fsync: flush every file to the device before returning (durable on power loss; as slow as the
+        device's writes). Off, like `save_pretrained`: the tracker is still written last."""
 
     hf_dir, out = Path(hf_dir), Path(out)
     if not hf_dir.is_dir():
@@ -179,21 +190,23 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         work = list(items(table, dims))
         stored = {n: safetensors_io.torch_dtype(i.dtype) for n, i in reader.tensors.items()}
         out_dtype = cast or stored[work[0].hf_names[0]]
-        shards, sizes = [], []
+        shards = []
+        element_size = out_dtype.itemsize
+        staging = _Staging()
+        capacity = max(_numel(dims.shape(i.rule.mcore_shape)) for i in work) * element_size
         for item in work:
             shape = dims.shape(item.rule.mcore_shape)
-            nbytes = _numel(shape) * torch.empty((), dtype=out_dtype).element_size()
-            src_bytes = sum(reader.tensors[n].nbytes for n in item.hf_names)
-            sizes.append(nbytes + src_bytes)
+            nbytes = _numel(shape) * element_size
             shards.append(mcore_io.LazyShard(
                 key=item.rule.mcore, global_shape=_stacked_shape(item, dims),
                 offset=((item.layer,) if item.rule.per_layer else ()) + (0,) * len(shape),
                 local_shape=shape, stacked=item.rule.per_layer, dtype=out_dtype,
-                produce=_producer(reader, item, dims, out_dtype), allow_shape_mismatch=item.rule.vocab_rows,
+                produce=_producer(reader, item, dims, out_dtype, staging, capacity),
+                allow_shape_mismatch=item.rule.vocab_rows,
                 nbytes=nbytes))
         report.tensors = len(shards)
         report.bytes = sum(s.nbytes for s in shards)
-        report.largest_group_bytes = max(sizes)
+        report.largest_group_bytes = largest_group_bytes(work, dims, element_size)
         target = _prepare_output(out, iteration, overwrite)
         common = {
             "args": megatron_args(model, dims, tensor_parallel=tensor_parallel, iteration=iteration or 0,
@@ -207,7 +220,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         start = time.perf_counter()
         with mcore_io.process_group():
             mcore_io.save(target, shards, common, threads=threads, extra_state=EXTRA_STATE_MODULES,
-                          num_layers=dims.num_layers, on_written=lambda s: bar.update(s.nbytes))
+                          num_layers=dims.num_layers, fsync=fsync, on_written=lambda s: bar.update(s.nbytes))
         bar.close()
         report.seconds = time.perf_counter() - start
     mcore_io.write_tracker(out, iteration)
@@ -223,11 +236,48 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _producer(reader: safetensors_io.SafetensorsReader, item: Item, dims: Dims, dtype: torch.dtype) -> Any:
+class _Staging(threading.local):
+    """One reusable buffer per writer thread: each Megatron tensor is read into it and written out
+    before the thread produces the next, so memory holds one tensor per thread and fresh pages are
+    not faulted in for every tensor."""
+
+    buffer: bytearray | None = None
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> torch.Tensor:
+        import torch
+
+        if self.buffer is None:
+            self.buffer = bytearray(capacity)
+        nbytes = _numel(shape) * dtype.itemsize
+        # frombuffer over exactly nbytes: the tensor's storage is its own size, so the checkpoint
+        # writer saves it without cloning (it clones views of larger storages).
+        return torch.frombuffer(memoryview(self.buffer)[:nbytes], dtype=dtype).view(shape) if nbytes else \
+            torch.empty(shape, dtype=dtype)
+
+
+def _producer(reader: safetensors_io.SafetensorsReader, item: Item, dims: Dims, dtype: torch.dtype,
+              staging: _Staging, capacity: int) -> Any:
+    names = item.hf_names
+    shape = dims.shape(item.rule.mcore_shape)
+    hf_rows = [reader.tensors[n].shape[0] if reader.tensors[n].shape else 1 for n in names]
+    blocks = transforms.blocks(item.rule.transform, dims, hf_rows, shape[0] if shape else 1)
+    direct = all(safetensors_io.torch_dtype(reader.tensors[n].dtype) == dtype for n in names)
+
     def produce() -> torch.Tensor:
-        sources = [reader.read(n) for n in item.hf_names]
-        tensor = TRANSFORMS[item.rule.transform].to_mcore(dims, *sources)
-        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+        if not direct:  # a dtype change: convert in memory
+            sources = [reader.read(n) for n in names]
+            return transforms.to_mcore(item.rule.transform, dims, sources, shape).to(dtype)
+        out = staging.tensor(shape, dtype, capacity)
+        rows = out.view(shape[0] if shape else 1, -1)
+        covered = [False] * rows.shape[0]
+        for b in blocks:
+            reader.read_rows_into(names[b.source], b.start, b.rows,
+                                  safetensors_io.byte_view(rows[b.dest:b.dest + b.rows]))
+            covered[b.dest:b.dest + b.rows] = [True] * b.rows
+        first_gap = covered.index(False) if not all(covered) else None
+        if first_gap is not None:  # vocabulary padding: zero rows (the buffer holds an earlier tensor)
+            rows[first_gap:].zero_()
+        return out
 
     return produce
 
@@ -324,7 +374,7 @@ def _groups(work: list[Item]) -> Iterator[list[Item]]:
 def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf_template: Path | None = None,
                 family: str | None = None, model: ModelConfig | None = None, vocab_size: int | None = None,
                 dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                progress: bool = True) -> Report:
+                progress: bool = True, fsync: bool = False) -> Report:
     """Convert a complete Megatron-core checkpoint into a Hugging Face directory `out`."""
     out = Path(out)
     ref = mcore_io.resolve(Path(checkpoint), iteration)
@@ -353,7 +403,8 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
         table = TABLES[hf.family]
         work = list(items(table, dims))
         _check_mcore_tensors(meta, work, dims, ref.path)
-        report = Report(output=out, notes=list(hf.notes) + list(source.notes))
+        report = Report(output=out, notes=list(hf.notes) + list(source.notes),
+                        largest_group_bytes=largest_group_bytes(work, dims, out_dtype.itemsize))
         plan: list[tuple[str, str, tuple[int, ...]]] = []
         code = safetensors_io.dtype_code(out_dtype)
         for item in work:
@@ -367,19 +418,21 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
             for group in _groups(work):
                 requests = [_request(item, dims, meta) for item in group]
                 tensors = mcore_io.load(ref.path, requests)
-                group_bytes = 0
                 for item, tensor in zip(group, tensors, strict=True):
-                    outs = TRANSFORMS[item.rule.transform].to_hf(dims, tensor)
-                    for name, t in zip(item.hf_names, outs, strict=True):
-                        t = t if t.dtype == out_dtype else t.to(out_dtype)
-                        writer.write(name, t)
-                        bar.update(t.numel() * t.element_size())
-                        report.bytes += t.numel() * t.element_size()
+                    tensor = tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
+                    rows = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
+                    hf_rows = [writer.slots[n].shape[0] if writer.slots[n].shape else 1 for n in item.hf_names]
+                    for b in transforms.blocks(item.rule.transform, dims, hf_rows, rows.shape[0]):
+                        name = item.hf_names[b.source]
+                        block = rows[b.dest:b.dest + b.rows].view(b.rows, *writer.slots[name].shape[1:])
+                        writer.write_rows(name, b.start, block)
+                        bar.update(block.numel() * block.element_size())
+                    for name in item.hf_names:
+                        writer.done(name)
+                        report.bytes += writer.slots[name].nbytes
                         report.tensors += 1
-                    group_bytes += 2 * tensor.numel() * tensor.element_size()
-                report.largest_group_bytes = max(report.largest_group_bytes, group_bytes)
                 del tensors
-            writer.close()
+            writer.close(sync=fsync)
         except BaseException:
             writer.abort()
             raise

@@ -188,7 +188,7 @@ def _from_offsets(cls: Any, key: str, data: Any, global_shape: tuple[int, ...], 
 
 
 def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, threads: int = 1,
-         extra_state: tuple[str, ...] = (), num_layers: int = 0,
+         extra_state: tuple[str, ...] = (), num_layers: int = 0, fsync: bool = False,
          on_written: Callable[[LazyShard], None] | None = None) -> None:
     """Write a torch_dist checkpoint into the empty `directory` from lazily produced shards.
     `extra_state`: layer modules (`mlp.linear_fc1`) whose empty `_extra_state` objects Megatron expects."""
@@ -203,7 +203,7 @@ def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, th
         for i in range(num_layers):
             model[f"{key}@{i}"] = ShardedObject(key, None, (num_layers,), (i,), replica_id=0)
     state["model"] = model
-    strategy = _lazy_strategy_class()(lookup, threads=threads, on_written=on_written)
+    strategy = _lazy_strategy_class()(lookup, threads=threads, fsync=fsync, on_written=on_written)
     dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, validate_access_integrity=True)
 
 
@@ -257,17 +257,18 @@ def _lazy_strategy_class() -> type:
             return self._write_data(planner, files)
 
     class LazyTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-        def __init__(self, lookup: dict[tuple[str, tuple[int, ...]], LazyShard], *, threads: int,
+        def __init__(self, lookup: dict[tuple[str, tuple[int, ...]], LazyShard], *, threads: int, fsync: bool,
                      on_written: Callable[[LazyShard], None] | None) -> None:
             super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=threads)
             self.lookup = lookup
+            self.fsync = fsync
             self.on_written = on_written
 
         def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
             sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state_dict = mcore_to_pyt_state_dict(sharded, False)
             writer = OneTensorPerFileWriter(str(checkpoint_dir), single_file_per_rank=True,
-                                            thread_count=self.thread_count, sync_files=True)
+                                            thread_count=self.thread_count, sync_files=self.fsync)
             planner = LazyPlanner(self.lookup, self.on_written, dedup_replicated_tensors=False,
                                   flatten_state_dict=False, flatten_sharded_tensors=False)
             dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)

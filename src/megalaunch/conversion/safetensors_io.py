@@ -99,21 +99,34 @@ class SafetensorsReader:
                                fix="point at a Hugging Face model directory saved with safetensors")
 
     def read(self, name: str) -> torch.Tensor:
-        """A fresh tensor with the stored dtype and shape, read with one positioned read."""
+        """A fresh tensor with the stored dtype and shape."""
         import torch
 
         info = self.tensors[name]
         out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        if info.nbytes:
-            view = memoryview(out.view(-1).view(torch.uint8).numpy())
-            fd = self._fd(info.file)
-            done = 0
-            while done < info.nbytes:
-                n = os.preadv(fd, [view[done:]], info.begin + done)
-                if n <= 0:
-                    raise ConversionError(f"{info.file} ends inside tensor '{name}' (truncated file?)")
-                done += n
+        self.read_rows_into(name, 0, info.shape[0] if info.shape else 1, byte_view(out))
         return out
+
+    def row_bytes(self, name: str) -> int:
+        info = self.tensors[name]
+        rows = info.shape[0] if info.shape else 1
+        return info.nbytes // rows if rows else 0
+
+    def read_rows_into(self, name: str, start: int, rows: int, out: memoryview) -> None:
+        """Rows start:start+rows of tensor `name` into the writable buffer `out` (exactly that size)."""
+        info = self.tensors[name]
+        row = self.row_bytes(name)
+        nbytes = rows * row
+        if len(out) != nbytes:
+            raise ConversionError(f"tensor '{name}': {rows} rows are {nbytes} bytes, buffer has {len(out)}")
+        fd = self._fd(info.file)
+        offset = info.begin + start * row
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise ConversionError(f"{info.file} ends inside tensor '{name}' (truncated file?)")
+            done += n
 
     def _fd(self, path: Path) -> int:
         if path not in self._handles:
@@ -188,21 +201,40 @@ class SafetensorsWriter:
         return self.directory / (self.names[k] + ".partial")
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        import torch
-
-        slot = self.slots.get(name)
-        if slot is None:
-            raise ConversionError(f"tensor '{name}' was not declared for writing")
+        slot = self._slot(name)
         if tuple(tensor.shape) != slot.shape or dtype_code(tensor.dtype) != slot.dtype:
             raise ConversionError(f"tensor '{name}' is {dtype_code(tensor.dtype)}{list(tensor.shape)}, "
                                   f"declared {slot.dtype}{list(slot.shape)}")
-        data = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        self.write_rows(name, 0, tensor)
+        self.done(name)
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write `rows` (a tensor of whole rows, dtype as declared) as rows start:... of tensor `name`.
+        Rows never written stay zero (the file is preallocated sparse)."""
+        slot = self._slot(name)
+        if dtype_code(rows.dtype) != slot.dtype or tuple(rows.shape[1:]) != slot.shape[1:]:
+            raise ConversionError(f"tensor '{name}': rows of {dtype_code(rows.dtype)}{list(rows.shape)} do not fit "
+                                  f"{slot.dtype}{list(slot.shape)}")
+        data = byte_view(rows)
+        row = slot.nbytes // slot.shape[0] if slot.shape and slot.shape[0] else slot.nbytes
+        offset = slot.offset + start * row
+        if start * row + len(data) > slot.nbytes:
+            raise ConversionError(f"tensor '{name}': rows {start}+{rows.shape[0] if rows.dim() else 1} exceed "
+                                  f"{list(slot.shape)}")
         done = 0
-        while done < slot.nbytes:
-            done += os.pwrite(self._fds[slot.file], data[done:], slot.offset + done)
+        while done < len(data):
+            done += os.pwrite(self._fds[slot.file], data[done:], offset + done)
+
+    def done(self, name: str) -> None:
         self._written.add(name)
 
-    def close(self, *, sync: bool = True) -> None:
+    def _slot(self, name: str) -> _Slot:
+        slot = self.slots.get(name)
+        if slot is None:
+            raise ConversionError(f"tensor '{name}' was not declared for writing")
+        return slot
+
+    def close(self, *, sync: bool = False) -> None:
         missing = sorted(set(self.slots) - self._written)
         if missing:
             self.abort()
@@ -225,6 +257,16 @@ class SafetensorsWriter:
         self._fds.clear()
         for k in range(len(self.names)):
             self._partial(k).unlink(missing_ok=True)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy (a non-contiguous one is copied first)."""
+    import torch
+
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _nbytes(code: str, shape: tuple[int, ...]) -> int:
