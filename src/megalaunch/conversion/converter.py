@@ -199,7 +199,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
             nbytes = _numel(shape) * element_size
             shards.append(mcore_io.LazyShard(
                 key=item.rule.mcore, global_shape=_stacked_shape(item, dims),
-                offset=((item.layer,) if item.rule.per_layer else ()) + (0,) * len(shape),
+                offset=_offset(item, len(shape)),
                 local_shape=shape, stacked=item.rule.per_layer, dtype=out_dtype,
                 produce=_producer(reader, item, dims, out_dtype, staging, capacity),
                 allow_shape_mismatch=item.rule.vocab_rows,
@@ -447,8 +447,14 @@ def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_io.ShardRequ
     info = meta[item.rule.mcore]
     shape = tuple(int(d) for d in info.global_shape)
     local = shape[1:] if item.rule.per_layer else shape
-    offset = ((item.layer,) if item.rule.per_layer else ()) + (0,) * len(local)
-    return mcore_io.ShardRequest(item.rule.mcore, shape, offset, local, item.rule.per_layer, info.dtype)
+    return mcore_io.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
+                                 info.dtype)
+
+
+def _offset(item: Item, ndim: int) -> tuple[int, ...]:
+    """Global offset of one item: its layer on the stacked axis, then zeros."""
+    layer = (item.layer or 0,) if item.rule.per_layer else ()
+    return layer + (0,) * ndim
 
 
 def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path) -> None:
