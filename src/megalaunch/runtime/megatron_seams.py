@@ -34,7 +34,7 @@ class Hooks(Protocol):
     def acted(self, decision: int, iteration: int) -> None: ...
     def before_save(self, iteration: int) -> None: ...
     def after_save(self, iteration: int) -> None: ...
-    def on_log(self, iteration: int, loss: float | None, lr: float | None, grad_norm: float | None) -> None: ...
+    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None: ...
     def on_iteration(self, iteration: int, flops_so_far: float) -> None: ...
     def choose_checkpoint(self) -> int | None: ...  # collective; None: start from scratch
     def load_failed(self, iteration: int, error: BaseException) -> int | None: ...  # collective: fallback
@@ -232,15 +232,16 @@ def _wrap_training_log(hooks: Hooks) -> None:
     def training_log(loss_dict: dict[str, Any], total_loss_dict: Any, learning_rate: Any, iteration: int,
                      loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
                      *args: Any, **kwargs: Any) -> Any:
-        loss = loss_dict.get("lm loss") if loss_dict else None
-        hooks.on_log(iteration, _as_float(loss), _as_float(learning_rate), _as_float(grad_norm))
+        # The loss stays a device tensor: converting it would synchronise every iteration.
+        hooks.on_log(iteration, loss_dict.get("lm loss") if loss_dict else None, learning_rate, grad_norm)
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                         report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
 
     mtraining.training_log = training_log
 
 
-def _as_float(value: Any) -> float | None:
+def as_float(value: Any) -> float | None:
+    """A loss, learning rate or norm from Megatron (tensor, number or None) as a float."""
     if value is None:
         return None
     try:

@@ -205,6 +205,7 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
         rotary_percent=model.rotary_percent,
         rotary_base=model.rotary_base,
         rope_scaling=model.use_rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
     )
 
 
@@ -278,6 +279,7 @@ def model_provider(attention: str) -> Any:
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
             rope_scaling=args.use_rope_scaling,
+            rope_scaling_factor=args.rope_scaling_factor,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )

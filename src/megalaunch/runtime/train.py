@@ -149,11 +149,16 @@ class Session:
             if deleted:
                 self.log(f"retention: deleted checkpoints {deleted}")
 
-    def on_log(self, iteration: int, loss: float | None, lr: float | None, grad_norm: float | None) -> None:
-        self.loss, self.lr, self.grad_norm = loss, lr, grad_norm
-        if self._loss_log and loss is not None:
+    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
+        """Every iteration; values are converted (a device sync for the loss) only when used."""
+        if not (self._loss_log or iteration % self.settings.log_interval == 0):
+            return
+        from megalaunch.runtime.megatron_seams import as_float
+
+        self.loss, self.lr, self.grad_norm = as_float(loss), as_float(lr), as_float(grad_norm)
+        if self._loss_log and self.loss is not None:
             with open(self._loss_log, "a") as f:
-                f.write(json.dumps({"iteration": iteration, "loss": loss}) + "\n")
+                f.write(json.dumps({"iteration": iteration, "loss": self.loss}) + "\n")
 
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         self.iteration = iteration
