@@ -31,7 +31,7 @@ sys.path[:] = [str(SRC)] + [p for p in sys.path if Path(p or ".").resolve() != P
 GB = 1e9
 
 _WORKER = r"""
-import json, os, resource, sys, threading, time
+import json, os, sys, threading, time
 from pathlib import Path
 import psutil, torch
 import megatron.core.dist_checkpointing  # noqa: F401  (imports count in the baseline, not the peak)
@@ -55,10 +55,11 @@ else:
     r = mcore_to_hf(src, dst, progress=False, fsync=fsync)
 wall = time.perf_counter() - t0
 done.set()
-maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: the peak RSS of this process image (ru_maxrss would include the parent's, inherited at fork)
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": r.seconds, "wall": wall, "bytes": r.bytes, "tensors": r.tensors,
                   "largest_group": r.largest_group_bytes, "baseline_rss": baseline,
-                  "peak_rss": max(maxrss, peak[0])}))
+                  "peak_rss": max(hwm, peak[0])}))
 """
 
 

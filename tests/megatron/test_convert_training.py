@@ -66,3 +66,23 @@ def test_training_starts_from_a_converted_model(tmp_path: Path) -> None:
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_tensor_parallel_checkpoint_converts(tmp_path: Path) -> None:
+    """A checkpoint saved by TP=2 training (row- and column-split chunks) converts to the same model that
+    Megatron itself loads from it with TP=1."""
+    from transformers import AutoModelForCausalLM
+
+    paths = make_run(tmp_path / "runs", "training.train_iters=2", "checkpoint.save_interval=2",
+                     "training.lr_warmup_iters=0", "parallel.tensor_model_parallel_size=2", "cluster.tasks_per_node=2")
+    trainer = Trainer(paths, world=2, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert trainer.wait() == [0, 0], trainer.log()[-3000:]
+    mcore_to_hf(paths.root, tmp_path / "hf", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor(tokens)).logits
+    model = load_recipe("tiny").recipe.model
+    got = run_megatron_logits(1, str(paths.checkpoints / "iter_0000002"), dataclasses.asdict(model), 512, tokens,
+                              str(tmp_path / "logits.pt"))
+    assert (got - expected).abs().max().item() <= 1e-4

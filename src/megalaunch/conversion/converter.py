@@ -14,7 +14,6 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -359,18 +358,6 @@ def _hf_source(ref: mcore_io.CheckpointRef, common: dict[str, Any], *, hf_templa
     return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes))
 
 
-def _groups(work: list[Item]) -> Iterator[list[Item]]:
-    """Items grouped by layer (one dist_checkpointing load per group)."""
-    group: list[Item] = []
-    for item in work:
-        if group and item.layer != group[-1].layer:
-            yield group
-            group = []
-        group.append(item)
-    if group:
-        yield group
-
-
 def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf_template: Path | None = None,
                 family: str | None = None, model: ModelConfig | None = None, vocab_size: int | None = None,
                 dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
@@ -415,10 +402,14 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
         bar = Progress(writer.total_bytes, f"mcore-to-hf {ref.path.name}", progress)
         start = time.perf_counter()
         try:
-            for group in _groups(work):
-                requests = [_request(item, dims, meta) for item in group]
-                tensors = mcore_io.load(ref.path, requests)
-                for item, tensor in zip(group, tensors, strict=True):
+            staging = _Staging()
+            requests = [_request(item, dims, meta) for item in work]
+            capacity = max(_numel(r.local_shape) * r.dtype.itemsize for r in requests)
+            with mcore_io.DirectReader(ref.path) as reader:
+                for item, r in zip(work, requests, strict=True):
+                    target = staging.tensor(((1,) if r.stacked else ()) + r.local_shape, r.dtype, capacity)
+                    reader.read_into(r.key, r.offset, target)
+                    tensor = target[0] if r.stacked else target
                     tensor = tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
                     rows = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
                     hf_rows = [writer.slots[n].shape[0] if writer.slots[n].shape else 1 for n in item.hf_names]
@@ -431,7 +422,6 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
                         writer.done(name)
                         report.bytes += writer.slots[name].nbytes
                         report.tensors += 1
-                del tensors
             writer.close(sync=fsync)
         except BaseException:
             writer.abort()
