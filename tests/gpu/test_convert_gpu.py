@@ -1,5 +1,5 @@
 """GPU check of conversion (run on the device machine; skipped without CUDA): a ~1.2B Llama (Llama 3.2
-1B shapes with Llama 3.1 rope scaling) built locally with random weights in bf16, converted
+1B shapes and rope scaling) built locally with random weights in bf16, converted
 HF -> mcore -> HF (bit-exact), and the logits of the Megatron model built from the recipe on the
 converted checkpoint compared with the Hugging Face model's in bf16 (TP=1, and TP=2 when two GPUs
 are there). Prints the figures for the notes.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 CONFIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=True, rope_theta=500000.0,
-              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192})
 
 

@@ -129,14 +129,16 @@ def test_llama31_rope_scaling_and_transformers4_keys() -> None:
     cfg.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     m = families.model_from_hf_config(cfg).model
-    assert m.use_rope_scaling and m.rotary_base == 500000
+    assert m.use_rope_scaling and m.rotary_base == 500000 and m.rope_scaling_factor == 8.0
+    cfg["rope_scaling"]["factor"] = 32.0  # Llama 3.2
+    assert families.model_from_hf_config(cfg).model.rope_scaling_factor == 32.0
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "no Megatron mapping"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "rope_scaling_factor"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 2.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "low_freq_factor"),
     ({"head_dim": 32}, "kv_channels"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "silu"),
@@ -167,7 +169,7 @@ def test_differences_name_fields_and_ignore_training_choices() -> None:
 @pytest.mark.parametrize("scaling", [False, True])
 def test_hf_config_from_model_round_trips(family: str, scaling: bool) -> None:
     model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                        rotary_base=500000, use_rope_scaling=scaling, add_qkv_bias=family == "qwen2",
+                        rotary_base=500000, use_rope_scaling=scaling, rope_scaling_factor=32.0 if scaling else 8.0, add_qkv_bias=family == "qwen2",
                         untie_embeddings_and_output_weights=family != "qwen2", max_position_embeddings=64,
                         seq_length=64)
     cfg = families.hf_config_from_model(model, family=family, vocab_size=512, dtype="float32")

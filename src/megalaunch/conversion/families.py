@@ -6,7 +6,7 @@ absent and is cheap to test."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megalaunch.config.schema import ModelConfig
@@ -19,13 +19,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
 }
 FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
-# Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor, default 8);
-# ModelConfig has no field for the factor yet, so only the Llama 3.1 values convert.
-LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+# Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor: 8 for
+# Llama 3.1, 32 for Llama 3.2), so only these values of the other three convert.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # The fields that make two models the same architecture (the rest are training choices).
 ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling", "normalization",
+               "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
+               "rope_scaling_factor", "normalization",
                "norm_epsilon", "swiglu", "disable_bias_linear", "add_qkv_bias",
                "untie_embeddings_and_output_weights", "num_experts")
 
@@ -92,15 +92,14 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
                      "for sequences up to the window")
 
     theta, scaling = rope_settings(cfg)
-    use_rope_scaling = False
+    use_rope_scaling, factor = False, 8.0
     if scaling is not None:
         if scaling.get("rope_type") != "llama3":
             raise _unsupported(f"rope scaling {scaling.get('rope_type')!r}: only Llama 3.1's 'llama3' is mapped")
         differing = {k: scaling.get(k) for k, v in LLAMA3_ROPE.items() if not math.isclose(float(scaling.get(k, -1)), v)}
         if differing:
-            raise _unsupported(f"llama3 rope scaling {differing} differs from Llama 3.1's {LLAMA3_ROPE}: the recipe "
-                               "schema has no rope_scaling_factor field yet")
-        use_rope_scaling = True
+            raise _unsupported(f"llama3 rope scaling {differing} differs from Megatron's fixed {LLAMA3_ROPE}")
+        use_rope_scaling, factor = True, float(scaling.get("factor", 8.0))
     if theta != int(theta):
         raise _unsupported(f"rope_theta {theta} is not an integer (model.rotary_base is)")
 
@@ -116,6 +115,7 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
         position_embedding_type="rope",
         rotary_base=int(theta),
         use_rope_scaling=use_rope_scaling,
+        rope_scaling_factor=factor,
         normalization="RMSNorm",
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         swiglu=True,
@@ -157,8 +157,9 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
         raise UnsupportedModelError(f"add_qkv_bias={model.add_qkv_bias} does not fit family {family!r}",
                                     fix="use --family qwen2 for QKV biases, llama or mistral otherwise")
     rope: dict[str, Any] = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
+    llama3 = {"factor": float(model.rope_scaling_factor), **LLAMA3_ROPE}
     if model.use_rope_scaling:
-        rope = {**rope, "rope_type": "llama3", **LLAMA3_ROPE}
+        rope = {**rope, "rope_type": "llama3", **llama3}
     arch = FAMILY_ARCHITECTURE[family]
     cfg: dict[str, Any] = {
         "architectures": [arch],
@@ -176,7 +177,7 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "rope_parameters": rope,
         "rope_theta": float(model.rotary_base),
-        "rope_scaling": None if not model.use_rope_scaling else {"rope_type": "llama3", **LLAMA3_ROPE},
+        "rope_scaling": None if not model.use_rope_scaling else {"rope_type": "llama3", **llama3},
         "attention_dropout": 0.0,
         "dtype": dtype,
         "torch_dtype": dtype,
@@ -189,6 +190,3 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
         cfg.update(use_sliding_window=False, sliding_window=None)
     return cfg
 
-
-def model_fields() -> set[str]:
-    return {f.name for f in fields(ModelConfig)}

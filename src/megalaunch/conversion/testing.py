@@ -17,7 +17,7 @@ def hf_config(family: str, *, vocab_size: int = 300, tied: bool = False, **overr
     if family == "llama":
         return LlamaConfig(**kw)
     if family == "llama3":
-        kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
         kw.setdefault("rope_theta", 500000.0)
         return LlamaConfig(**kw)
