@@ -5,6 +5,7 @@ flags when true and omitted when false; `megatron_args` passthrough comes last, 
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import Any
 
@@ -79,6 +80,8 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     c = recipe.checkpoint
     out += ["--save", str(paths.checkpoints), "--load", str(paths.checkpoints)]
     _section(out, c, _CHECKPOINT_OWN)
+    if c.load:  # weights to start from when RUN/checkpoints holds nothing yet (e.g. a converted HF model)
+        out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
     if c.async_save:
         out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 

@@ -38,6 +38,7 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     world = cl.ntasks_per_node
     log_path = paths.logs / f"{chain_name}-{job_id}.out"
     base_env = dict(os.environ)
+    base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     base_env.update({k: v for k, v in cl.env.items()})
     port = _free_port()
     command = job_command(recipe, paths)
@@ -88,6 +89,7 @@ def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals, group: bool
 
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
                     echo: Callable[[str], None] = print) -> Verdict:
+    os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
     chain = Chain(paths, NoScheduler(), recipe)
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
