@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def test_llama_1b_trains_and_resumes(tmp_path: Path, attention: str) -> None:
     assert lossed[40] < lossed[1] - 1.0  # it learns (mock data), and did not restart from scratch
     assert lossed[first["iteration"] + 1] < lossed[1] - 0.5
     progress = read_json(paths.progress)
+    shutil.rmtree(paths.checkpoints)  # ~17 GB per checkpoint: the machine's disk holds few
     print(f"\n[llama 1.2B {attention}] {torch.cuda.get_device_name()}: {progress['tokens_per_s']:.0f} tokens/s, "
           f"{progress['tflops_per_gpu']:.1f} TFLOP/s; signal save {first['save_times_s']} s; "
           f"loss {lossed[1]:.3f} -> {lossed[40]:.3f}")

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Everything the training runtime needs proven on a GPU machine, in stages that each fit in a
+# 10-minute command. Results go under $OUT (default ./gpu-out): logs, junit XML, JSON, nvidia-smi.
+#
+#   bash bench/gpu_session.sh setup tests        # install (offline), GPU tests   (~6-8 min on an H100)
+#   bash bench/gpu_session.sh throughput         # megalaunch vs bare pretrain     (~4-5 min)
+#   bash bench/gpu_session.sh save               # sync/async save, signal-to-exit (~2-3 min)
+#   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
+#
+# The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
+# torch is preinstalled there. Wheels needed (pip download --no-deps --only-binary=:all:
+# --python-version 3.12 -d .carry/wheels ...): megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe
+# packaging pytest pluggy iniconfig pytest-timeout. numpy must be there already (torch images have it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python}
+WHEELS=${WHEELS:-.carry/wheels}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export MEGALAUNCH_ALLOW_UNPINNED_MEGATRON=${MEGALAUNCH_ALLOW_UNPINNED_MEGATRON:-0}
+
+stage_setup() {
+  {
+    nvidia-smi || true
+    "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  } > "$OUT/machine.txt" 2>&1
+  cat "$OUT/machine.txt"
+  if ! "$PY" -c "import megatron.core, psutil, yaml, jinja2, pytest" 2>/dev/null; then
+    "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" \
+      megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe packaging pytest pluggy iniconfig pytest-timeout \
+      2>&1 | tail -n 3
+  fi
+  # The package itself (no dependencies, no network); PYTHONPATH=src covers a failure here.
+  "$PY" -m pip install --no-deps --no-build-isolation -e . > "$OUT/pip-megalaunch.txt" 2>&1 \
+    || echo "note: pip install -e . failed (see $OUT/pip-megalaunch.txt); using PYTHONPATH=src"
+  "$PY" -c "import numpy, megatron.core as m; print('megatron-core', m.__version__, 'numpy', numpy.__version__)"
+}
+
+stage_tests() {
+  "$PY" -m pytest -m gpu tests/gpu/test_train_gpu.py -s -q -p no:cacheprovider \
+    --basetemp="$OUT/pytest" --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt" \
+    | grep -E "^\[|passed|failed|error|Error" || true
+}
+
+stage_throughput() {
+  "$PY" bench/train_overhead.py --stage throughput --attention "${ATTENTION:-sdpa}" --out "$OUT/train_overhead" \
+    2>&1 | tee "$OUT/throughput.txt"
+}
+
+stage_save() {
+  "$PY" bench/train_overhead.py --stage save --attention "${ATTENTION:-sdpa}" --out "$OUT/train_overhead" \
+    2>&1 | tee "$OUT/save.txt"
+}
+
+[ $# -gt 0 ] || set -- all
+for stage in "$@"; do
+  case "$stage" in
+    setup|tests|throughput|save) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, all)" >&2; exit 2 ;;
+  esac
+done
+# Run directories with checkpoints are large: keep only logs and results in $OUT.
+find "$OUT" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null || true
+echo "results in $OUT"
