@@ -78,7 +78,7 @@ def _check_wandb(paths, stops: list[int]) -> None:
     state = read_json(paths.state / "wandb.json")
     runs = sorted((paths.root / "wandb").glob("offline-run-*"))
     assert len(runs) == 3, runs
-    assert {r.name.rsplit("-", 1)[1] for r in runs} == {state["id"]}  # one id for every segment
+    assert {r.name.split("-")[3] for r in runs} == {state["id"]}  # offline-run-DATE_TIME-ID[-N]: one id
     steps = [s for r in runs for s in _history_steps(r)]
     assert steps == sorted(steps) and len(steps) == len(set(steps)), steps
     assert steps[-1] == ITERS and state["last_step"] == ITERS

@@ -31,5 +31,5 @@ def test_one_id_across_segments_and_monotonic_steps(tmp_path: Path, monkeypatch:
     assert state["last_step"] == 11 and state["id"] == first.run_id
     assert state["sync_command"].startswith("wandb sync --include-offline ")
     runs = sorted((paths.root / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(first.run_id) for r in runs)
+    assert len(runs) == 2 and all(r.name.split("-")[3] == first.run_id for r in runs)  # offline-run-DATE_TIME-ID[-N]
     assert "WANDB_API_KEY" not in "".join(p.read_text(errors="ignore") for p in paths.state.iterdir())

@@ -28,6 +28,7 @@ def test_fires_without_progress(tmp_path: Path) -> None:
     assert codes == [EXIT_HUNG] and "rank 3" in hung[0] and "hang_timeout 0.6" in hung[0]
     text = (tmp_path / "debug" / "stacks-job77-rank3.txt").read_text()
     assert "no progress" in text and "test_fires_without_progress" in text  # the main thread's stack
+    assert "rank 3" in (wd.hang_reported() or "")
 
 
 def test_beats_keep_it_quiet(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ def test_beats_keep_it_quiet(tmp_path: Path) -> None:
         wd.beat(f"iteration {i}")
         time.sleep(0.05)
     wd.stop()
-    assert hung == []
+    assert hung == [] and wd.hang_reported() is None
     assert not (tmp_path / "stacks-job1-rank0.txt").exists()
 
 

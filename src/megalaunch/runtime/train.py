@@ -503,6 +503,11 @@ def run_session(session: Session) -> int:
         session.watchdog.stop()
     if status == "failed" and code == 0:
         code = 1
+    if status == "failed" and (hang := session.watchdog.hang_reported()):
+        # Another rank's watchdog fired and exited; this rank's collective then failed.
+        from megalaunch.runtime.watchdog import EXIT_HUNG
+
+        status, reason, kind, code = "hung", hang, None, EXIT_HUNG
     session.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
     if session.rank == 0:
         write_outcome(paths, status, iteration=session.iteration, reason=reason, kind=kind,

@@ -30,6 +30,7 @@ class Watchdog:
         self.job_id = job_id or str(os.getpid())
         self.timeout_s = timeout_s
         self.check_s = check_s if check_s is not None else min(30.0, max(0.5, timeout_s / 10))
+        self.grace_s = min(60.0, 2 * self.check_s + 1)
         self.on_hang = on_hang
         self._exit = exit
         self._last = time.monotonic()
@@ -64,6 +65,13 @@ class Watchdog:
     def stack_file(self, kind: str = "stacks") -> Path:
         return self.debug_dir / f"{kind}-job{self.job_id}-rank{self.rank}.txt"
 
+    def hang_reported(self) -> str | None:
+        """The reason, when any rank's watchdog of this job fired (its stack file exists)."""
+        for path in sorted(self.debug_dir.glob(f"stacks-job{self.job_id}-rank*.txt")):
+            first = path.read_text(errors="replace").splitlines()[:1]
+            return first[0].lstrip("# ") if first else f"hang reported in {path.name}"
+        return None
+
     def _arm_backstop(self) -> None:
         if self._backstop_file is None:
             self.debug_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +93,7 @@ class Watchdog:
         reason = (f"no progress for {idle:.0f} s (hang_timeout {self.timeout_s:g} s) on rank {self.rank}; "
                   f"last: {self._what or 'start'}")
         path = self.stack_file()
+        faulthandler.cancel_dump_traceback_later()  # this thread runs: the backstop is not needed
         try:
             self.debug_dir.mkdir(parents=True, exist_ok=True)
             with open(path, "w") as f:
@@ -93,6 +102,8 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
             print(f"[megalaunch rank {self.rank}] HUNG: {reason}; stacks in {path}", file=sys.stderr, flush=True)
             self.on_hang(reason)
+            # Stay a little: the other ranks, stuck in a collective with this one, dump their stacks
+            # too before this exit turns their wait into an error.
+            time.sleep(self.grace_s)
         finally:
-            faulthandler.cancel_dump_traceback_later()
             self._exit(EXIT_HUNG)
