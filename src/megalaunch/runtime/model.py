@@ -74,17 +74,17 @@ def _make_sdpa_class() -> type:
             # [s, b, h, d] -> [b, h, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             # torch >= 2.5 shares each KV head among its query heads without copying (GQA).
-            extra = {"enable_gqa": True} if np_ != k.shape[1] else {}
+            gqa = np_ != k.shape[1]
             dropout_p = self.dropout_p if self.training else 0.0
             if dropout_p > 0.0 and not self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                         scale=self.softmax_scale, **extra)
+                                                         scale=self.softmax_scale, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                     scale=self.softmax_scale, **extra)
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
             # [b, h, s, d] -> [s, b, h * d]
             return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 

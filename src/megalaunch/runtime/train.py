@@ -482,7 +482,10 @@ def run_session(session: Session) -> int:
 
     session.watchdog = Watchdog(paths.debug, rank=session.rank, job_id=session.job_id,
                                 timeout_s=session.settings.hang_timeout_s, on_hang=on_hang).start()
-    status, reason, kind, code = "failed", "did not start", None, 1
+    status: str = "failed"
+    reason: str | None = "did not start"
+    kind: str | None = None
+    code = 1
     try:
         argv, attention = _setup(session)
         run_pretrain(argv, attention=attention, session=session)

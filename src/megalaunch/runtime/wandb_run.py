@@ -53,7 +53,8 @@ class WandbRun:
         paths.state.mkdir(parents=True, exist_ok=True)
         atomic_write_json(state_file(paths), state)
         run = wandb.init(
-            project=project, entity=entity, id=state["id"], resume="allow", name=name, mode=mode,
+            project=project, entity=entity, id=state["id"], resume="allow", name=name,
+            mode="offline" if mode == "offline" else "online",
             dir=str(wandb_dir(paths)), config=config or {}, allow_val_change=True,
             settings=wandb.Settings(console="off", silent=True),
         )
