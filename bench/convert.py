@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-# bench/tokenize.py would shadow the standard library's tokenize module (used by linecache).
+# bench/ is not a package: keep its scripts from shadowing standard-library modules.
 sys.path[:] = [str(SRC)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 GB = 1e9

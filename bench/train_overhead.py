@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# bench/ holds a script named tokenize.py, which would shadow the standard library's module (that
-# `inspect`, hence torch, imports): take bench/ off the path before anything imports it.
+# A script in bench/ named like a standard-library module would shadow it (torch imports `inspect`,
+# which imports `tokenize`): take bench/ off the path before anything imports it.
 sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).resolve().parent))]
 
 REPO = Path(__file__).resolve().parents[1]

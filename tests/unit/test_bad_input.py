@@ -70,6 +70,9 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("bad env var name", "cluster: {env: {'A-B': x}}\n", [], "cluster"),
     ("bad time format", 'cluster: {time: "ten hours"}\n', [], "time"),
     ("precision on CPU", "training: {precision: bf16}\n", [], "training.precision"),
+    ("async save on CPU", "checkpoint: {async_save: true}\n", [], "checkpoint.async_save"),
+    ("secret_env not exported", "cluster: {backend: slurm, gpus_per_node: 0, secret_env: [ML_TEST_UNSET_KEY]}\n",
+     [], "cluster.secret_env"),
 ]
 
 

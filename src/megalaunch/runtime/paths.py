@@ -95,6 +95,20 @@ class RunPaths:
         return self.root / "debug"
 
     @property
+    def wandb_state(self) -> Path:
+        """The experiment's W&B run id (one for the whole chain), project and mode."""
+        return self.state / "wandb.json"
+
+    @property
+    def blend_hash(self) -> Path:
+        """sha256 of the data blend the checkpoints were trained on (a changed blend is refused)."""
+        return self.checkpoints / "data_blend.sha256"
+
+    def stacks(self, job_id: str, rank: int) -> Path:
+        """Python stacks dumped by the hang watchdog."""
+        return self.debug / f"stacks-job{job_id}-rank{rank}.txt"
+
+    @property
     def code_snapshot(self) -> Path:
         return self.root / "code"
 

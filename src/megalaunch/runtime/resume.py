@@ -27,7 +27,6 @@ from megalaunch.runtime.files import append_jsonl, atomic_write_text
 from megalaunch.runtime.paths import RunPaths
 
 ITER_RE = re.compile(r"^iter_(\d{7})$")
-BLEND_HASH_NAME = "data_blend.sha256"
 
 
 def iter_dir(paths: RunPaths, iteration: int) -> Path:
@@ -246,7 +245,7 @@ def check_blend(paths: RunPaths, *, allow_change: bool, write: bool, job_id: str
     """Refuse to resume on a data blend other than the one the checkpoints were trained on (the
     hash is recorded next to them the first time), unless the recipe allows the change."""
     current = blend_hash(paths)
-    record = paths.checkpoints / BLEND_HASH_NAME
+    record = paths.blend_hash
     try:
         previous = record.read_text().strip()
     except FileNotFoundError:

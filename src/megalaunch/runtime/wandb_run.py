@@ -21,7 +21,7 @@ from megalaunch.runtime.paths import RunPaths
 
 
 def state_file(paths: RunPaths) -> Any:
-    return paths.state / "wandb.json"
+    return paths.wandb_state
 
 
 def wandb_dir(paths: RunPaths) -> Any:
