@@ -82,6 +82,8 @@ def test_triggers_save_then_exit(tmp_path: Path) -> None:
     try:
         _wait_for(lambda: _iteration(holder, tmp_path) >= 10, 60, "training to start")
         paths = holder[0]
+        st = json.loads(cli("status", str(paths.root), "--json").stdout)
+        assert st["chain_state"] == "running" and st["segments"][-1]["state"] == "RUNNING"
         assert cli("trigger", "save", str(paths.root), "--reason", "checkpoint for eval").returncode == 0
         _wait_for(lambda: not paths.trigger("save").exists(), 30, "save trigger consumed")
         (rec,) = [json.loads(r.read_text()) for r in paths.consumed_triggers.glob("*save*.json")]

@@ -22,6 +22,7 @@ class Segment:
 
     job_id: str
     submitted_by: str | None = None
+    pid: int | None = None  # local backend: the process running the chain
     started: dict[str, Any] | None = None
     ended: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +64,7 @@ class Ledger:
             seg = by_id.setdefault(jid, Segment(job_id=jid))
             if e["event"] == "submitted":
                 seg.submitted_by = e.get("by")
+                seg.pid = e.get("pid")
             elif e["event"] == "started":
                 seg.started = e
             elif e["event"] == "ended":

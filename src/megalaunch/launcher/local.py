@@ -94,7 +94,7 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
         job_id = f"local-{n}"
-        chain.ledger.append("submitted", job_id=job_id, by="local backend")
+        chain.ledger.append("submitted", job_id=job_id, by="local backend", pid=os.getpid())
         verdict = chain.begin(job_id)
         if not verdict.proceed:
             echo(f"chain stopped: {verdict.reason}")

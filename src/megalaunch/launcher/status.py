@@ -40,8 +40,11 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
             state, reason = s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
         elif any(e.get("job_id") == s.job_id and e["event"] == "skipped" for e in events):
             state, reason = "SKIPPED", "chain stopped"
+        elif recipe.cluster.backend == "local":
+            alive = s.pid is not None and _pid_alive(s.pid)
+            state, reason = ("RUNNING" if alive and s.started else "PENDING" if alive else "GONE"), None
         else:
-            state, reason = ("GONE" if recipe.cluster.backend == "slurm" else "?"), None
+            state, reason = "GONE", None
         rows.append({"segment": i, "job_id": s.job_id, "state": state, "reason": reason,
                      "start_iteration": (s.started or {}).get("checkpoint_iteration"),
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
@@ -66,6 +69,18 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "consumed_triggers": len(triggers.consumed_records(paths)),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
     }
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def format_run_status(st: dict[str, Any]) -> str:
