@@ -133,3 +133,13 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
     assert module_argv == [x for h in hostile[:3] for x in ("load", h)]
     calls = (rec / "megalaunch.calls").read_text().splitlines()
     assert calls[0].startswith("job begin ") and calls[1].startswith("job end ")
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (CI installs it)")
+def test_shellcheck_repo_scripts() -> None:
+    repo = GOLDEN.parents[1]
+    files = [repo / ".ci" / "run", repo / ".ci" / "slurm-up", repo / ".ci" / "slurm-down",
+             repo / "scripts" / "demo", repo / "scripts" / "test", repo / "scripts" / "_env.sh"]
+    proc = subprocess.run(["shellcheck", "-x", "-P", "SCRIPTDIR", *map(str, files)], capture_output=True, text=True,
+                          cwd=repo)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
