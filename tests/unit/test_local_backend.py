@@ -48,6 +48,12 @@ def test_chain_of_segments_resumes_exactly(tmp_path: Path) -> None:
     assert paths.read_tracker() == 260
     state = json.loads((paths.checkpoints / "iter_0000260" / "state.json").read_text())
     assert state["total"] == sum(range(1, 261))  # no step lost or repeated across segments
+    first = cli("logs", str(paths.root), "--segment", "1")
+    assert first.returncode == 0 and "resumes at iteration 0" in first.stdout
+    newest = cli("logs", str(paths.root))
+    assert f"resumes at iteration {segs[-1].started['checkpoint_iteration']}" in newest.stdout
+    bad = cli("logs", str(paths.root), "--segment", "99")
+    assert bad.returncode != 0 and "--segment" in bad.stderr
     status = cli("status", str(paths.root), "--json")
     st = json.loads(status.stdout)
     assert st["chain_state"] == "stopped" and "target" in st["stop_reason"]

@@ -142,33 +142,22 @@ def status(
 
 def logs(
     run: Annotated[str, typer.Argument(help="Run directory or name.")],
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows.")] = False,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows (Ctrl-C stops).")] = False,
     segment: Annotated[int | None, typer.Option("--segment", help="Segment number (1 = first); default: newest.")] = None,
 ) -> None:
     """Print a segment's log."""
     from megalaunch.errors import RunDirError
     from megalaunch.launcher.control import find_run
-
-    paths = find_run(run)
-    files = sorted(paths.logs.glob("*.out"), key=lambda p: p.stat().st_mtime)
     from megalaunch.launcher.ledger import Ledger
 
-    order = [s.job_id for s in Ledger(paths).segments() if s.started is not None or s.ended is not None]
-    by_job = {f.stem.rsplit("-", 1)[-1] if not f.stem.endswith(tuple(order)) else _job_of(f, order): f for f in files}
-    ordered = [by_job[j] for j in order if j in by_job] or files
+    paths = find_run(run)
+    # every segment logs to <chain>-<job id>.out (Slurm's %x-%j, or the local backend's equivalent)
+    ordered = [f for s in Ledger(paths).segments() if (f := paths.logs / f"{paths.root.name}-{s.job_id}.out").exists()]
     if not ordered:
-        raise RunDirError(f"no logs yet in {paths.logs}", fix=f"megalaunch status {paths.root}")
-    if segment is not None:
-        if not 1 <= segment <= len(ordered):
-            raise RunDirError(f"segment {segment} does not exist", field="--segment", valid=f"1..{len(ordered)}")
-        path = ordered[segment - 1]
-    else:
-        path = ordered[-1]
-    _print_file(path, follow)
-
-
-def _job_of(f: Path, order: list[str]) -> str:
-    return next(j for j in order if f.stem.endswith(j))
+        raise RunDirError(f"no segment has written a log yet in {paths.logs}", fix=f"megalaunch status {paths.root}")
+    if segment is not None and not 1 <= segment <= len(ordered):
+        raise RunDirError(f"segment {segment} has no log", field="--segment", valid=f"1..{len(ordered)}")
+    _print_file(ordered[(segment or len(ordered)) - 1], follow)
 
 
 def _print_file(path: Path, follow: bool) -> None:
