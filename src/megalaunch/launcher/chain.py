@@ -106,11 +106,9 @@ class Chain:
                                        requested_by=rec.get("user"), reason=rec.get("reason"),
                                        when="before training")
                 return self.stop(job_id, f"{verb} trigger pending at segment start")
-        budget = self.recipe.chain.max_segments_without_progress
-        failures = self.ledger.consecutive_without_progress()
-        if failures >= budget:
-            self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)
-            return self.stop(job_id, f"{failures} consecutive segments without a new checkpoint (budget {budget})")
+        stopped_by_guard = self._guard(job_id, record_continue=False)
+        if stopped_by_guard is not None:
+            return stopped_by_guard
         target = self.recipe.training.train_iters
         if iteration is not None and iteration >= target:
             return self.stop(job_id, f"training already reached its target (iteration {iteration})")
@@ -167,16 +165,23 @@ class Chain:
             return self.stop(job_id, "cancel requested")
         if now is not None and now >= self.recipe.training.train_iters:
             return self.stop(job_id, f"training reached its target (iteration {now})")
+        stopped_by_guard = self._guard(job_id, record_continue=True)
+        if stopped_by_guard is not None:
+            return stopped_by_guard
+        if not self.recipe.chain.auto_requeue:
+            return Verdict(False, "auto-requeue is off: one segment only")
+        return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
+        """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""
         budget = self.recipe.chain.max_segments_without_progress
         failures = self.ledger.consecutive_without_progress()
         if failures >= budget:
             self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)
             return self.stop(job_id, f"{failures} consecutive segments without a new checkpoint (budget {budget})")
-        if failures:
+        if failures and record_continue:
             self.ledger.append("guard", job_id=job_id, decision="continue", failures=failures, budget=budget)
-        if not self.recipe.chain.auto_requeue:
-            return Verdict(False, "auto-requeue is off: one segment only")
-        return Verdict(True, f"outcome {status}: the next segment resumes")
+        return None
 
     # ------------------------------------------------------------------------------------ stop
     def pending_successors(self, current: str | None = None) -> list[str]:

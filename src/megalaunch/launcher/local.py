@@ -23,6 +23,17 @@ KILL_WAIT_S = 10.0
 POLL_S = 0.2
 
 
+def pid_alive(pid: int) -> bool:
+    """A process with this id exists on this host (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
 def _free_port() -> int:
     import socket
 

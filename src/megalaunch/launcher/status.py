@@ -8,6 +8,7 @@ from typing import Any
 from megalaunch.errors import SlurmError
 from megalaunch.launcher.chain import load_run_recipe
 from megalaunch.launcher.ledger import Ledger
+from megalaunch.launcher.local import pid_alive
 from megalaunch.launcher.slurm import JobInfo, SlurmClient
 from megalaunch.runtime import triggers
 from megalaunch.runtime.paths import RunPaths
@@ -41,7 +42,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         elif any(e.get("job_id") == s.job_id and e["event"] == "skipped" for e in events):
             state, reason = "SKIPPED", "chain stopped"
         elif recipe.cluster.backend == "local":
-            alive = s.pid is not None and _pid_alive(s.pid)
+            alive = s.pid is not None and pid_alive(s.pid)
             state, reason = ("RUNNING" if alive and s.started else "PENDING" if alive else "GONE"), None
         else:
             state, reason = "GONE", None
@@ -69,18 +70,6 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "consumed_triggers": len(triggers.consumed_records(paths)),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
     }
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def format_run_status(st: dict[str, Any]) -> str:

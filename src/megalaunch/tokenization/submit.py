@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.errors import PreflightError, RunDirError
+from megalaunch.launcher.local import pid_alive
 from megalaunch.runtime.files import atomic_write_json, atomic_write_text
 from megalaunch.tokenization.plan import Plan, make_plan
 from megalaunch.tokenization.recipe import TokenizeRecipe
@@ -113,19 +114,11 @@ def active_submission(run: TokenizeRun, slurm: Any | None = None) -> str | None:
     if any(e.get("event") == "finished" for e in events[submitted[-1]:]):
         return None
     pid = last.get("pid")
-    if pid and _pid_alive(int(pid)) and last.get("host") == os.uname().nodename:
+    if pid and pid_alive(int(pid)) and last.get("host") == os.uname().nodename:
         return f"pid {pid}"
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- slurm ------------------------------------------------------------------------------------
