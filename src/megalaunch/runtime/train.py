@@ -15,7 +15,9 @@ the chain needs (DESIGN.md, "Training entry"):
 
 Test hooks (environment): MEGALAUNCH_LOSS_LOG=FILE appends {"iteration", "loss"} for every
 iteration (rank 0, full precision); MEGALAUNCH_TEST_HANG=ITER[:RANK] makes RANK (default 0) stop
-making progress inside iteration ITER."""
+making progress inside iteration ITER; MEGALAUNCH_TEST_STEP_SLEEP_S=SECONDS makes every rank sleep
+that long after each iteration, before the stop decision (paces iterations so that tests of the
+chain get a predictable number of iterations per segment, whatever the machine's speed)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from megalaunch.runtime.triggers import Decision, consume, consume_for, decide
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
+STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
 
 
 class ConfigFailure(Exception):
@@ -90,6 +93,7 @@ class Session:
         self._saving_in_window = 0.0
         self._loss_log = os.environ.get(LOSS_LOG_ENV) if rank == 0 else None
         self._hang_at = _parse_hang(os.environ.get(HANG_ENV), rank)
+        self._step_sleep_s = float(os.environ.get(STEP_SLEEP_ENV) or 0)
         self.watchdog: Any = None
         self.wandb: Any = None
 
@@ -162,6 +166,8 @@ class Session:
 
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         self.iteration = iteration
+        if self._step_sleep_s > 0:  # test hook: pace iterations (before the decision, like a slow step)
+            time.sleep(self._step_sleep_s)
         if self.watchdog:
             self.watchdog.beat(f"iteration {iteration}")
         if self.rank == 0 and iteration % self.settings.log_interval == 0:

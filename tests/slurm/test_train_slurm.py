@@ -1,0 +1,374 @@
+"""The real trainer (`python -m megalaunch.runtime.train`, Megatron's loop on the CPU) on the local
+Slurm cluster: the `tiny` recipe as a chain of >= 3 segments, each stopped by Slurm's own time-limit
+warning (SIGUSR2), resuming exactly; and the save/exit/abort triggers on 2 processes, acted on by both
+ranks at the same iteration (asserted from each rank's lines in the segment log).
+
+Iterations are paced with the trainer's test hook MEGALAUNCH_TEST_STEP_SLEEP_S (every rank sleeps that
+long after each iteration), so the number of iterations per segment depends on Slurm's timing, not on
+how busy this 2-core machine is."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_done
+from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
+
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.resume import checkpoint_iterations, is_complete
+from megalaunch.runtime.triggers import consumed_records
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None,
+                       reason="needs torch + megatron-core (the [train] extra)"),
+]
+
+GBS = 8  # training/tiny: 8 sequences per step; divisible by micro-batch 1 x DP 1 and DP 2
+
+# --- the chain's timing arithmetic ---------------------------------------------------------------
+# Lead L = save 10 + step 1 + Slurm's check period 30 + margin 19 = 60 s (FACTS: >= 60 s), so in a
+# 180 s segment the USR2 warning comes 60..90 s before the limit: 90..120 s after the segment starts.
+# Before the first iteration: `job begin` + Python/Megatron start-up (+ a checkpoint load when
+# resuming): 5 s measured on an idle machine, up to ~25 s when busy. Training window per segment:
+#   W = (90..120) - (5..25) = 65..115 s.
+# One iteration = STEP_SLEEP_S (1 s) + the step itself (25..300 ms here): T = 1.025..1.3 s, so a
+# segment trains n = W / T = 50..112 iterations (~90 typical: W ~97 s, T ~1.08 s).
+# TRAIN_ITERS = 240 > 2 x 112 (+16 of slack for a warning a little later than asked): two segments
+# can never reach it, so >= 3 segments always. Typically 3 (the first three give ~270 > 240); when
+# the machine is busy (n ~ 60-70) a 4th, rarely a 5th.
+# Wall time: a stopped segment lasts ~95..125 s (warning + one step + a ~2 s save + `job end`), the
+# gap to the next one ~1..6 s (singleton dependency, sched_interval 5 s), the last one
+# start-up + rest x T: ~5.5 min typical for 3 segments, ~8 min for 4, ~10 min for 5. Bounded below
+# by CHAIN_TIMEOUT_S.
+STEP_SLEEP_S = 1.0
+TRAIN_ITERS = 240
+CHAIN_TIMEOUT_S = 960
+
+ITERATION_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|.*?\| lm loss: ([0-9.eE+-]+) \|")
+DECISION_LINE = re.compile(r"\[megalaunch rank (\d+)\] decision (\w+) at iteration (\d+)")
+ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+SAVED_LINE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
+
+
+def _free_port() -> int:
+    """A rendezvous port free now; not 29500: every node of this local cluster is the same host, so
+    concurrent runs (other tests, other users) would collide on the default."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-29999")
+
+
+@pytest.fixture(autouse=True)
+def _node_names_resolve() -> None:
+    """The job's MASTER_ADDR is the first node's Slurm name (as on any real cluster): it must resolve."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=15,
+                           check=True).stdout.split()
+    for node in sorted(set(nodes)):
+        try:
+            socket.gethostbyname(node)
+        except OSError:
+            pytest.fail(f"Slurm node name {node!r} does not resolve, so the job's MASTER_ADDR is unreachable "
+                        f"and torch.distributed cannot rendezvous: add '127.0.0.1 {' '.join(sorted(set(nodes)))}' "
+                        "to /etc/hosts (as real clusters resolve their node names)", pytrace=False)
+
+
+def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s: float = STEP_SLEEP_S,
+                 **sections: dict[str, Any]) -> Path:
+    """A Slurm recipe for the real trainer: `tiny` (mock data, CPU, fp32), one node."""
+    recipe: dict[str, Any] = {
+        "include": ["tiny"], "name": name,
+        "run": {"root": str(tmp / "runs")},
+        "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": tasks_per_node, "cpus_per_task": 1,
+                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": _free_port(),
+                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(step_sleep_s), "OMP_NUM_THREADS": "1"}},
+        "training": {"global_batch_size": GBS, "micro_batch_size": 1, "log_interval": 1},
+        # only the stop/trigger saves and Megatron's final save: every checkpoint is one we caused
+        "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
+        # lead = save 10 + step 1 + Slurm's 30 s check period + margin 19 = 60 s
+        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 19, "min_train_time_s": 30,
+                  "trigger_interval": 1, "hang_timeout_s": 300},
+    }
+    for key, value in sections.items():
+        recipe.setdefault(key, {})
+        recipe[key].update(value)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    path.chmod(0o644)
+    return path
+
+
+def _submit(tmp: Path, recipe: Path) -> Path:
+    proc = megalaunch(None, "submit", str(recipe), cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir_of(tmp)
+
+
+def _chain_done(run: Path) -> bool:
+    return any(e["event"] == "chain_stopped" for e in ledger(run)) and not queue_ids(name=run.name)
+
+
+def _events(run: Path, event: str) -> list[dict[str, Any]]:
+    return [e for e in ledger(run) if e["event"] == event]
+
+
+def _segment_log(run: Path, job_id: str) -> str:
+    path = run / "logs" / f"{run.name}-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _iterations(log: str) -> list[tuple[int, int, float]]:
+    """(iteration, consumed samples, lm loss) of every Megatron iteration line, in order."""
+    return [(int(m.group(1)), int(m.group(3)), float(m.group(4))) for m in ITERATION_LINE.finditer(log)]
+
+
+def _decisions(log: str) -> dict[int, list[tuple[str, int]]]:
+    """Rank -> [(decision, iteration)] from the `[megalaunch rank R] decision D at iteration N` lines."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for m in DECISION_LINE.finditer(log):
+        out.setdefault(int(m.group(1)), []).append((m.group(2), int(m.group(3))))
+    return out
+
+
+def _progress(run: Path) -> int:
+    try:
+        return int(json.loads((run / "state" / "progress.json").read_text())["iteration"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return 0
+
+
+def _tail(run: Path, job_id: str, n: int = 4000) -> str:
+    return f"\n--- log of {job_id} (tail) ---\n{_segment_log(run, job_id)[-n:]}"
+
+
+# --- >= 3 segments, each stopped by Slurm's time-limit warning ------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(CHAIN_TIMEOUT_S + 240)
+def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Path) -> None:
+    run = _submit(slurm_tmp, train_recipe(slurm_tmp, "trainchain", training={"train_iters": TRAIN_ITERS}))
+    paths = RunPaths(run)
+    slurm_states: dict[str, str] = {}  # recorded while the chain runs: slurmctld forgets after MinJobAge
+
+    def done() -> bool:
+        for job in submitted_ids(run):
+            if job not in slurm_states and (st := job_state(job)) in TERMINAL_STATES:
+                slurm_states[job] = st
+        return _chain_done(run)
+
+    try:
+        wait_for(done, CHAIN_TIMEOUT_S, interval=2, what="the chain to finish")
+    finally:
+        if not _chain_done(run):
+            megalaunch(None, "cancel", str(run))
+    ended = _events(run, "ended")
+    started = _events(run, "started")
+    decisions = _events(run, "decision")
+    resumed = _events(run, "resumed")
+    jobs = [e["job_id"] for e in ended]
+    logs = {j: _segment_log(run, j) for j in jobs}
+    report = "\n".join(f"segment {e['job_id']}: {e['outcome']} at {e['checkpoint_iteration']}" for e in ended)
+
+    # >= 3 segments: all but the last saved on the signal, the last finished at the target
+    assert len(ended) >= 3, report + _tail(run, jobs[-1])
+    assert [e["outcome"] for e in ended] == ["saved"] * (len(ended) - 1) + ["finished"], report
+    assert [e["job_id"] for e in started] == jobs  # one `started` per segment, in order
+    assert [d["job_id"] for d in decisions] == jobs[:-1]  # one decision per stopped segment, none in the last
+
+    stops: list[int] = []
+    previous_end = 0
+    previous_loss: float | None = None
+    previous_samples = 0
+    loss_at_1: float | None = None
+    for i, (job, end) in enumerate(zip(jobs, ended, strict=True)):
+        log = logs[job]
+        its = _iterations(log)
+        assert its, f"no Megatron iteration lines in segment {job}" + _tail(run, job)
+        numbers = [it for it, _, _ in its]
+        assert {int(m.group(2)) for m in ITERATION_LINE.finditer(log)} == {TRAIN_ITERS}  # same target
+        last = i == len(jobs) - 1
+        stop = TRAIN_ITERS if last else decisions[i]["iteration"]
+        # contiguous: starts right after the previous stop (no restart, no step repeated or skipped)
+        assert numbers == list(range(previous_end + 1, stop + 1)), (job, numbers[:3], numbers[-3:], previous_end, stop)
+        assert all(samples == it * GBS for it, samples, _ in its), (job, its[:3])  # consumed samples exact
+        elapsed = sorted(float(m.group(1)) for m in ELAPSED.finditer(log))
+        assert elapsed[len(elapsed) // 2] >= STEP_SLEEP_S * 1000, (job, elapsed[:5])  # the pacing hook works
+        if i == 0:
+            loss_at_1 = its[0][2]
+            assert started[0]["checkpoint_iteration"] is None and "starting from scratch" in log
+        else:
+            # resumes at exactly the previous stop, with the same consumed samples
+            assert started[i]["checkpoint_iteration"] == previous_end
+            (res,) = [r for r in resumed if r["job_id"] == job]
+            assert (res["iteration"], res["consumed_samples"]) == (previous_end, previous_samples), res
+            assert f"resumed at iteration {previous_end} with {previous_samples} consumed samples" in log
+            # the loss continues: the first loss after the resume is close to the last one before (within
+            # a fifth of the way back to the from-scratch loss of iteration 1, ~6.2 = ln 512, plus 0.1
+            # for batch-to-batch noise: measured steps across a resume 0.03-0.15), not a restart
+            first_loss = its[0][2]
+            assert loss_at_1 is not None and previous_loss is not None
+            tolerance = 0.2 * (loss_at_1 - previous_loss) + 0.1
+            assert abs(first_loss - previous_loss) <= tolerance, (job, previous_loss, first_loss, loss_at_1)
+            assert first_loss < loss_at_1 - 0.5, (job, first_loss, loss_at_1)
+            print(f"segment {job}: loss {previous_loss:.4f} at {previous_end}, {first_loss:.4f} at "
+                  f"{previous_end + 1} after the resume (iteration 1: {loss_at_1:.4f})")
+        if not last:
+            # stopped by Slurm's time-limit warning: the signal decision, a save at that iteration,
+            # and it exited before the limit (COMPLETED, not TIMEOUT)
+            d = decisions[i]
+            assert (d["decision"], d["signal"], d["triggers"]) == ("signal", True, []), d
+            assert _decisions(log) == {0: [("signal", stop)]}, job
+            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [stop], job
+            assert (end["checkpoint_iteration"], end["new_checkpoint"]) == (stop, True), end
+            assert (slurm_states.get(job) or wait_job_done(job, 60)) == "COMPLETED", (job, slurm_states)
+            lead = 180 - (d["time"] - started[i]["time"])
+            print(f"segment {job}: iterations {previous_end + 1}..{stop} ({stop - previous_end}), "
+                  f"USR2 acted on ~{lead:.0f} s before the limit")
+            stops.append(stop)
+        else:
+            assert _decisions(log) == {}, job
+            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [TRAIN_ITERS], job
+            print(f"segment {job}: iterations {previous_end + 1}..{stop} ({stop - previous_end}), finished")
+        previous_end, previous_samples, previous_loss = stop, its[-1][1], its[-1][2]
+
+    # every stop left a complete checkpoint at its iteration; no other checkpoint was written
+    assert checkpoint_iterations(paths) == [*stops, TRAIN_ITERS]
+    assert all(is_complete(paths, it) for it in [*stops, TRAIN_ITERS])
+    assert paths.read_tracker() == TRAIN_ITERS
+    outcome = json.loads(paths.outcome.read_text())
+    assert (outcome["status"], outcome["iteration"], outcome["resumed_from"]) == ("finished", TRAIN_ITERS, stops[-1])
+    # 0 jobs left: every segment and the successor queued by the last are gone or finished
+    assert queue_ids(name=run.name) == []
+    (stopped,) = _events(run, "chain_stopped")
+    assert stopped["reason"] == f"training reached its target (iteration {TRAIN_ITERS})"
+    for job in submitted_ids(run):
+        assert (slurm_states.get(job) or wait_job_done(job, 60)) in {"COMPLETED", "CANCELLED"}, job
+    assert set(stopped["cancelled"]) == set(submitted_ids(run)) - set(jobs)
+
+
+# --- triggers on 2 processes ------------------------------------------------------------------------
+
+TRIGGERS = {"training": {"train_iters": 1000000}, "cluster": {"time": "00:10:00"}}
+TRIGGER_STEP_SLEEP_S = 0.2
+
+
+def _start_two_ranks(tmp: Path, name: str) -> tuple[Path, str, str]:
+    """Submit a 2-process run (one node, DP=2); wait until it trains and its successor is queued."""
+    recipe = train_recipe(tmp, name, tasks_per_node=2, step_sleep_s=TRIGGER_STEP_SLEEP_S, **TRIGGERS)
+    run = _submit(tmp, recipe)
+    wait_for(lambda: len(submitted_ids(run)) >= 2, 120, what="the successor to be queued")
+    first, successor = submitted_ids(run)[:2]
+    try:
+        wait_for(lambda: _progress(run) >= 3, 180, what="iteration 3")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{_tail(run, first)}") from None
+    assert "world_size ...................................... 2" in _segment_log(run, first)
+    return run, first, successor
+
+
+def _trigger(run: Path, verb: str) -> None:
+    proc = megalaunch(None, "trigger", verb, str(run), "--reason", f"test: {verb}")
+    assert proc.returncode == 0, proc.stderr
+
+
+def _both_ranks_acted(run: Path, job: str, decision: str) -> int:
+    """Wait until ranks 0 and 1 both logged `decision D at iteration N`; assert the same N; return it."""
+    def acted() -> dict[int, list[int]] | None:
+        found = {r: [n for d, n in acts if d == decision] for r, acts in _decisions(_segment_log(run, job)).items()}
+        return found if all(found.get(r) for r in (0, 1)) else None
+
+    try:
+        found = wait_for(acted, 120, what=f"both ranks acting on {decision}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{_tail(run, job)}") from None
+    assert found[0] == found[1] and len(found[0]) == 1, found  # the same iteration on both ranks, once
+    assert set(found) == {0, 1}, found
+    return found[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_save_then_exit_trigger_on_two_ranks(slurm_tmp: Path) -> None:
+    run, first, successor = _start_two_ranks(slurm_tmp, "trainsave")
+    paths = RunPaths(run)
+    try:
+        _trigger(run, "save")
+        saved_at = _both_ranks_acted(run, first, "save")
+        # a save: checkpoint written, job keeps running and training goes on
+        wait_for(lambda: _progress(run) >= saved_at + 3, 120, what="training after the save")
+        assert job_state(first) == "RUNNING"
+        assert paths.read_tracker() == saved_at and is_complete(paths, saved_at)
+
+        _trigger(run, "exit")
+        exited_at = _both_ranks_acted(run, first, "exit")
+        assert exited_at > saved_at
+        assert wait_job_done(first, 120) == "COMPLETED"
+        wait_for(lambda: not queue_ids(name=run.name), 60, what="the successor to be cancelled")
+        assert wait_job_done(successor, 60) == "CANCELLED"
+    finally:
+        if queue_ids(name=run.name):
+            megalaunch(None, "cancel", str(run))
+    print(f"save acted on at iteration {saved_at}, exit at {exited_at} (ranks 0 and 1)")
+    log = _segment_log(run, first)
+    assert _decisions(log) == {r: [("save", saved_at), ("exit", exited_at)] for r in (0, 1)}
+    assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [saved_at, exited_at]
+    outcome = json.loads(paths.outcome.read_text())
+    assert (outcome["status"], outcome["iteration"]) == ("exited", exited_at)
+    assert checkpoint_iterations(paths) == [saved_at, exited_at] and is_complete(paths, exited_at)
+    assert paths.read_tracker() == exited_at
+    assert [(d["decision"], d["iteration"], d["triggers"]) for d in _events(run, "decision")] == [
+        ("save", saved_at, ["save"]), ("exit", exited_at, ["exit"])]
+    consumed = {(c["verb"], c["consumed_iteration"]) for c in consumed_records(paths)}
+    assert consumed == {("save", saved_at), ("exit", exited_at)}
+    (stopped,) = _events(run, "chain_stopped")
+    assert "exit trigger" in stopped["reason"] and stopped["cancelled"] == [successor]
+    assert queue_ids(name=run.name) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_abort_trigger_on_two_ranks_writes_no_checkpoint(slurm_tmp: Path) -> None:
+    run, first, successor = _start_two_ranks(slurm_tmp, "trainabort")
+    paths = RunPaths(run)
+    try:
+        _trigger(run, "save")  # one checkpoint first, so "the abort wrote none" is observable
+        saved_at = _both_ranks_acted(run, first, "save")
+        wait_for(lambda: _progress(run) >= saved_at + 3, 120, what="training after the save")
+        _trigger(run, "abort")
+        aborted_at = _both_ranks_acted(run, first, "abort")
+        assert aborted_at > saved_at
+        assert wait_job_done(first, 120) == "COMPLETED"
+        wait_for(lambda: not queue_ids(name=run.name), 60, what="the successor to be cancelled")
+        assert wait_job_done(successor, 60) == "CANCELLED"
+    finally:
+        if queue_ids(name=run.name):
+            megalaunch(None, "cancel", str(run))
+    print(f"save acted on at iteration {saved_at}, abort at {aborted_at} (ranks 0 and 1)")
+    log = _segment_log(run, first)
+    assert _decisions(log) == {r: [("save", saved_at), ("abort", aborted_at)] for r in (0, 1)}
+    assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [saved_at]  # no save on abort
+    outcome = json.loads(paths.outcome.read_text())
+    assert (outcome["status"], outcome["iteration"]) == ("aborted", aborted_at)
+    assert checkpoint_iterations(paths) == [saved_at] and paths.read_tracker() == saved_at
+    assert [(d["decision"], d["iteration"]) for d in _events(run, "decision")] == [
+        ("save", saved_at), ("abort", aborted_at)]
+    (stopped,) = _events(run, "chain_stopped")
+    assert "abort" in stopped["reason"] and stopped["cancelled"] == [successor]
+    assert queue_ids(name=run.name) == []
