@@ -191,7 +191,8 @@ class ClusterConfig:
     container: ContainerConfig = doc("container settings", ContainerConfig())
     python: str = doc("Python interpreter inside the job", "python3")
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch")
-    master_port: int = doc("rendezvous port", 29500)
+    master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "
+                                  "node do not collide)", None)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
