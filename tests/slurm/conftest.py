@@ -86,7 +86,23 @@ def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=SLURM_TMP_BASE))
     path.chmod(0o777)
     yield path
+    _cancel_leftover_chains(path)
     if not request.node.stash.get(_FAILED, True):
         shutil.rmtree(path, ignore_errors=True)
     else:
         print(f"slurm_tmp kept: {path}")
+
+
+def _cancel_leftover_chains(path: Path) -> None:
+    """A failed test must not leave a self-requeuing chain behind: cancel every job named like a
+    run directory the test created (chain names are unique per run)."""
+    import subprocess
+
+    names = [p.name for p in path.glob("runs/*") if p.is_dir() and not p.name.startswith(".")]
+    if not names:
+        return
+    out = subprocess.run(["squeue", "-h", "-o", "%i", "--name", ",".join(names)], capture_output=True,
+                         text=True, timeout=30)
+    ids = out.stdout.split()
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
