@@ -1,6 +1,7 @@
 """Conversion throughput and memory, next to the disk's own speed, measured in the same run.
 
-    python bench/convert.py [--size-gb 4] [--hidden 2048] [--vocab 128256] [--workdir DIR] [--threads 1]
+    python bench/convert.py [--size-gb 4] [--hidden 2048] [--vocab 128256] [--workdir DIR]
+                            [--threads N] [--max-inflight-gb G] [--crc32] [--fsync]
 
 Generates a random Llama-shaped bf16 model of about --size-gb in Hugging Face format (streamed to
 disk, cached in --workdir), measures the disk's sequential read speed on a file of the same size with
@@ -36,7 +37,8 @@ from pathlib import Path
 import psutil, torch
 import megatron.core.dist_checkpointing  # noqa: F401  (imports count in the baseline, not the peak)
 from megalaunch.conversion import hf_to_mcore, mcore_to_hf
-direction, src, dst, threads, fsync = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+direction, src, dst, fsync = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1"
+options = json.loads(sys.argv[5])
 for f in src.rglob("*"):
     if f.is_file():
         fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
@@ -50,7 +52,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
 if direction == "hf-to-mcore":
-    r = hf_to_mcore(src, dst, threads=threads, progress=False, fsync=fsync)
+    r = hf_to_mcore(src, dst, progress=False, fsync=fsync, **options)
 else:
     r = mcore_to_hf(src, dst, progress=False, fsync=fsync)
 wall = time.perf_counter() - t0
@@ -59,7 +61,8 @@ done.set()
 hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": r.seconds, "wall": wall, "bytes": r.bytes, "tensors": r.tensors,
                   "largest_group": r.largest_group_bytes, "baseline_rss": baseline,
-                  "peak_rss": max(hwm, peak[0])}))
+                  "peak_rss": max(hwm, peak[0]), "threads": r.threads, "max_inflight": r.max_inflight_bytes,
+                  "peak_inflight": r.peak_inflight_bytes}))
 """
 
 
@@ -142,10 +145,11 @@ def disk_speed(workdir: Path, nbytes: int) -> tuple[float, float]:
     return read, write
 
 
-def run_worker(direction: str, src: Path, dst: Path, threads: int, fsync: bool) -> dict[str, float]:
+def run_worker(direction: str, src: Path, dst: Path, options: dict[str, object], fsync: bool) -> dict[str, float]:
     shutil.rmtree(dst, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", _WORKER, direction, str(src), str(dst), str(threads), str(int(fsync))],
+    res = subprocess.run([sys.executable, "-c", _WORKER, direction, str(src), str(dst), str(int(fsync)),
+                          json.dumps(options)],
                          capture_output=True, text=True, env=env)
     if res.returncode != 0:
         sys.exit(f"{direction} failed:\n{res.stderr[-3000:]}")
@@ -169,7 +173,10 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/megalaunch-bench-convert"))
-    ap.add_argument("--threads", type=int, default=1, help="hf-to-mcore writer threads")
+    ap.add_argument("--threads", type=int, default=None, help="hf-to-mcore writer threads (default: megalaunch's)")
+    ap.add_argument("--max-inflight-gb", type=float, default=None,
+                    help="hf-to-mcore budget for tensors in flight (default: 1.5x the largest tensor group)")
+    ap.add_argument("--crc32", action="store_true", help="hf-to-mcore: write zip CRC32s (megalaunch's --crc32)")
     ap.add_argument("--fsync", action="store_true", help="convert with --fsync (bounded by the write speed)")
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact round-trip comparison")
     args = ap.parse_args()
@@ -185,8 +192,13 @@ def main() -> int:
           f"({size / GB:.2f} GB, page cache dropped)")
     ok = True
     results = {}
+    options: dict[str, object] = {"crc32": args.crc32}
+    if args.threads is not None:
+        options["threads"] = args.threads
+    if args.max_inflight_gb is not None:
+        options["max_inflight_bytes"] = int(args.max_inflight_gb * GB)
     for direction, src, dst in (("hf-to-mcore", hf, mcore), ("mcore-to-hf", mcore, back)):
-        r = run_worker(direction, src, dst, args.threads, args.fsync)
+        r = run_worker(direction, src, dst, options if direction == "hf-to-mcore" else {}, args.fsync)
         results[direction] = r
         gbps = r["bytes"] / r["seconds"] / GB
         added = r["peak_rss"] - r["baseline_rss"]
@@ -198,6 +210,10 @@ def main() -> int:
               f"peak RSS {r['peak_rss'] / GB:.2f} GB = baseline {r['baseline_rss'] / GB:.2f} GB + {added / GB:.2f} GB "
               f"vs largest tensor group {r['largest_group'] / GB:.2f} GB "
               f"[{'ok' if mem_ok else 'MISSED'} <= 2x]; process wall {r['wall']:.1f} s")
+        if direction == "hf-to-mcore":
+            print(f"  {r['threads']} threads, in-flight budget {r['max_inflight'] / GB:.2f} GB "
+                  f"({r['max_inflight'] / r['largest_group']:.2f}x the largest group), "
+                  f"peak in flight {r['peak_inflight'] / GB:.2f} GB")
     if not args.no_verify:
         exact = bit_exact(hf, back)
         ok &= exact

@@ -130,8 +130,13 @@ def hf_to_mcore(
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="TP whose vocabulary padding to use "
                                                                "(default: the recipe's).")] = None,
     dtype: DtypeOpt = "auto",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="Writer threads (memory: one tensor "
-                                                                  "group each).")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Writer threads (memory is bounded by "
+                                                                  "--max-inflight-gb, not by this).")] = 4,
+    max_inflight_gb: Annotated[float | None, typer.Option(
+        "--max-inflight-gb", min=0.001, help="Bytes of tensors read/written at once (default: 1.5x the largest "
+                                            "tensor group; a larger tensor runs alone).")] = None,
+    crc32: Annotated[bool, typer.Option("--crc32", help="Store zip CRC32s in the checkpoint files (torch.load "
+                                                        "never checks them; costs CPU time).")] = False,
     overwrite: OverwriteOpt = False,
     progress: ProgressOpt = True,
     fsync: FsyncOpt = False,
@@ -147,6 +152,7 @@ def hf_to_mcore(
     if submit:
         command = _command("hf-to-mcore", hf_dir, {"--out": out, "--recipe": recipe, "--iteration": iteration,
                                                    "--tp": tp, "--dtype": dtype, "--threads": threads,
+                                                   "--max-inflight-gb": max_inflight_gb, "--crc32": crc32,
                                                    "--overwrite": overwrite, "--fsync": fsync,
                                                    "--no-progress": True}, set_)
         _submit(loaded, command, out, gpus, time_limit)
@@ -156,7 +162,8 @@ def hf_to_mcore(
     tensor_parallel = tp or (loaded.parallel.tensor_model_parallel_size if loaded else 1)
     report = convert(hf_dir, out, model=loaded.model if loaded else None, vocab_size=_recipe_vocab(loaded),
                      tensor_parallel=tensor_parallel, iteration=iteration, dtype=dtype, threads=threads,
-                     overwrite=overwrite, progress=progress, fsync=fsync)
+                     max_inflight_bytes=int(max_inflight_gb * 1e9) if max_inflight_gb else None,
+                     overwrite=overwrite, progress=progress, fsync=fsync, crc32=crc32)
     _print_report(report, "hf-to-mcore")
     say(f"next: train from it with --set checkpoint.load={out.absolute()}")
 

@@ -4,15 +4,16 @@ hf_to_mcore: Hugging Face safetensors -> Megatron-core torch_dist checkpoint (`r
 mcore_to_hf: a complete Megatron-core checkpoint (a run, its checkpoints/ or an iteration directory)
              -> Hugging Face safetensors + config.json in the checkpoint's dtype.
 
-Both read one Megatron tensor's worth of sources at a time (a layer's q/k/v, gate/up, ...), so peak
-memory stays near the largest tensor group (the embedding for most models) instead of the model."""
+Both work one Megatron tensor at a time (its sources: a layer's q/k/v, gate/up, ...): mcore_to_hf
+one after the other, hf_to_mcore several at once on a few threads under a byte budget for the tensors
+in flight (1.5x the largest tensor group by default). Peak memory stays near the largest tensor group
+(the embedding for most models) instead of the model."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 
 CONVERSION_KEY = "megalaunch_conversion"
 ASSETS_DIR = "hf_assets"
+# hf-to-mcore: writer threads, and the default budget for the bytes of tensors in flight (a multiple
+# of the largest tensor group: room for the largest one plus smaller ones alongside it).
+DEFAULT_THREADS = 4
+INFLIGHT_FACTOR = 1.5
 # Files that travel with the weights: tokenizer and generation settings.
 ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -44,6 +49,11 @@ class Report:
     bytes: int = 0
     seconds: float = 0.0
     largest_group_bytes: int = 0
+    threads: int = 1
+    max_inflight_bytes: int = 0
+    """hf-to-mcore: the byte budget for tensors in flight."""
+    peak_inflight_bytes: int = 0
+    """hf-to-mcore: most bytes of tensors in flight at once (<= max_inflight_bytes unless one tensor is larger)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -149,7 +159,8 @@ def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims:
 
 def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vocab_size: int | None = None,
                 tensor_parallel: int = 1, iteration: int | None = None, dtype: str | None = None,
-                threads: int = 1, overwrite: bool = False, progress: bool = True, fsync: bool = False) -> Report:
+                threads: int = DEFAULT_THREADS, max_inflight_bytes: int | None = None, overwrite: bool = False,
+                progress: bool = True, fsync: bool = False, crc32: bool = False) -> Report:
     """Convert a Hugging Face Llama-family model into a Megatron-core checkpoint under `out`.
 
     model: the recipe's model section; its architecture must match the Hugging Face config (else an
@@ -161,8 +172,13 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         allow_shape_mismatch).
     iteration: None writes a `release` checkpoint (Megatron loads it as weights only: iteration 0, fresh
         optimizer); N writes iter_N (load it with --finetune or --no-load-optim --no-load-rng).
+    threads: writer threads; max_inflight_bytes: the bytes of tensors being read, transformed and
+        written at once (default INFLIGHT_FACTOR x the largest tensor group; a larger tensor runs alone).
+        Peak memory is about this budget above the import baseline, whatever the number of threads.
     fsync: flush every file to the device before returning (durable on power loss; as slow as the
-        device's writes). Off, like `save_pretrained`: the tracker is still written last."""
+        device's writes). Off, like `save_pretrained`: the tracker is still written last.
+    crc32: store zip CRC32s in the torch.save archives (torch.load never checks them; they cost
+        about as much CPU as writing the data)."""
 
     hf_dir, out = Path(hf_dir), Path(out)
     if not hf_dir.is_dir():
@@ -191,21 +207,22 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         out_dtype = cast or stored[work[0].hf_names[0]]
         shards = []
         element_size = out_dtype.itemsize
-        staging = _Staging()
-        capacity = max(_numel(dims.shape(i.rule.mcore_shape)) for i in work) * element_size
         for item in work:
             shape = dims.shape(item.rule.mcore_shape)
-            nbytes = _numel(shape) * element_size
+            produce, scratch = _producer(reader, item, dims, out_dtype)
             shards.append(mcore_io.LazyShard(
                 key=item.rule.mcore, global_shape=_stacked_shape(item, dims),
                 offset=_offset(item, len(shape)),
                 local_shape=shape, stacked=item.rule.per_layer, dtype=out_dtype,
-                produce=_producer(reader, item, dims, out_dtype, staging, capacity),
-                allow_shape_mismatch=item.rule.vocab_rows,
-                nbytes=nbytes))
+                produce=produce, allow_shape_mismatch=item.rule.vocab_rows,
+                nbytes=_numel(shape) * element_size, scratch_bytes=scratch))
         report.tensors = len(shards)
         report.bytes = sum(s.nbytes for s in shards)
         report.largest_group_bytes = largest_group_bytes(work, dims, element_size)
+        if max_inflight_bytes is not None and max_inflight_bytes <= 0:
+            raise ConversionError(f"max in-flight bytes {max_inflight_bytes}", field="--max-inflight-gb",
+                                  valid="a positive size")
+        budget = max_inflight_bytes or int(INFLIGHT_FACTOR * report.largest_group_bytes)
         target = _prepare_output(out, iteration, overwrite)
         common = {
             "args": megatron_args(model, dims, tensor_parallel=tensor_parallel, iteration=iteration or 0,
@@ -218,10 +235,14 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         bar = Progress(report.bytes, f"hf-to-mcore {target.name}", progress)
         start = time.perf_counter()
         with mcore_io.process_group():
-            mcore_io.save(target, shards, common, threads=threads, extra_state=EXTRA_STATE_MODULES,
-                          num_layers=dims.num_layers, fsync=fsync, on_written=lambda s: bar.update(s.nbytes))
+            stats = mcore_io.save(target, shards, common, max_inflight_bytes=budget, threads=max(1, threads),
+                                  extra_state=EXTRA_STATE_MODULES, num_layers=dims.num_layers, fsync=fsync,
+                                  crc32=crc32, on_written=lambda s: bar.update(s.nbytes))
         bar.close()
         report.seconds = time.perf_counter() - start
+        report.threads = stats.threads
+        report.max_inflight_bytes = stats.max_inflight_bytes
+        report.peak_inflight_bytes = stats.peak_inflight_bytes
     mcore_io.write_tracker(out, iteration)
     _copy_assets(hf_dir, out / ASSETS_DIR)
     report.output = target
@@ -235,50 +256,65 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-class _Staging(threading.local):
-    """One reusable buffer per writer thread: each Megatron tensor is read into it and written out
-    before the thread produces the next, so memory holds one tensor per thread and fresh pages are
-    not faulted in for every tensor."""
+class _Staging:
+    """One reusable buffer (mcore-to-hf reads each Megatron tensor into it and writes it out before
+    reading the next, so fresh pages are not faulted in for every tensor)."""
 
-    buffer: bytearray | None = None
+    buffer: torch.Tensor | None = None
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> torch.Tensor:
         import torch
 
         if self.buffer is None:
-            self.buffer = bytearray(capacity)
+            # torch.empty leaves the pages untouched until used (a bytearray zeroes all of them)
+            self.buffer = torch.empty(capacity, dtype=torch.uint8)
         nbytes = _numel(shape) * dtype.itemsize
-        # frombuffer over exactly nbytes: the tensor's storage is its own size, so the checkpoint
-        # writer saves it without cloning (it clones views of larger storages).
-        return torch.frombuffer(memoryview(self.buffer)[:nbytes], dtype=dtype).view(shape) if nbytes else \
-            torch.empty(shape, dtype=dtype)
+        return self.buffer[:nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
 
-def _producer(reader: safetensors_io.SafetensorsReader, item: Item, dims: Dims, dtype: torch.dtype,
-              staging: _Staging, capacity: int) -> Any:
+# A dtype conversion (--dtype) reads the source rows through a scratch buffer of at most this size.
+CAST_CHUNK_BYTES = 32 * 2**20
+
+
+def _producer(reader: safetensors_io.SafetensorsReader, item: Item, dims: Dims,
+              dtype: torch.dtype) -> tuple[Any, int]:
+    """(produce(out, scratch), scratch bytes): produce fills `out` (the Megatron tensor) from the
+    Hugging Face tensors, reading each row block straight into its place (or, for a dtype change,
+    through `scratch` chunk by chunk, converting with copy_)."""
     names = item.hf_names
     shape = dims.shape(item.rule.mcore_shape)
     hf_rows = [reader.tensors[n].shape[0] if reader.tensors[n].shape else 1 for n in names]
     blocks = transforms.blocks(item.rule.transform, dims, hf_rows, shape[0] if shape else 1)
-    direct = all(safetensors_io.torch_dtype(reader.tensors[n].dtype) == dtype for n in names)
+    sources = [safetensors_io.torch_dtype(reader.tensors[n].dtype) for n in names]
+    direct = all(d == dtype for d in sources)
 
-    def produce() -> torch.Tensor:
-        if not direct:  # a dtype change: convert in memory
-            sources = [reader.read(n) for n in names]
-            return transforms.to_mcore(item.rule.transform, dims, sources, shape).to(dtype)
-        out = staging.tensor(shape, dtype, capacity)
+    def chunk_rows(source: int) -> int:
+        return max(1, CAST_CHUNK_BYTES // max(1, reader.row_bytes(names[source])))
+
+    scratch_bytes = 0 if direct else max(
+        (min(b.rows, chunk_rows(b.source)) * reader.row_bytes(names[b.source]) for b in blocks), default=0)
+
+    def produce(out: torch.Tensor, scratch: torch.Tensor | None) -> None:
         rows = out.view(shape[0] if shape else 1, -1)
         covered = [False] * rows.shape[0]
         for b in blocks:
-            reader.read_rows_into(names[b.source], b.start, b.rows,
-                                  safetensors_io.byte_view(rows[b.dest:b.dest + b.rows]))
+            name = names[b.source]
+            if direct:
+                reader.read_rows_into(name, b.start, b.rows, safetensors_io.byte_view(rows[b.dest:b.dest + b.rows]))
+            else:
+                assert scratch is not None
+                row, step = reader.row_bytes(name), chunk_rows(b.source)
+                for r0 in range(0, b.rows, step):
+                    n = min(step, b.rows - r0)
+                    part = scratch[:n * row]
+                    reader.read_rows_into(name, b.start + r0, n, safetensors_io.byte_view(part))
+                    rows[b.dest + r0:b.dest + r0 + n].copy_(part.view(sources[b.source]).view(n, -1))
             covered[b.dest:b.dest + b.rows] = [True] * b.rows
         first_gap = covered.index(False) if not all(covered) else None
         if first_gap is not None:  # vocabulary padding: zero rows (the buffer holds an earlier tensor)
             rows[first_gap:].zero_()
-        return out
 
-    return produce
+    return produce, scratch_bytes
 
 
 def _copy_assets(src: Path, dst: Path) -> None:

@@ -5,8 +5,9 @@ Layout (what `megatron.training` writes and reads):
     CKPT/latest_checkpointed_iteration.txt      "N" or "release", written last (atomically)
     CKPT/iter_000000N/ (or CKPT/release/)        metadata.json, .metadata, __0_*.distcp
 Tensors are Megatron's global tensors (layer tensors stacked on a leading layer axis), saved as
-sharded tensors so any TP/PP loads them. Saving resolves each tensor only when the writer reaches
-it, one tensor per file, so memory holds one tensor group at a time instead of the model."""
+sharded tensors so any TP/PP loads them. Saving produces each tensor only when a writer thread
+takes it, one tensor per file, under a byte budget for the tensors in flight (scheduler.py), so
+memory holds about that budget instead of the model."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def process_group() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class LazyShard:
-    """One chunk of a global tensor, produced on demand."""
+    """One chunk of a global tensor, produced on demand into a buffer the writer provides."""
 
     key: str
     global_shape: tuple[int, ...]
@@ -166,9 +167,23 @@ class LazyShard:
     """Chunk shape without the stacked layer axis."""
     stacked: bool
     dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
+    produce: Callable[[torch.Tensor, torch.Tensor | None], None]
+    """produce(out, scratch) fills `out` (local_shape, dtype); scratch: scratch_bytes of uint8, or None."""
     allow_shape_mismatch: bool = False
     nbytes: int = 0
+    scratch_bytes: int = 0
+    """Working memory produce needs besides `out` (a dtype conversion reads through it)."""
+
+
+@dataclass
+class SaveStats:
+    """What the bounded writer did (for the report and the benchmark)."""
+
+    max_inflight_bytes: int = 0
+    threads: int = 0
+    peak_inflight_bytes: int = 0
+    peak_buffer_bytes: int = 0
+    max_concurrent: int = 0
 
 
 def _sharded_tensor(shard: LazyShard) -> Any:
@@ -189,13 +204,20 @@ def _from_offsets(cls: Any, key: str, data: Any, global_shape: tuple[int, ...], 
                                  allow_shape_mismatch=allow_shape_mismatch)
 
 
-def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, threads: int = 1,
-         extra_state: tuple[str, ...] = (), num_layers: int = 0, fsync: bool = False,
-         on_written: Callable[[LazyShard], None] | None = None) -> None:
+def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, max_inflight_bytes: int,
+         threads: int = 4, extra_state: tuple[str, ...] = (), num_layers: int = 0, fsync: bool = False,
+         crc32: bool = False, on_written: Callable[[LazyShard], None] | None = None) -> SaveStats:
     """Write a torch_dist checkpoint into the empty `directory` from lazily produced shards.
-    `extra_state`: layer modules (`mlp.linear_fc1`) whose empty `_extra_state` objects Megatron expects."""
+
+    Up to `threads` shards are produced and written at once, as long as their bytes fit in
+    `max_inflight_bytes` (a shard larger than that is written alone); each shard's buffer is released
+    as soon as its file is written. `extra_state`: layer modules (`mlp.linear_fc1`) whose empty
+    `_extra_state` objects Megatron expects. crc32: write zip checksums into the torch.save archives
+    (torch.load does not check them; computing them costs about as much as writing the data)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megalaunch.conversion.scheduler import BufferPool
 
     lookup = {(s.key, tuple(s.offset)): s for s in shards}
     state: dict[str, Any] = dict(common)
@@ -205,8 +227,44 @@ def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, th
         for i in range(num_layers):
             model[f"{key}@{i}"] = ShardedObject(key, None, (num_layers,), (i,), replica_id=0)
     state["model"] = model
-    strategy = _lazy_strategy_class()(lookup, threads=threads, fsync=fsync, on_written=on_written)
-    dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, validate_access_integrity=True)
+    pool: BufferPool = BufferPool(max_inflight_bytes)
+    strategy = _lazy_strategy_class()(lookup, pool=pool, threads=threads, fsync=fsync, on_written=on_written)
+    with _crc32(crc32):
+        dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, validate_access_integrity=True)
+    pool.clear()
+    return SaveStats(max_inflight_bytes=pool.limit, threads=threads, peak_inflight_bytes=pool.peak_leased,
+                     peak_buffer_bytes=pool.peak_held, max_concurrent=pool.max_leases)
+
+
+@contextlib.contextmanager
+def _crc32(enabled: bool) -> Iterator[None]:
+    """torch.save computes a CRC32 of every record unless told not to (torch >= 2.6)."""
+    import torch.serialization as ts
+
+    get, set_ = getattr(ts, "get_crc32_options", None), getattr(ts, "set_crc32_options", None)
+    if get is None or set_ is None:
+        yield
+        return
+    before = get()
+    set_(enabled)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _exact_tensor(buffer: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over the first nbytes of `buffer` whose storage is exactly its own size (torch.save
+    writes a tensor's whole storage)."""
+    import torch
+
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(memoryview(buffer.numpy())[:nbytes], dtype=dtype).view(shape)
 
 
 def _lazy_strategy_class() -> type:
@@ -219,60 +277,101 @@ def _lazy_strategy_class() -> type:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    class LazyPlanner(MCoreSavePlanner):
-        def __init__(self, lookup: dict[tuple[str, tuple[int, ...]], LazyShard],
-                     on_written: Callable[[LazyShard], None] | None, **kw: Any) -> None:
-            super().__init__(**kw)
+    from megalaunch.conversion.scheduler import BufferPool, run_in_order
+
+    class BoundedWriter(FileSystemWriter):
+        """Byte objects share one file; each tensor gets its own, produced and written by a pool of
+        threads under a byte budget for the tensors in flight (torch's writer resolves every tensor
+        of a file before closing it, and bounds threads, not bytes)."""
+
+        def __init__(self, path: str, *, lookup: dict[tuple[str, tuple[int, ...]], LazyShard],
+                     pool: BufferPool, threads: int, fsync: bool,
+                     on_written: Callable[[LazyShard], None] | None) -> None:
+            super().__init__(path, single_file_per_rank=True, thread_count=1, sync_files=fsync)
             self.lookup = lookup
+            self.pool = pool
+            self.threads = threads
             self.on_written = on_written
 
-        def resolve_data(self, write_item: Any) -> Any:
-            data = super().resolve_data(write_item)
-            if getattr(data, "is_meta", False):
-                shard = self.lookup[(write_item.index.fqn, tuple(write_item.index.offset))]
-                tensor = shard.produce()
-                if tuple(tensor.shape) != shard.local_shape or tensor.dtype != shard.dtype:
-                    raise ConversionError(f"{shard.key}: produced {tensor.dtype}{list(tensor.shape)}, "
-                                          f"expected {shard.dtype}{list(shard.local_shape)}")
-                data = tensor.contiguous().view(data.shape)
-                if self.on_written is not None:
-                    self.on_written(shard)
-            return data
-
-    class OneTensorPerFileWriter(FileSystemWriter):
-        """Byte objects share one file; each tensor gets its own, so the writer holds one tensor
-        per thread (torch's writer keeps every tensor of a file alive until the file is closed)."""
-
         def write_data(self, plan: Any, planner: Any) -> Any:
-            import queue
-
+            from torch.distributed.checkpoint.filesystem import _StorageInfo
             from torch.distributed.checkpoint.planner import WriteItemType
+            from torch.distributed.checkpoint.storage import WriteResult
+            from torch.futures import Future
 
             prefix = plan.storage_data.prefix
-            files: queue.Queue = queue.Queue()
             byte_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-            tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            groups = ([byte_items] if byte_items else []) + [[i] for i in tensor_items]
-            for n, group in enumerate(groups):
-                name = f"{prefix}{n}.distcp"
-                files.put((self.fs.concat_path(self.path, name), name, group))
-            return self._write_data(planner, files)
+            order = {k: n for n, k in enumerate(self.lookup)}
+            tensor_items = sorted((i for i in plan.items if i.type != WriteItemType.BYTE_IO),
+                                  key=lambda i: order[(i.index.fqn, tuple(i.index.offset))])
+            results: list[Any] = []
+            written: list[str] = []
+            first = 0
+            if byte_items:
+                name = f"{prefix}0.distcp"
+                with open(os.path.join(self.path, name), "wb") as f:
+                    for item in byte_items:
+                        data = planner.resolve_data(item)
+                        offset = f.tell()
+                        f.write(data.getbuffer())
+                        results.append(WriteResult(index=item.index, size_in_bytes=f.tell() - offset,
+                                                   storage_data=_StorageInfo(name, offset, f.tell() - offset)))
+                written.append(name)
+                first = 1
+            jobs = [(f"{prefix}{first + n}.distcp", item, self.lookup[(item.index.fqn, tuple(item.index.offset))])
+                    for n, item in enumerate(tensor_items)]
+
+            def work(job: tuple[str, Any, LazyShard], buffer: Any) -> Any:
+                import torch
+
+                name, item, shard = job
+                out = _exact_tensor(buffer, shard.nbytes, shard.dtype, shard.local_shape) if buffer is not None \
+                    else torch.empty(shard.local_shape, dtype=shard.dtype)
+                scratch = buffer[_aligned(shard.nbytes):size(job)] if shard.scratch_bytes else None
+                shard.produce(out, scratch)
+                data = out.view(tuple(item.tensor_data.chunk.sizes))  # with the stacked layer axis
+                with open(os.path.join(self.path, name), "wb") as f:
+                    torch.save(data, f)
+                    length = f.tell()
+                del data, out, scratch
+                if self.on_written is not None:
+                    self.on_written(shard)
+                return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, 0, length))
+
+            def size(job: tuple[str, Any, LazyShard]) -> int:
+                shard = job[2]
+                return _aligned(shard.nbytes) + shard.scratch_bytes if shard.scratch_bytes else shard.nbytes
+
+            results += run_in_order(jobs, size, work, threads=self.threads, pool=self.pool)
+            written += [j[0] for j in jobs]
+            if self.sync_files:  # after all writes: the device flushes in the background meanwhile
+                for name in written:
+                    fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            future: Future[list[Any]] = Future()
+            future.set_result(results)
+            return future
 
     class LazyTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-        def __init__(self, lookup: dict[tuple[str, tuple[int, ...]], LazyShard], *, threads: int, fsync: bool,
-                     on_written: Callable[[LazyShard], None] | None) -> None:
+        def __init__(self, lookup: dict[tuple[str, tuple[int, ...]], LazyShard], *, pool: BufferPool,
+                     threads: int, fsync: bool, on_written: Callable[[LazyShard], None] | None) -> None:
             super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=threads)
             self.lookup = lookup
+            self.pool = pool
+            self.threads = threads
             self.fsync = fsync
             self.on_written = on_written
 
         def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
             sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state_dict = mcore_to_pyt_state_dict(sharded, False)
-            writer = OneTensorPerFileWriter(str(checkpoint_dir), single_file_per_rank=True,
-                                            thread_count=self.thread_count, sync_files=self.fsync)
-            planner = LazyPlanner(self.lookup, self.on_written, dedup_replicated_tensors=False,
-                                  flatten_state_dict=False, flatten_sharded_tensors=False)
+            writer = BoundedWriter(str(checkpoint_dir), lookup=self.lookup, pool=self.pool, threads=self.threads,
+                                   fsync=self.fsync, on_written=self.on_written)
+            planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                       flatten_sharded_tensors=False)
             dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
 
     return LazyTorchDistSaveStrategy
@@ -357,6 +456,13 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+def _record_start(fd: int, base: int, record: Any) -> int:
+    """Absolute offset of a stored zip record's data (after its local header) in an archive at `base`."""
+    header = os.pread(fd, 30, base + record.header_offset)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return int(base + record.header_offset + 30 + name_len + extra_len)
+
+
 class DirectReader:
     """Reads regions of a torch_dist checkpoint's tensors straight into caller buffers.
 
@@ -437,7 +543,9 @@ class DirectReader:
             order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
             if len(records) != 1 or others or records[0].compress_type != zipfile.ZIP_STORED:
                 return False
-            if order and archive.read(order[0]).strip() != b"little":
+            # read raw, not archive.read(): hf-to-mcore writes archives without CRC32s (zipfile checks them)
+            if order and (order[0].compress_type != zipfile.ZIP_STORED or os.pread(
+                    fd, order[0].file_size, _record_start(fd, info.offset, order[0])).strip() != b"little"):
                 return False
             window.seek(0)
             meta = torch.load(io.BufferedReader(window), map_location="meta", weights_only=True)
@@ -447,9 +555,7 @@ class DirectReader:
         if (tuple(meta.shape) != tuple(region.shape) or meta.dtype != region.dtype or not meta.is_contiguous()
                 or meta.storage_offset() != 0 or record.file_size != region.numel() * region.element_size()):
             return False
-        header = os.pread(fd, 30, info.offset + record.header_offset)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.offset + record.header_offset + 30 + name_len + extra_len
+        start = _record_start(fd, info.offset, record)
         out = byte_view(region)
         done = 0
         while done < len(out):

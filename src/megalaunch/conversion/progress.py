@@ -4,12 +4,14 @@ e.g. in a Slurm log)."""
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 
 class Progress:
     def __init__(self, total_bytes: int, desc: str, enabled: bool = True) -> None:
         self._bar: Any = None
+        self._lock = threading.Lock()  # updated from hf-to-mcore's writer threads
         if enabled:
             from tqdm import tqdm
 
@@ -20,7 +22,8 @@ class Progress:
 
     def update(self, nbytes: int) -> None:
         if self._bar is not None:
-            self._bar.update(nbytes)
+            with self._lock:
+                self._bar.update(nbytes)
 
     def close(self) -> None:
         if self._bar is not None:

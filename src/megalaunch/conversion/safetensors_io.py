@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,7 +79,8 @@ class SafetensorsReader:
                 begin, end = entry["data_offsets"]
                 self.tensors[name] = TensorInfo(name, path, entry["dtype"], tuple(entry["shape"]),
                                                 data_start + begin, end - begin)
-        self._handles: dict[Path, Any] = {}
+        self._handles: dict[tuple[int, Path], int] = {}
+        self._lock = threading.Lock()
 
     def _files(self) -> list[Path]:
         index = self.directory / INDEX_NAME
@@ -129,14 +131,20 @@ class SafetensorsReader:
             done += n
 
     def _fd(self, path: Path) -> int:
-        if path not in self._handles:
-            self._handles[path] = os.open(path, os.O_RDONLY)
-        return int(self._handles[path])
+        # One descriptor per thread and file: the kernel keeps readahead state per open file, and
+        # interleaved reads of several threads through one descriptor look random to it.
+        key = (threading.get_ident(), path)
+        fd = self._handles.get(key)
+        if fd is None:
+            with self._lock:
+                fd = self._handles[key] = os.open(path, os.O_RDONLY)
+        return int(fd)
 
     def close(self) -> None:
-        for fd in self._handles.values():
-            os.close(fd)
-        self._handles.clear()
+        with self._lock:
+            for fd in self._handles.values():
+                os.close(fd)
+            self._handles.clear()
 
     def __enter__(self) -> SafetensorsReader:
         return self
