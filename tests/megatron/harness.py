@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.rundir import prepare_run, write_run
+from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.files import read_json, read_jsonl
 from megalaunch.runtime.paths import RunPaths
 
@@ -29,10 +29,6 @@ def make_run(root: Path, *sets: str, name: str = "tiny") -> RunPaths:
     return write_run(prepare_run(loaded, root=root))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Trainer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import re
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import yaml
 from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_done
 from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
 
+from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.resume import checkpoint_iterations, is_complete
 from megalaunch.runtime.triggers import consumed_records
@@ -61,19 +61,6 @@ ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 SAVED_LINE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
 
 
-def _free_port() -> int:
-    """A rendezvous port free now; not 29500: every node of this local cluster is the same host, so
-    concurrent runs (other tests, other users) would collide on the default."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000-29999")
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +84,7 @@ def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s:
         "include": ["tiny"], "name": name,
         "run": {"root": str(tmp / "runs")},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": tasks_per_node, "cpus_per_task": 1,
-                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": _free_port(),
+                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(step_sleep_s), "OMP_NUM_THREADS": "1"}},
         "training": {"global_batch_size": GBS, "micro_batch_size": 1, "log_interval": 1},
         # only the stop/trigger saves and Megatron's final save: every checkpoint is one we caused

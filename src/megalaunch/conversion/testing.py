@@ -96,14 +96,12 @@ def megatron_logits(rank: int, world: int, port: int, ckpt: str, model: dict[str
 def run_megatron_logits(world: int, ckpt: str, model: dict[str, Any], vocab: int, tokens: list[list[int]],
                         result: str, dtype: str = "float32") -> Any:
     """Spawn `world` processes of `megatron_logits` (TP = world) and return the logits."""
-    import socket
-
     import torch
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from megalaunch.runtime.dist_env import free_port
+
+    port = free_port()
     mp.spawn(megatron_logits, args=(world, port, ckpt, model, vocab, tokens, result, dtype), nprocs=world,
              join=True)
     return torch.load(result)

@@ -16,6 +16,7 @@ from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain import Chain, NoScheduler, Verdict
 from megalaunch.launcher.rundir import job_command
+from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.signals import resolve_signal
 
@@ -34,12 +35,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
@@ -51,7 +46,7 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     base_env = dict(os.environ)
     base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     base_env.update({k: v for k, v in cl.env.items()})
-    port = _free_port()
+    port = free_port()
     command = job_command(recipe, paths)
     if command[0] == cl.python and cl.python == "python3":
         command = [sys.executable, *command[1:]]  # the interpreter megalaunch runs in

@@ -32,3 +32,22 @@ def export_rank_env() -> RankEnv:
     os.environ.update({"RANK": str(r.rank), "LOCAL_RANK": str(r.local_rank), "WORLD_SIZE": str(r.world_size),
                        "MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port)})
     return r
+
+
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free TCP port for a rendezvous on this host, chosen at random BELOW Linux's ephemeral range
+    (32768+): a port the kernel handed out for bind(0) is also what outgoing connections (Slurm's
+    own, say) get, and it can be taken before the trainer listens on it."""
+    import random
+    import socket
+
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")

@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from megalaunch.runtime.dist_env import free_port
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from megatron.core.models.gpt import GPTModel
@@ -227,7 +229,7 @@ def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
     created = False
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
         created = True
     parallel_state.initialize_model_parallel(1, 1)
@@ -241,12 +243,6 @@ def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- inside Megatron's loop -------------------------------------------------------------------

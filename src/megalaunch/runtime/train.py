@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.runtime import resume
+from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.files import append_jsonl
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.settings import RuntimeSettings
@@ -55,16 +56,10 @@ def rank_env() -> tuple[int, int, int]:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local)})
     if world == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     return rank, world, local
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Session:
