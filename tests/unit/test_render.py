@@ -143,3 +143,41 @@ def test_shellcheck_repo_scripts() -> None:
     proc = subprocess.run(["shellcheck", "-x", "-P", "SCRIPTDIR", *map(str, files)], capture_output=True, text=True,
                           cwd=repo)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_debug_options_render_valid_scripts(tmp_path: Path) -> None:
+    loaded = load_recipe("llama3-8b", ["debug.nccl_debug=true", "debug.flight_recorder=true", "debug.nsys=true",
+                                       "debug.nsys_start_offset=10", "debug.nsys_iters=5"])
+    script = prepare_run(loaded, chain_name="dbg-00000000", created="T", root=Path("/runs")).files["job.sbatch"]
+    assert "export NCCL_DEBUG_FILE=/runs/dbg-00000000/debug/nccl-%h-%p.log" in script
+    assert "export TORCH_NCCL_DUMP_ON_TIMEOUT=1" in script
+    # the nsys window starts relative to the iteration this segment resumes from
+    assert "--profile-step-start $((resume_iteration + 10))" in script
+    assert "--profile-step-end $((resume_iteration + 15))" in script
+    assert "nsys profile --capture-range=cudaProfilerApi" in script
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck"):
+        sc = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)
+        assert sc.returncode == 0, sc.stdout
+
+
+def test_code_snapshot_copies_tracked_files_and_fails_loudly(tmp_path: Path) -> None:
+    from megalaunch.errors import PreflightError
+    from megalaunch.launcher.rundir import write_run
+
+    src = tmp_path / "src"
+    src.mkdir()
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    (src / "train.py").write_text("print('hi')\n")
+    (src / "untracked.txt").write_text("x\n")
+    subprocess.run(["git", "-C", str(src), "add", "train.py"], check=True)
+    loaded = load_recipe("tiny", [f"run.root={tmp_path / 'runs'}", f"debug.code_snapshot={src}"])
+    paths = write_run(prepare_run(loaded))
+    assert (paths.code_snapshot / "train.py").read_text() == "print('hi')\n"
+    assert not (paths.code_snapshot / "untracked.txt").exists()
+    missing = load_recipe("tiny", [f"run.root={tmp_path / 'runs2'}", f"debug.code_snapshot={tmp_path / 'nope'}"])
+    with pytest.raises(PreflightError, match=r"debug\.code_snapshot"):
+        write_run(prepare_run(missing))
+    assert not any((tmp_path / "runs2").glob("*"))  # nothing half-written

@@ -97,3 +97,15 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert rank_env() == (5, 8, 1)
+
+
+def test_job_script_extra_args_reach_megatron(tmp_path, monkeypatch) -> None:
+    """The nsys window is computed per segment by the job script and passed in MEGALAUNCH_EXTRA_ARGS."""
+    from megalaunch.runtime.paths import RunPaths
+    from megalaunch.runtime.train import megatron_argv
+
+    paths = RunPaths(tmp_path)
+    paths.megatron_args.write_text("--num-layers\n2\n")
+    monkeypatch.setenv("MEGALAUNCH_EXTRA_ARGS", "--profile --profile-step-start 110 --profile-step-end 115")
+    assert megatron_argv(paths, None, cpu=False) == ["--num-layers", "2", "--profile", "--profile-step-start", "110",
+                                                     "--profile-step-end", "115"]

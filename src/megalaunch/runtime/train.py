@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -284,6 +285,9 @@ def _parse_hang(text: str | None, rank: int) -> int | None:
 
 # --- Megatron arguments, data and the step ---------------------------------------------------------
 
+EXTRA_ARGS_ENV = "MEGALAUNCH_EXTRA_ARGS"
+
+
 def megatron_argv(paths: RunPaths, recipe: Any, *, cpu: bool) -> list[str]:
     from megalaunch.config.megatron_args import read_args_file
 
@@ -294,6 +298,8 @@ def megatron_argv(paths: RunPaths, recipe: Any, *, cpu: bool) -> list[str]:
         argv += [a for a in cpu_compat.extra_megatron_args() if a not in argv]
     if recipe is not None and recipe.logging.tensorboard and "--tensorboard-dir" not in argv:
         argv += ["--tensorboard-dir", str(paths.root / "tensorboard")]
+    # per-segment flags computed by the job script, e.g. the nsys window relative to the resume point
+    argv += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     return argv
 
 
