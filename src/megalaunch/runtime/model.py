@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -228,9 +227,10 @@ def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
         cpu_compat.enable()
     created = False
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
+        # an explicit address, not MASTER_ADDR/MASTER_PORT: setting those would leak into every
+        # process this one starts later, pointing them at a port that may be taken by then
+        dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
         created = True
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
