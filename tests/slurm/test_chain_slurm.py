@@ -4,12 +4,10 @@ the crash-loop guard, 2-node rank environment, cancel."""
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
-from cluster import queue_ids, run_as, wait_for, wait_job_done
+from cluster import queue_ids, wait_for, wait_job_done
 from launch import RANKINFO, counter_recipe, ledger, megalaunch, run_dir_of, submitted_ids
 
 
@@ -162,8 +160,7 @@ def test_cancel_leaves_nothing_queued_or_running(slurm_tmp: Path) -> None:
     assert queue_ids(name=run.name) == []
     for jid in submitted_ids(run):
         assert wait_job_done(jid, 60) == "CANCELLED"
-    time.sleep(0)  # nothing else is polled: the chain must not have queued anything new
-    assert queue_ids(name=run.name) == []
+    assert queue_ids(name=run.name) == []  # and the chain queued nothing new meanwhile
     assert _status(run)["chain_state"] == "stopped"
 
 
@@ -179,5 +176,3 @@ def test_status_of_all_my_runs_uses_one_query(slurm_tmp: Path) -> None:
         assert row["state"] == "running" and len(row["jobs"]) == 2
     finally:
         megalaunch(None, "cancel", str(run))
-    assert os.path.isdir(run)
-    _ = run_as  # imported for symmetry with other tests
