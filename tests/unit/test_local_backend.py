@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,7 +63,7 @@ def test_chain_of_segments_resumes_exactly(tmp_path: Path) -> None:
 def _start(recipe: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "megalaunch.cli.main", "submit", str(recipe)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**__import__("os").environ, "COUNTER_STEP_S": "0.05"})
+                            env={**os.environ, "COUNTER_STEP_S": "0.05"})
 
 
 def _iteration(paths_holder: list[RunPaths], tmp: Path) -> int:

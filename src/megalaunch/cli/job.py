@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    pass
 
 app = typer.Typer(no_args_is_help=True)
 

@@ -13,13 +13,9 @@ from megalaunch.config.schema import Recipe
 from megalaunch.runtime.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_NOT_MEGATRON = {
-    "make_vocab_size_divisible_by": False,  # passed, but only when set (it is a Megatron flag)
-}
 _TRAINING_OWN = {"precision", "attention", "log_interval", "eval_interval", "eval_iters"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
                    "async_save"}
-_PARALLEL_OWN: set[str] = set()
 
 
 def flag(name: str) -> str:

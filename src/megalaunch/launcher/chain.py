@@ -185,10 +185,9 @@ class Chain:
 
     # ------------------------------------------------------------------------------------ stop
     def pending_successors(self, current: str | None = None) -> list[str]:
+        """Queued segments that never started: the successor(s) to cancel when the chain stops."""
         return [s.job_id for s in self.ledger.segments()
-                if s.started is None and s.ended is None and s.job_id != current
-                and not any(e.get("job_id") == s.job_id and e["event"] in ("skipped", "cancelled")
-                            for e in self.ledger.events())]
+                if s.started is None and s.ended is None and not s.skipped and s.job_id != current]
 
     def stop(self, job_id: str | None, reason: str) -> Verdict:
         """End the chain: cancel the queued successor by job id and record why."""

@@ -27,8 +27,7 @@ def find_run(ref: str) -> RunPaths:
         if (p / "run.yaml").exists():
             return RunPaths(p.absolute())
     except PermissionError:
-        raise RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
-                          f"'{_group_name(p)}' can", fix="ask the run's owner to add you to that group") from None
+        raise _not_in_group(p) from None
     matches = [r for r in registered_runs() if r.name == ref or r.name.rsplit("-", 1)[0] == ref]
     if len(matches) == 1:
         return RunPaths(matches[0])
@@ -36,9 +35,13 @@ def find_run(ref: str) -> RunPaths:
         raise RunDirError(f"'{ref}' names {len(matches)} runs: {', '.join(m.name for m in matches)}",
                           fix="pass the run directory or its full chain name")
     if p.is_dir() and not os.access(p, os.R_OK | os.X_OK):
-        raise RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
-                          f"'{_group_name(p)}' can", fix="ask the run's owner to add you to that group")
+        raise _not_in_group(p)
     raise RunDirError(f"'{ref}' is not a run directory", fix="pass the directory that `megalaunch submit` printed")
+
+
+def _not_in_group(p: Path) -> RunDirError:
+    return RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
+                       f"'{_group_name(p)}' can", fix="ask the run's owner to add you to that group")
 
 
 def submit_slurm(prepared: PreparedRun) -> tuple[RunPaths, str]:

@@ -25,6 +25,7 @@ class Segment:
     pid: int | None = None  # local backend: the process running the chain
     started: dict[str, Any] | None = None
     ended: dict[str, Any] | None = None
+    skipped: bool = False  # it started after the chain had stopped and did not train
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,6 +70,8 @@ class Ledger:
                 seg.started = e
             elif e["event"] == "ended":
                 seg.ended = e
+            elif e["event"] == "skipped":
+                seg.skipped = True
         return list(by_id.values())
 
     def stopped(self) -> dict[str, Any] | None:

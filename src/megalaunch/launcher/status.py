@@ -39,7 +39,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
             state, reason = info.state, info.reason
         elif s.ended is not None:
             state, reason = s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
-        elif any(e.get("job_id") == s.job_id and e["event"] == "skipped" for e in events):
+        elif s.skipped:
             state, reason = "SKIPPED", "chain stopped"
         elif recipe.cluster.backend == "local":
             alive = s.pid is not None and pid_alive(s.pid)
