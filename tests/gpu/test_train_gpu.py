@@ -1,5 +1,6 @@
 """GPU checks of the training runtime (run on the device machine; skipped without CUDA):
 
+- periodic saves (sync and async) followed by SIGUSR2 to every process of the rank: saved, resumed;
 - the tiny recipe in bf16 with the distributed optimizer, local and sdpa attention: stopped twice
   by SIGUSR2, each segment saves at the iteration it stopped and the next resumes exactly there
   with the same consumed samples; losses compared with an uninterrupted run (printed);
@@ -69,6 +70,26 @@ def test_tiny_signal_resume_bf16(tmp_path: Path, attention: str) -> None:
     worst = max(abs(a[i] - b[i]) / abs(a[i]) for i in a)
     print(f"\n[tiny bf16 {attention}] stops at {stops}; max relative loss difference vs uninterrupted: {worst:.2e}")
     assert worst < 2e-2  # bf16 kernels need not be bit-reproducible; a restart from scratch is ~10x off
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_periodic_saves_then_group_signal_bf16(tmp_path: Path, async_save: bool) -> None:
+    """Periodic saves every 4 iterations (sync, or async with Megatron's persistent writer process),
+    then SIGUSR2 to every process of the rank, as Slurm sends it: the writer survives, the segment
+    saves at the iteration it stopped, and the next resumes exactly there."""
+    sets = (*GPU, "training.train_iters=40", "checkpoint.save_interval=4", "checkpoint.keep_last=50",
+            f"checkpoint.async_save={str(async_save).lower()}", "training.attention=sdpa", "training.lr_warmup_iters=2")
+    chain = make_run(tmp_path / "c", *sets, name="periodic")
+    log = tmp_path / "chain.jsonl"
+    outs = _segments(chain, log, (10, 10, None), 400)
+    assert [o["status"] for o in outs] == ["saved", "saved", "finished"], outs
+    stops = [o["iteration"] for o in outs[:2]]
+    assert [r["iteration"] for r in ledger(chain, "resumed")] == stops
+    assert [r["consumed_samples"] for r in ledger(chain, "resumed")] == [2 * s for s in stops]
+    assert sorted(losses(log)) == list(range(1, 41))
+    assert chain.read_tracker() == 40
+    print(f"\n[tiny bf16 periodic saves, async={async_save}] stops at {stops}, save times "
+          f"{[o['save_times_s'] for o in outs]}")
 
 
 @pytest.mark.parametrize("attention", ["local", "sdpa"])

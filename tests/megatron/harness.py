@@ -32,7 +32,9 @@ def make_run(root: Path, *sets: str, name: str = "tiny") -> RunPaths:
 
 
 class Trainer:
-    """The processes of one segment: `world` ranks of the training entry on this machine."""
+    """The processes of one segment: `world` ranks of the training entry on this machine, each under
+    the task supervisor in a process group of its own, so that `signal()` reaches every process of
+    a rank (checkpoint writers, resource trackers) as Slurm's signal reaches every process of a step."""
 
     def __init__(self, paths: RunPaths, *, world: int = 1, job_id: str = "1", env: dict[str, str] | None = None,
                  args: tuple[str, ...] = ()) -> None:
@@ -49,12 +51,14 @@ class Trainer:
             e.pop("WANDB_API_KEY", None)
             with open(self.logs[rank], "wb") as log:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args],
-                    env=e, stdout=log, stderr=subprocess.STDOUT))
+                    [sys.executable, "-m", "megalaunch.runtime.task", "--signal", "SIGUSR2", "--",
+                     sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args],
+                    env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def signal(self, sig: int = signal.SIGUSR2) -> None:
         for p in self.procs:
-            p.send_signal(sig)
+            if p.poll() is None:
+                os.killpg(p.pid, sig)
 
     def wait(self, timeout: float = 300) -> list[int]:
         try:
@@ -65,7 +69,7 @@ class Trainer:
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
     def log(self, rank: int = 0) -> str:

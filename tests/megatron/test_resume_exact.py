@@ -1,6 +1,7 @@
 """Resume is exact, not just "it loaded": the tiny recipe stopped twice by SIGUSR2 and resumed gives
 the same loss at every iteration as an uninterrupted run (CPU fp32, relative difference <= 1e-6) and
-the same weights and optimizer state (Adam moments and step) at the end. Also: W&B offline keeps
+the same weights and optimizer state (Adam moments and step) at the end. The signal goes to every
+process of each rank, as Slurm sends it. Also: W&B offline keeps
 one run id across the segments, with steps that only go forward."""
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from megalaunch.runtime.resume import iter_dir
 pytestmark = pytest.mark.megatron
 
 ITERS = 24
-SETS = (f"training.train_iters={ITERS}", "checkpoint.save_interval=1000", "training.lr_warmup_iters=2", "parallel.use_distributed_optimizer=true")
+# Periodic saves every 2 iterations, as real runs save: the signal save of each segment then comes
+# after the segment's first save started the checkpoint writer's processes, which get the signal too.
+SETS = (f"training.train_iters={ITERS}", "checkpoint.save_interval=2", "checkpoint.keep_last=50", "training.lr_warmup_iters=2", "parallel.use_distributed_optimizer=true")
 
 
 def _segment(paths, job_id: str, loss_log: Path, stop_after: int | None) -> Trainer:
@@ -49,6 +52,8 @@ def test_signal_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
             assert out["status"] == "saved", out
             stops.append(out["iteration"])
             assert chain.read_tracker() == out["iteration"]  # saved at the iteration it stopped
+    # each stopped segment saved periodically before its signal save (>= 3 iterations per segment)
+    assert all(iter_dir(chain, it).is_dir() for it in range(2, ITERS + 1, 2)), sorted(chain.checkpoints.iterdir())
     resumed = [(r["job_id"], r["iteration"]) for r in ledger(chain, "resumed")]
     assert resumed == [("202", stops[0]), ("203", stops[1])]
     consumed = [r["consumed_samples"] for r in ledger(chain, "resumed")]

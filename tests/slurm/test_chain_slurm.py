@@ -4,6 +4,10 @@ the crash-loop guard, 2-node rank environment, cancel."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +79,7 @@ def test_team_triggers_across_users(slurm_tmp: Path) -> None:
 
     refused = megalaunch("mleve", "trigger", "exit", str(run), cwd=slurm_tmp)
     assert refused.returncode != 0
-    assert "megalaunch: error:" in refused.stderr and "group" in refused.stderr
+    assert "megalaunch: error:" in refused.stderr and "group 'mlteam'" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
 
     saved = megalaunch("mlbob", "trigger", "save", str(run), "--reason", "eval", cwd=slurm_tmp)
@@ -95,9 +99,19 @@ def test_team_triggers_across_users(slurm_tmp: Path) -> None:
     save = next(c for c in consumed if c["verb"] == "save")
     assert (run / "checkpoints" / f"iter_{save['consumed_iteration']:07d}").is_dir()
     stop = [e for e in ledger(run) if e["event"] == "chain_stopped"][-1]
-    assert "exit trigger" in stop["reason"] and stop["cancelled"] == [successor]
-    st = _status(run, "mlbob")  # a team member can read the status
-    assert st["chain_state"] == "stopped"
+    assert stop["reason"] == 'exit trigger by mlbob ("done for now"): saved and stopped', stop
+    assert stop["cancelled"] == [successor]
+    st = _status(run, "mlbob")  # a team member can read the status: who stopped it, what became of the successor
+    assert st["chain_state"] == "stopped" and st["stop_reason"] == stop["reason"]
+    rows = {r["job_id"]: r for r in st["segments"]}
+    assert rows[successor]["state"] == "CANCELLED" and rows[successor]["reason"].startswith("by the chain: exit trigger")
+    # mlbob named the run directory once (trigger, status): their listing now shows the team's runs there
+    listing = megalaunch("mlbob", "status", "--json", cwd=slurm_tmp)
+    assert listing.returncode == 0, listing.stderr
+    assert [(r["chain_name"], r["owner"], r["state"]) for r in json.loads(listing.stdout)] == [
+        (run.name, "mlalice", "stopped")]
+    outsider = megalaunch("mleve", "status", "--json", cwd=slurm_tmp, )
+    assert outsider.returncode == 0 and json.loads(outsider.stdout) == [], outsider.stdout
 
 
 def test_abort_trigger_stops_without_saving(slurm_tmp: Path) -> None:
@@ -176,3 +190,68 @@ def test_status_of_all_my_runs_uses_one_query(slurm_tmp: Path) -> None:
         assert row["state"] == "running" and len(row["jobs"]) == 2
     finally:
         megalaunch(None, "cancel", str(run))
+
+
+# --- the controller stops answering ------------------------------------------------------------------
+
+SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
+
+
+def _stop_slurmctld() -> None:
+    pid = int((SLURM_STATE / "run" / "slurmctld.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z",
+             30, interval=0.2, what="slurmctld to stop")
+
+
+def _start_slurmctld() -> None:
+    """Start the controller again from its saved state (running jobs and the queue survive)."""
+    subprocess.run(["slurmctld", "-f", "/etc/slurm/slurm.conf"], check=True, capture_output=True, timeout=60)
+
+    def up() -> bool:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+        return "is UP" in ping.stdout
+
+    wait_for(up, 60, interval=0.5, what="slurmctld to answer again")
+
+
+def _timed(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
+    t0 = time.monotonic()
+    proc = megalaunch(None, *args, cwd=cwd, timeout=60)
+    return time.monotonic() - t0, proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_status_and_cancel_answer_quickly_with_slurmctld_down(slurm_tmp: Path) -> None:
+    recipe = counter_recipe(slurm_tmp, "ctlddown", training={"train_iters": 1000000}, cluster={"time": "00:10:00"})
+    assert megalaunch(None, "submit", str(recipe), cwd=slurm_tmp).returncode == 0
+    run = run_dir_of(slurm_tmp)
+    wait_for(lambda: len(submitted_ids(run)) >= 2, 60, what="the successor to be queued")
+    _wait_iteration(run, 5)
+    _stop_slurmctld()
+    try:
+        took_all, listing = _timed("status", "--json", cwd=slurm_tmp)
+        took_one, one = _timed("status", str(run), "--json", cwd=slurm_tmp)
+        took_text, text = _timed("status", str(run), cwd=slurm_tmp)
+        took_cancel, cancel = _timed("cancel", str(run), cwd=slurm_tmp)
+    finally:
+        _start_slurmctld()
+    print(f"slurmctld down: status {took_all:.1f} s, status RUN {took_one:.1f} s / {took_text:.1f} s, "
+          f"cancel {took_cancel:.1f} s")
+    assert max(took_all, took_one, took_text, took_cancel) < 15
+    row = next(r for r in json.loads(listing.stdout) if r["chain_name"] == run.name)
+    assert row["state"] == "unknown" and row["slurm_error"], row
+    st = json.loads(one.stdout)
+    assert st["chain_state"] == "unknown", st
+    assert [s["state"] for s in st["segments"]] == ["UNKNOWN", "UNKNOWN"], st["segments"]
+    assert "GONE" not in text.stdout and "idle" not in text.stdout and "slurm:" in text.stdout, text.stdout
+    # cancel: one clear line, non-zero, nothing written, nothing cancelled
+    assert cancel.returncode != 0 and "Traceback" not in cancel.stderr, cancel.stderr
+    assert len(cancel.stderr.strip().splitlines()) == 1 and "megalaunch: error:" in cancel.stderr, cancel.stderr
+    assert not (run / "state" / "cancel_requested").exists()
+    assert not [e for e in ledger(run) if e["event"] in ("cancelled", "chain_stopped")]
+    # the controller is back: the chain was untouched and cancels for real
+    assert len(queue_ids(name=run.name)) == 2
+    assert megalaunch(None, "cancel", str(run), cwd=slurm_tmp).returncode == 0
+    assert queue_ids(name=run.name) == []

@@ -1,7 +1,9 @@
 """The real trainer (`python -m megalaunch.runtime.train`, Megatron's loop on the CPU) on the local
-Slurm cluster: the `tiny` recipe as a chain of >= 3 segments, each stopped by Slurm's own time-limit
-warning (SIGUSR2), resuming exactly; and the save/exit/abort triggers on 2 processes, acted on by both
-ranks at the same iteration (asserted from each rank's lines in the segment log).
+Slurm cluster: the `tiny` recipe on 2 ranks as a chain of >= 3 segments that also save periodically
+(and once on a `trigger save`), each stopped by Slurm's own time-limit warning (SIGUSR2, which Slurm
+sends to every process of the step, checkpoint writers included), resuming exactly; and the
+save/exit/abort triggers on 2 processes, acted on by both ranks at the same iteration (asserted from
+each rank's lines in the segment log).
 
 Iterations are paced with the trainer's test hook MEGALAUNCH_TEST_STEP_SLEEP_S (every rank sleeps that
 long after each iteration), so the number of iterations per segment depends on Slurm's timing, not on
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,17 +152,30 @@ def _tail(run: Path, job_id: str, n: int = 4000) -> str:
 
 # --- >= 3 segments, each stopped by Slurm's time-limit warning ------------------------------------
 
+# Periodic saves: 2-3 per segment of 50..112 iterations. The first save of a segment starts the
+# checkpoint writer's processes (a multiprocessing Manager, the resource tracker); the signal save
+# that comes later must survive the SIGUSR2 that Slurm sends them too.
+SAVE_INTERVAL = 30
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(CHAIN_TIMEOUT_S + 240)
-def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Path) -> None:
-    run = _submit(slurm_tmp, train_recipe(slurm_tmp, "trainchain", training={"train_iters": TRAIN_ITERS}))
+def test_tiny_chain_with_periodic_saves_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Path) -> None:
+    recipe = train_recipe(slurm_tmp, "trainchain", tasks_per_node=2, training={"train_iters": TRAIN_ITERS},
+                          checkpoint={"save_interval": SAVE_INTERVAL})
+    run = _submit(slurm_tmp, recipe)
     paths = RunPaths(run)
     slurm_states: dict[str, str] = {}  # recorded while the chain runs: slurmctld forgets after MinJobAge
+    trigger_job: list[str] = []  # the segment that got a `trigger save` early on (the second one)
 
     def done() -> bool:
         for job in submitted_ids(run):
             if job not in slurm_states and (st := job_state(job)) in TERMINAL_STATES:
                 slurm_states[job] = st
+        started = _events(run, "started")
+        if not trigger_job and len(started) == 2 and _progress(run) >= (started[1]["checkpoint_iteration"] or 0) + 3:
+            _trigger(run, "save")
+            trigger_job.append(started[1]["job_id"])
         return _chain_done(run)
 
     try:
@@ -177,7 +195,11 @@ def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Pa
     assert len(ended) >= 3, report + _tail(run, jobs[-1])
     assert [e["outcome"] for e in ended] == ["saved"] * (len(ended) - 1) + ["finished"], report
     assert [e["job_id"] for e in started] == jobs  # one `started` per segment, in order
-    assert [d["job_id"] for d in decisions] == jobs[:-1]  # one decision per stopped segment, none in the last
+    assert trigger_job == [jobs[1]], (trigger_job, jobs)
+    saves = [d for d in decisions if d["decision"] == "save"]
+    decisions = [d for d in decisions if d["decision"] != "save"]
+    assert [(d["job_id"], d["triggers"]) for d in saves] == [(jobs[1], ["save"])], saves
+    assert [d["job_id"] for d in decisions] == jobs[:-1]  # one stop decision per stopped segment, none in the last
 
     stops: list[int] = []
     previous_end = 0
@@ -196,7 +218,8 @@ def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Pa
         assert numbers == list(range(previous_end + 1, stop + 1)), (job, numbers[:3], numbers[-3:], previous_end, stop)
         assert all(samples == it * GBS for it, samples, _ in its), (job, its[:3])  # consumed samples exact
         elapsed = sorted(float(m.group(1)) for m in ELAPSED.finditer(log))
-        assert elapsed[len(elapsed) // 2] >= STEP_SLEEP_S * 1000, (job, elapsed[:5])  # the pacing hook works
+        if len(elapsed) >= 3:  # the pacing hook works (a last segment may train one step: no sleep counted)
+            assert elapsed[len(elapsed) // 2] >= STEP_SLEEP_S * 1000, (job, elapsed[:5])
         if i == 0:
             loss_at_1 = its[0][2]
             assert started[0]["checkpoint_iteration"] is None and "starting from scratch" in log
@@ -216,13 +239,20 @@ def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Pa
             assert first_loss < loss_at_1 - 0.5, (job, first_loss, loss_at_1)
             print(f"segment {job}: loss {previous_loss:.4f} at {previous_end}, {first_loss:.4f} at "
                   f"{previous_end + 1} after the resume (iteration 1: {loss_at_1:.4f})")
+        # periodic saves at every multiple of SAVE_INTERVAL trained here (Megatron skips the one that
+        # would repeat the stop save), plus the trigger's save in the second segment
+        periodic = [it for it in range(previous_end + 1, stop + 1) if it % SAVE_INTERVAL == 0 and it != stop]
+        extra = [saves[0]["iteration"]] if job in trigger_job else []
+        own_saves = sorted({*periodic, *extra})
         if not last:
-            # stopped by Slurm's time-limit warning: the signal decision, a save at that iteration,
-            # and it exited before the limit (COMPLETED, not TIMEOUT)
+            # stopped by Slurm's time-limit warning: the signal decision on both ranks, a save at that
+            # iteration after the periodic ones, and it exited before the limit (COMPLETED, not TIMEOUT)
             d = decisions[i]
             assert (d["decision"], d["signal"], d["triggers"]) == ("signal", True, []), d
-            assert _decisions(log) == {0: [("signal", stop)]}, job
-            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [stop], job
+            expected = {r: [*(("save", saves[0]["iteration"]) for _ in extra), ("signal", stop)] for r in (0, 1)}
+            assert _decisions(log) == expected, job
+            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [*own_saves, stop], job + _tail(run, job)
+            assert "Broken pipe" not in log and "Traceback" not in log, job + _tail(run, job)
             assert (end["checkpoint_iteration"], end["new_checkpoint"]) == (stop, True), end
             assert (slurm_states.get(job) or wait_job_done(job, 60)) == "COMPLETED", (job, slurm_states)
             lead = 180 - (d["time"] - started[i]["time"])
@@ -231,13 +261,15 @@ def test_tiny_chain_stops_on_time_limit_signal_and_resumes_exactly(slurm_tmp: Pa
             stops.append(stop)
         else:
             assert _decisions(log) == {}, job
-            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [TRAIN_ITERS], job
+            assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [*own_saves, TRAIN_ITERS], job
             print(f"segment {job}: iterations {previous_end + 1}..{stop} ({stop - previous_end}), finished")
         previous_end, previous_samples, previous_loss = stop, its[-1][1], its[-1][2]
 
-    # every stop left a complete checkpoint at its iteration; no other checkpoint was written
-    assert checkpoint_iterations(paths) == [*stops, TRAIN_ITERS]
-    assert all(is_complete(paths, it) for it in [*stops, TRAIN_ITERS])
+    # every stop left a complete checkpoint at its iteration, besides the periodic and trigger saves
+    expected_ckpts = sorted({*range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL), *stops, TRAIN_ITERS,
+                             saves[0]["iteration"]})
+    assert checkpoint_iterations(paths) == expected_ckpts
+    assert all(is_complete(paths, it) for it in expected_ckpts)
     assert paths.read_tracker() == TRAIN_ITERS
     outcome = json.loads(paths.outcome.read_text())
     assert (outcome["status"], outcome["iteration"], outcome["resumed_from"]) == ("finished", TRAIN_ITERS, stops[-1])
@@ -359,3 +391,71 @@ def test_abort_trigger_on_two_ranks_writes_no_checkpoint(slurm_tmp: Path) -> Non
     (stopped,) = _events(run, "chain_stopped")
     assert "abort" in stopped["reason"] and stopped["cancelled"] == [successor]
     assert queue_ids(name=run.name) == []
+
+
+# --- one rank killed with SIGKILL -----------------------------------------------------------------
+
+def _job_processes(job: str) -> dict[int, str]:
+    """pid -> command line of every live process on this host that belongs to Slurm job `job`
+    (the batch shell, the task supervisors, the trainers and everything they started)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2] != "Z" and f"SLURM_JOB_ID={job}".encode() in environ:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def _trainer_pid(job: str, rank: int) -> int | None:
+    for pid, cmd in _job_processes(job).items():
+        if "megalaunch.runtime.train" in cmd and "megalaunch.runtime.task" not in cmd:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"SLURM_PROCID={rank}".encode() in environ:
+                return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_of_one_rank_ends_the_segment_promptly_and_status_names_its_node(slurm_tmp: Path) -> None:
+    """2 nodes x 1 rank, periodic saves (so each rank has checkpoint-writer processes); rank 1 on node2
+    is killed with SIGKILL: the segment ends within 15 s (no 60 s I/O abandon by slurmd), no process of
+    the job is left, and the ended record and `status` name rank 1 on node2."""
+    recipe = train_recipe(slurm_tmp, "killrank", step_sleep_s=0.2, training={"train_iters": 1000000},
+                          cluster={"nodes": 2, "time": "00:10:00"}, checkpoint={"save_interval": 5})
+    run = _submit(slurm_tmp, recipe)
+    try:
+        wait_for(lambda: len(submitted_ids(run)) >= 2, 120, what="the successor to be queued")
+        first = submitted_ids(run)[0]
+        wait_for(lambda: _progress(run) >= 12, 240, what="iteration 12 (two periodic saves)")
+        victim = _trainer_pid(first, 1)
+        assert victim is not None, _job_processes(first)
+        before = _job_processes(first)
+        assert len(before) >= 6, before  # batch shell, srun, 2 supervisors, 2 trainers and their helpers
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        state = wait_job_done(first, 30)
+        ended_at = time.time()
+        (end,) = [e for e in _events(run, "ended") if e["job_id"] == first]
+        wait_for(lambda: not _job_processes(first), 15, what="every process of the job to be gone")
+        left = {pid: cmd for pid, cmd in before.items() if Path(f"/proc/{pid}").exists()
+                and (Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z")}
+    finally:
+        megalaunch(None, "cancel", str(run))
+    print(f"rank 1 killed: job {state} after {ended_at - killed_at:.1f} s, `job end` after "
+          f"{end['time'] - killed_at:.1f} s: {end['reason']}")
+    assert end["time"] - killed_at < 15, end
+    assert ended_at - killed_at < 15 + 1, (state, ended_at - killed_at)
+    assert left == {}, left
+    assert end["outcome"] == "failed" and end["reason"].startswith("rank 1 on node2 was killed by SIGKILL"), end
+    assert (end["first_failure"]["rank"], end["first_failure"]["node"]) == (1, "node2"), end
+    proc = megalaunch(None, "status", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{first}" in proc.stdout and "rank 1 on node2 was killed by SIGKILL" in proc.stdout, proc.stdout

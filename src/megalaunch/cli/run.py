@@ -105,7 +105,7 @@ def status(
 ) -> None:
     """Show a run's chain (segments, iteration, checkpoint, triggers, guard) or all of your runs."""
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.registry import registered_runs
+    from megalaunch.launcher.registry import known_runs
     from megalaunch.launcher.status import all_runs_status, format_run_status, run_status
     from megalaunch.runtime.paths import RunPaths
 
@@ -114,15 +114,16 @@ def status(
             st = run_status(find_run(run))
             emit_json(st) if as_json else say(format_run_status(st))
             return
-        rows = all_runs_status([RunPaths(p) for p in registered_runs()])
+        rows = all_runs_status([RunPaths(p) for p in known_runs()])
         if as_json:
             emit_json(rows)
             return
         if not rows:
-            say("no runs yet: megalaunch submit RECIPE")
+            say("no runs yet: megalaunch submit RECIPE (a team's runs: megalaunch status RUN_DIR once, "
+                "or MEGALAUNCH_RUN_ROOTS=/path/to/runs)")
         for row in rows:
             it = row["iteration"] if row["iteration"] is not None else "-"
-            say(f"{row['chain_name']:<32} {row['state']:<8} iter {it}/{row['target']}  "
+            say(f"{row['chain_name']:<32} {row['owner']:<10} {row['state']:<8} iter {it}/{row['target']}  "
                 f"jobs {','.join(row['jobs']) or '-'}  {row['run_dir']}"
                 + (f"  ({row['stop_reason']})" if row["stop_reason"] else ""))
         if rows and rows[0]["slurm_error"]:
@@ -152,7 +153,7 @@ def logs(
 
     paths = find_run(run)
     # every segment logs to <chain>-<job id>.out (Slurm's %x-%j, or the local backend's equivalent)
-    ordered = [f for s in Ledger(paths).segments() if (f := paths.logs / f"{paths.root.name}-{s.job_id}.out").exists()]
+    ordered = [f for s in Ledger(paths).segments() if (f := paths.segment_log(s.job_id)).exists()]
     if not ordered:
         raise RunDirError(f"no segment has written a log yet in {paths.logs}", fix=f"megalaunch status {paths.root}")
     if segment is not None and not 1 <= segment <= len(ordered):

@@ -16,6 +16,7 @@ import yaml
 from megalaunch.config.loader import load_resolved
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import RunDirError
+from megalaunch.launcher.evidence import abnormal_ends, failure_reason
 from megalaunch.launcher.ledger import Ledger
 from megalaunch.runtime import triggers
 from megalaunch.runtime.paths import RunPaths
@@ -101,11 +102,13 @@ class Chain:
         for verb in ("abort", "exit"):
             if verb in pending:
                 decision = triggers.VERB_DECISION[verb]
+                by = ""
                 for rec in triggers.consume_for(self.paths, decision, iteration, job_id):
                     self.ledger.append("trigger", job_id=job_id, verb=rec["verb"], iteration=iteration,
                                        requested_by=rec.get("user"), reason=rec.get("reason"),
                                        when="before training")
-                return self.stop(job_id, f"{verb} trigger pending at segment start")
+                    by = _who(rec) if rec["verb"] == verb else by
+                return self.stop(job_id, f"{verb} trigger{by} pending at segment start")
         stopped_by_guard = self._guard(job_id, record_continue=False)
         if stopped_by_guard is not None:
             return stopped_by_guard
@@ -146,19 +149,22 @@ class Chain:
         now = self.paths.read_tracker()
         outcome = read_outcome(self.paths, job_id)
         status = outcome["status"] if outcome else "failed"
-        reason = (outcome or {}).get("reason") or (
-            None if outcome else f"no outcome written (exit status {exit_code})")
+        reason = (outcome or {}).get("reason")
+        ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
+        if status == "failed":
+            reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
-                           checkpoint_iteration=now, new_checkpoint=new_ckpt)
+                           checkpoint_iteration=now, new_checkpoint=new_ckpt,
+                           first_failure=ends[0].__dict__ if ends else None)
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
         if status == "finished":
             return self.stop(job_id, f"training reached its target (iteration {now})")
-        if status == "exited":
-            return self.stop(job_id, "exit trigger: saved and stopped")
-        if status == "aborted":
-            return self.stop(job_id, "abort trigger: stopped without saving")
+        if status in ("exited", "aborted"):
+            verb = "exit" if status == "exited" else "abort"
+            what = "saved and stopped" if verb == "exit" else "stopped without saving"
+            return self.stop(job_id, f"{verb} trigger{_requested_by(self.paths, verb, job_id)}: {what}")
         if outcome and outcome.get("kind") == "config":
             return self.stop(job_id, f"configuration error: {reason}")
         if self.paths.cancel_requested.exists():
@@ -200,6 +206,19 @@ class Chain:
         self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors)
         log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else ""))
         return Verdict(False, reason)
+
+
+def _who(record: dict[str, object]) -> str:
+    """' by USER ("REASON")' from a trigger's audit record."""
+    user, why = record.get("user"), record.get("reason")
+    return (f" by {user}" if user else "") + (f' ("{why}")' if why else "")
+
+
+def _requested_by(paths: RunPaths, verb: str, job_id: str) -> str:
+    """Who asked for the exit/abort that this segment acted on, from the consumed trigger's record."""
+    records = [r for r in triggers.consumed_records(paths)
+               if r.get("verb") == verb and str(r.get("consumed_by_job")) == str(job_id)]
+    return _who(records[-1]) if records else ""
 
 
 def _advanced(before: int | None, after: int | None) -> bool:

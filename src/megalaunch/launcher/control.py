@@ -15,7 +15,7 @@ from pathlib import Path
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.chain import load_run_recipe
 from megalaunch.launcher.ledger import Ledger
-from megalaunch.launcher.registry import register, registered_runs
+from megalaunch.launcher.registry import known_runs, register, remember_root
 from megalaunch.launcher.rundir import PreparedRun, write_run
 from megalaunch.runtime.paths import TRIGGER_VERBS, RunPaths
 
@@ -25,10 +25,11 @@ def find_run(ref: str) -> RunPaths:
     p = Path(ref).expanduser()
     try:
         if (p / "run.yaml").exists():
+            remember_root(p.absolute())
             return RunPaths(p.absolute())
     except PermissionError:
         raise _not_in_group(p) from None
-    matches = [r for r in registered_runs() if r.name == ref or r.name.rsplit("-", 1)[0] == ref]
+    matches = [r for r in known_runs() if r.name == ref or r.name.rsplit("-", 1)[0] == ref]
     if len(matches) == 1:
         return RunPaths(matches[0])
     if len(matches) > 1:
@@ -91,25 +92,31 @@ def write_trigger(paths: RunPaths, verb: str, reason: str | None) -> Path:
 
 
 def _group_name(path: Path) -> str:
-    try:
-        return grp.getgrgid(path.stat().st_gid).gr_name
-    except (KeyError, OSError):
-        return "?"
+    """The group of `path`, or of the nearest directory above it that this user may stat: inside a
+    2770 run directory an outsider can stat nothing, but the run directory itself they can."""
+    for p in [path.absolute(), *path.absolute().parents]:
+        try:
+            gid = p.stat().st_gid
+        except OSError:
+            continue
+        try:
+            return grp.getgrgid(gid).gr_name
+        except KeyError:
+            return str(gid)
+    return "?"
 
 
 def cancel_run(paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
-    """Cancel every queued or running job of the chain, by job id from the ledger (plus any job
-    carrying the chain's unique name), and wait until none is left."""
+    """Cancel every queued or running job of the chain and wait until none is left. The jobs are
+    found with one query (the chain's unique job name) and cancelled by id. If Slurm does not answer,
+    nothing is written and nothing is cancelled: the error says so."""
     from megalaunch.launcher.slurm import SlurmClient
+    from megalaunch.launcher.status import QUERY_TIMEOUT_S
 
+    client = SlurmClient(timeout_s=QUERY_TIMEOUT_S)
+    targets = sorted(client.squeue(name=paths.root.name))
     ledger = Ledger(paths)
     paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
-    client = SlurmClient()
-    ids = [s.job_id for s in ledger.segments() if s.ended is None and not s.job_id.startswith("local-")]
-    chain_name = paths.root.name
-    active = client.squeue(ids) if ids else {}
-    by_name = {j.job_id: j for j in client.squeue(me=True).values() if j.name == chain_name}
-    targets = sorted(set(active) | set(by_name))
     client.scancel(targets)
     deadline = time.monotonic() + timeout_s
     while targets and time.monotonic() < deadline:

@@ -25,12 +25,24 @@ class Segment:
     pid: int | None = None  # local backend: the process running the chain
     started: dict[str, Any] | None = None
     ended: dict[str, Any] | None = None
+    resumed: dict[str, Any] | None = None  # the trainer's own record of the checkpoint it loaded
+    fallback: dict[str, Any] | None = None  # the trainer rejected the newest checkpoint
     skipped: bool = False  # it started after the chain had stopped and did not train
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def outcome(self) -> str | None:
         return self.ended.get("outcome") if self.ended else None
+
+    @property
+    def start_iteration(self) -> int | None:
+        """The checkpoint this segment actually resumed from: the trainer's record when it wrote one
+        (after a fallback it differs from the tracker that `job begin` saw), else the tracker's."""
+        if self.resumed is not None:
+            return self.resumed.get("iteration")
+        if self.fallback is not None:
+            return self.fallback.get("to") or 0
+        return (self.started or {}).get("checkpoint_iteration")
 
 
 class Ledger:
@@ -70,6 +82,10 @@ class Ledger:
                 seg.started = e
             elif e["event"] == "ended":
                 seg.ended = e
+            elif e["event"] == "resumed":
+                seg.resumed = e
+            elif e["event"] == "resume_fallback":
+                seg.fallback = e
             elif e["event"] == "skipped":
                 seg.skipped = True
         return list(by_id.values())

@@ -1,21 +1,23 @@
 """The local backend: the same run directory, chain, triggers and outcomes on one machine without
 Slurm. Segments run one after another in this process; a timer plays the time limit: the stop
-signal at LEAD before it, SIGTERM at the limit, SIGKILL a grace period later (as Slurm does)."""
+signal at LEAD before it, SIGTERM at the limit, SIGKILL a grace period later. Like Slurm, which
+signals every process of a job step, each signal goes to the whole process group of each task
+(the task supervisor, the trainer and everything the trainer started)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain import Chain, NoScheduler, Verdict
-from megalaunch.launcher.rundir import job_command
+from megalaunch.launcher.rundir import job_command, task_supervisor
 from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.signals import resolve_signal
@@ -47,9 +49,9 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     base_env.update({k: v for k, v in cl.env.items()})
     port = free_port()
-    command = job_command(recipe, paths)
-    if command[0] == cl.python and cl.python == "python3":
-        command = [sys.executable, *command[1:]]  # the interpreter megalaunch runs in
+    command = [*task_supervisor(recipe), *job_command(recipe, paths)]
+    if cl.python == "python3":  # the interpreter megalaunch runs in
+        command = [sys.executable if arg == cl.python else arg for arg in command]
     procs: list[subprocess.Popen[bytes]] = []
     with open(log_path, "ab") as log:
         for rank in range(world):
@@ -62,10 +64,16 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     lead = signal_lead_s(recipe)
     stop_sig = resolve_signal(recipe.chain.stop_signal)
     start = time.monotonic()
-    signalled = terminated = False
+    signalled = terminated = killed = False
     echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
     while any(p.poll() is None for p in procs):
         elapsed = time.monotonic() - start
+        if not killed and any(p.returncode not in (None, 0) for p in procs):
+            # as `srun --kill-on-bad-exit=1`: one task failed, the others would wait for it forever
+            bad = next(i for i, p in enumerate(procs) if p.returncode not in (None, 0))
+            _send(procs, signal.SIGKILL)
+            killed = True
+            echo(f"segment {job_id}: task {bad} exited with status {procs[bad].returncode}; killed the others")
         if not signalled and elapsed >= limit - lead:
             _send(procs, stop_sig)
             signalled = True
@@ -75,22 +83,18 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
             terminated = True
             echo(f"segment {job_id}: time limit reached, sent SIGTERM")
         if terminated and elapsed >= limit + KILL_WAIT_S:
-            _send(procs, signal.SIGKILL, group=True)
+            _send(procs, signal.SIGKILL)
         time.sleep(POLL_S)
     codes = [p.returncode for p in procs]
     return max((c if c >= 0 else 128 - c) for c in codes)
 
 
-def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals, group: bool = False) -> None:
+def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
+    """To every process of each live task, as Slurm signals every process of a job step."""
     for p in procs:
         if p.poll() is None:
-            try:
-                if group:
-                    os.killpg(p.pid, sig)
-                else:
-                    p.send_signal(sig)
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
 
 
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
@@ -112,6 +116,3 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
             return verdict
         n += 1
 
-
-def chain_name_of(paths: RunPaths) -> str:
-    return Path(paths.root).name

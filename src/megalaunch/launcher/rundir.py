@@ -64,6 +64,12 @@ def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
     return [_home(recipe.cluster.python), "-m", "megalaunch.runtime.train", str(paths.root)]
 
 
+def task_supervisor(recipe: Recipe) -> list[str]:
+    """The per-task supervisor every rank starts under (runtime/task.py): it keeps the stop signal
+    from the trainer's child processes, kills what a dying rank leaves behind, records each rank's exit."""
+    return [_home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
+
+
 def _home(path: str | None) -> str:
     """Expand a leading ~ at render time: inside quotes the shell would not."""
     return os.path.expanduser(path) if path else ""
@@ -113,7 +119,7 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
         "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys,
         "nsys_start_offset": recipe.debug.nsys_start_offset, "nsys_iters": recipe.debug.nsys_iters,
         "tracker": str(paths.tracker), "megalaunch": _home(cl.megalaunch), "master_port": cl.master_port,
-        "srun_args": srun_args,
+        "srun_args": srun_args, "supervisor": task_supervisor(recipe),
         "command": command,
     }
 

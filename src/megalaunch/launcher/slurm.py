@@ -73,16 +73,19 @@ class SlurmClient:
             raise SlurmError(f"sbatch printed no job id: {proc.stdout.strip()!r}")
         return job_id
 
-    def squeue(self, job_ids: Iterable[str] = (), *, me: bool = False) -> dict[str, JobInfo]:
-        """Active jobs, one call. With job ids: only those; with me=True: all of the user's jobs."""
+    def squeue(self, job_ids: Iterable[str] = (), *, me: bool = False, name: str | None = None) -> dict[str, JobInfo]:
+        """Active jobs, one call. With job ids: only those; with a name: every job of that name (any
+        user: a chain's name is unique); with me=True: all of the user's jobs."""
         fmt = "%i|%j|%T|%r|%u|%M|%N"
         ids = [str(j) for j in job_ids]
         argv = ["squeue", "-h", "-o", fmt]
         if ids:
             argv += ["-j", ",".join(ids)]
+        elif name:
+            argv += ["--name", name]
         elif me:
             argv += ["-u", _user()]
-        elif not me:
+        else:
             return {}
         proc = self._run(argv, check=False)
         if proc.returncode != 0:

@@ -7,21 +7,62 @@ from typing import Any
 
 from megalaunch.errors import SlurmError
 from megalaunch.launcher.chain import load_run_recipe
-from megalaunch.launcher.ledger import Ledger
+from megalaunch.launcher.ledger import Ledger, Segment
 from megalaunch.launcher.local import pid_alive
 from megalaunch.launcher.slurm import JobInfo, SlurmClient
 from megalaunch.runtime import triggers
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.state import read_outcome, read_progress
 
+QUERY_TIMEOUT_S = 10.0  # one Slurm query per command: status and cancel answer within ~10 s, Slurm down or not
+LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 
-def _live(ids: list[str], backend: str) -> tuple[dict[str, JobInfo], str | None]:
-    if backend != "slurm" or not ids:
+
+def live_jobs(ids: list[str]) -> tuple[dict[str, JobInfo], str | None]:
+    """The active jobs among `ids` from one `squeue`, or ({}, why) when Slurm did not answer."""
+    if not ids:
         return {}, None
     try:
-        return SlurmClient(timeout_s=15).squeue(ids), None
+        return SlurmClient(timeout_s=QUERY_TIMEOUT_S).squeue(ids), None
     except SlurmError as e:
         return {}, str(e)
+
+
+def _unfinished(segments: list[Segment]) -> list[str]:
+    return [s.job_id for s in segments if s.ended is None and not s.skipped and not s.job_id.startswith("local-")]
+
+
+def _row_state(s: Segment, info: JobInfo | None, cancelled: dict[str, str], slurm_error: str | None,
+               backend: str) -> tuple[str, str | None]:
+    if info is not None:
+        return info.state, (info.reason if info.reason not in ("None", "") else None)
+    if s.ended is not None:
+        return s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
+    if s.skipped:
+        return "SKIPPED", "started after the chain had stopped"
+    if s.job_id in cancelled:
+        return "CANCELLED", cancelled[s.job_id]
+    if backend == "local":
+        alive = s.pid is not None and pid_alive(s.pid)
+        return ("RUNNING" if alive and s.started else "PENDING" if alive else "GONE"), None
+    if slurm_error is not None:
+        return "UNKNOWN", "Slurm did not answer"
+    if s.started is not None:
+        return "GONE", "ended without `job end` (killed?); the next segment accounts for it"
+    return "GONE", "no longer in Slurm's queue"
+
+
+def _cancelled(events: list[dict[str, Any]]) -> dict[str, str]:
+    """Job id -> who cancelled it: the chain when it stopped, or a user's `megalaunch cancel`."""
+    out: dict[str, str] = {}
+    for e in events:
+        if e["event"] == "chain_stopped":
+            for jid in e.get("cancelled") or []:
+                out.setdefault(str(jid), f"by the chain: {e.get('reason')}")
+        elif e["event"] == "cancelled":
+            for jid in e.get("job_ids") or []:
+                out.setdefault(str(jid), f"by {e.get('user', '?')} (megalaunch cancel)")
+    return out
 
 
 def run_status(paths: RunPaths) -> dict[str, Any]:
@@ -29,39 +70,30 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     ledger = Ledger(paths)
     events = ledger.events()
     segments = ledger.segments(events)
-    ids = [s.job_id for s in segments if s.ended is None]
-    live, slurm_error = _live(ids, recipe.cluster.backend)
+    backend = recipe.cluster.backend
+    live, slurm_error = live_jobs(_unfinished(segments)) if backend == "slurm" else ({}, None)
+    cancelled = _cancelled(events)
     rows = []
     for i, s in enumerate(segments, 1):
-        info = live.get(s.job_id)
-        reason: str | None
-        if info is not None:
-            state, reason = info.state, info.reason
-        elif s.ended is not None:
-            state, reason = s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
-        elif s.skipped:
-            state, reason = "SKIPPED", "chain stopped"
-        elif recipe.cluster.backend == "local":
-            alive = s.pid is not None and pid_alive(s.pid)
-            state, reason = ("RUNNING" if alive and s.started else "PENDING" if alive else "GONE"), None
-        else:
-            state, reason = "GONE", None
+        state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error, backend)
         rows.append({"segment": i, "job_id": s.job_id, "state": state, "reason": reason,
-                     "start_iteration": (s.started or {}).get("checkpoint_iteration"),
+                     "start_iteration": s.start_iteration,
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}
     stopped = ledger.stopped()
     guard = ledger.last("guard")
-    active = [r for r in rows if r["state"] in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")]
+    active = [r for r in rows if r["state"] in LIVE_STATES]
     if active:
         chain_state = "running" if any(r["state"] == "RUNNING" for r in active) else "queued"
+    elif any(r["state"] == "UNKNOWN" for r in rows):
+        chain_state = "unknown"
     elif stopped:
         chain_state = "stopped"
     else:
         chain_state = "idle"
     return {
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
-        "backend": recipe.cluster.backend, "chain_state": chain_state,
+        "backend": backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
         "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
         "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
@@ -98,30 +130,41 @@ def format_run_status(st: dict[str, Any]) -> str:
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
-    """One line per run, from one `squeue` of the user's jobs."""
-    if not runs:
-        return []
-    try:
-        queue = SlurmClient(timeout_s=15).squeue(me=True)
-        slurm_error = None
-    except SlurmError as e:
-        queue, slurm_error = {}, str(e)
-    by_name: dict[str, list[JobInfo]] = {}
-    for info in queue.values():
-        by_name.setdefault(info.name, []).append(info)
-    out = []
+    """One line per run, from one `squeue` of every unfinished segment of all of them."""
+    loaded = []
     for paths in runs:
         try:
-            recipe = load_run_recipe(paths)
+            loaded.append((paths, load_run_recipe(paths), Ledger(paths)))
         except Exception:
-            continue
-        jobs = by_name.get(paths.root.name, [])
+            continue  # unreadable or half-written: not listed
+    segments = {paths.root: ledger.segments() for paths, _, ledger in loaded}
+    ids = [jid for paths, recipe, _ in loaded if recipe.cluster.backend == "slurm" for jid in _unfinished(segments[paths.root])]
+    live, slurm_error = live_jobs(ids)
+    out = []
+    for paths, recipe, ledger in loaded:
+        unfinished = _unfinished(segments[paths.root]) if recipe.cluster.backend == "slurm" else []
+        jobs = [live[j] for j in unfinished if j in live]
+        stopped = ledger.stopped()
+        if any(j.state == "RUNNING" for j in jobs):
+            state = "running"
+        elif jobs:
+            state = "queued"
+        elif slurm_error is not None and unfinished and not stopped:
+            state = "unknown"
+        else:
+            state = "stopped" if stopped else "idle"
         progress = read_progress(paths) or {}
-        stopped = Ledger(paths).stopped()
-        state = ("running" if any(j.state == "RUNNING" for j in jobs) else "queued" if jobs
-                 else "stopped" if stopped else "idle")
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
                     "jobs": [j.job_id for j in jobs], "iteration": progress.get("iteration"),
                     "target": recipe.training.train_iters, "stop_reason": stopped.get("reason") if stopped else None,
-                    "slurm_error": slurm_error})
+                    "owner": _owner(paths), "slurm_error": slurm_error})
     return out
+
+
+def _owner(paths: RunPaths) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(paths.root.stat().st_uid).pw_name
+    except (KeyError, OSError):
+        return "?"

@@ -70,6 +70,10 @@ class RunPaths:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def segment_log(self, job_id: str) -> Path:
+        """A segment's log: the job script's `--output=logs/%x-%j.out`, %x being the chain name."""
+        return self.logs / f"{self.root.name}-{job_id}.out"
+
     @property
     def state(self) -> Path:
         return self.root / "state"
@@ -85,6 +89,13 @@ class RunPaths:
     @property
     def outcome(self) -> Path:
         return self.state / "outcome.json"
+
+    def tasks(self, job_id: str) -> Path:
+        """One exit record per rank of a segment, written by runtime/task.py."""
+        return self.state / "tasks" / str(job_id)
+
+    def task_record(self, job_id: str, rank: int) -> Path:
+        return self.tasks(job_id) / f"rank-{rank:05d}.json"
 
     @property
     def cancel_requested(self) -> Path:

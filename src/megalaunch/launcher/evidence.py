@@ -1,0 +1,99 @@
+"""Which rank, on which node, ended a segment first, and how: from the task supervisor's exit records
+(RUN/state/tasks/<job>/rank-*.json, runtime/task.py) and Slurm's task-exit lines in the segment's log
+(`srun: error: node2: task 1: Killed`), for when a supervisor could not write its record (it was
+killed together with its rank)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from megalaunch.runtime.files import read_json
+from megalaunch.runtime.paths import RunPaths
+
+# srun: error: node2: task 1: Killed / tasks 0-3: Exited with exit code 1 / task 0: Segmentation fault
+SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$", re.M)
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    rank: int
+    node: str
+    how: str  # "killed by SIGKILL", "exited with status 1", or Slurm's words
+    time: float | None = None  # None: from the log, order only
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {self.node} {self.how}"
+
+
+def task_records(paths: RunPaths, job_id: str) -> list[dict[str, object]]:
+    d = paths.tasks(job_id)
+    if not d.is_dir():
+        return []
+    return [r for f in sorted(d.glob("rank-*.json")) if isinstance(r := read_json(f), dict)]
+
+
+def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list[TaskEnd]:
+    """Ranks that were killed or exited non-zero, the first to end first: supervisor records by
+    time, then ranks known only from Slurm's lines, in log order."""
+    ends: list[TaskEnd] = []
+    for r in task_records(paths, job_id):
+        if r.get("signal"):
+            how = f"was killed by {r['signal']}"
+        elif r.get("exit_code"):
+            how = f"exited with status {r['exit_code']}"
+        else:
+            continue
+        ends.append(TaskEnd(rank=int(str(r["rank"])), node=str(r.get("node") or "?"), how=how,
+                            time=float(str(r.get("ended") or 0))))
+    ends.sort(key=lambda e: e.time or 0.0)
+    known = {e.rank for e in ends}
+    for rank, node, what in _srun_lines(log):
+        if rank not in known and what.lower() != "exited with exit code 0":
+            known.add(rank)
+            ends.append(TaskEnd(rank=rank, node=node, how=_slurm_words(what)))
+    return ends
+
+
+def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:
+    if log is None:
+        return []
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for m in SRUN_TASK_LINE.finditer(text):
+        for rank in _expand(m.group("tasks")):
+            out.append((rank, m.group("node"), m.group("what").strip()))
+    return out
+
+
+def _expand(tasks: str) -> list[int]:
+    out: list[int] = []
+    for part in tasks.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _slurm_words(what: str) -> str:
+    w = what.rstrip(".")
+    if w == "Killed":
+        return "was killed (SIGKILL, per Slurm)"
+    if w.lower().startswith("exited with exit code "):
+        return f"exited with status {w.rsplit(' ', 1)[-1]} (per Slurm)"
+    return f"ended: {w} (per Slurm)"
+
+
+def failure_reason(first: TaskEnd | None, outcome_reason: str | None, exit_code: int | None) -> str:
+    """One line: the first rank to end abnormally, then what rank 0's outcome said."""
+    if first is None:
+        return outcome_reason or f"no outcome written (exit status {exit_code})"
+    if outcome_reason is None:
+        return f"{first.describe()} first; no outcome written"
+    if first.rank == 0:
+        return f"{outcome_reason} (rank 0 on {first.node})"
+    return f"{first.describe()} first; rank 0 then: {outcome_reason}"

@@ -1,0 +1,192 @@
+"""One task of a job step: `python -m megalaunch.runtime.task --signal SIGUSR2 -- COMMAND ...`
+
+Both backends start every rank through this small supervisor (standard library only, ~30 ms):
+
+- **The stop signal reaches only the trainer's decision.** The supervisor blocks it before it starts
+  the command; a blocked signal is inherited through fork and exec, so neither the trainer's start-up
+  nor any process it starts (checkpoint writers, resource trackers, data-loader workers) can be killed
+  by it. The trainer receives it with `sigwait` (runtime/signals.py).
+- **No orphans.** The supervisor is a child subreaper: whatever the command leaves behind when it
+  ends (a Manager, a resource tracker, a spawn worker of a rank killed with SIGKILL) is re-parented
+  to it and killed, so nothing outlives the task or holds the step's output open (Slurm would
+  otherwise wait 60 s before abandoning that I/O). If the supervisor itself dies, the kernel kills
+  the command (parent-death signal).
+- **Evidence.** It writes RUN/state/tasks/<job>/rank-<R>.json: the node, the pid, when the command
+  started and ended, its exit status or the signal that killed it. `job end` reads these to name the
+  rank and node that died first. It then leaves the way the command left (the same exit status, or
+  killed by the same signal), so Slurm's "task N: Killed" lines stay true.
+
+SIGTERM and SIGINT reach the command directly (Slurm signals every process; the local backend the
+task's process group); the supervisor only outlives them to clean up."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalaunch.runtime.files import atomic_write_json
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.signals import block, resolve_signal
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_GRACE_S = 2.0  # left-overs may finish on their own first (the resource tracker cleans up)
+KILL_TIMEOUT_S = 5.0
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False  # not Linux: no subreaper, no parent-death signal; the rest still works
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from one walk of /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name is in parentheses and may hold spaces: the fields after it are fixed
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if fields and fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def kill_leftovers(grace_s: float = LEFTOVER_GRACE_S, timeout_s: float = KILL_TIMEOUT_S) -> int:
+    """Give left-over descendants `grace_s` to end on their own, then SIGKILL them; returns how many
+    had to be killed."""
+    me = os.getpid()
+    deadline = time.monotonic() + grace_s
+    while (left := descendants(me)) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.05)
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while (left := descendants(me)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        _reap()
+        time.sleep(0.02)
+    _reap()
+    return len(killed)
+
+
+def _wait_for(child: int) -> int:
+    """Wait for `child`, reaping adopted orphans meanwhile; returns its wait status."""
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            return status
+
+
+def _record(started: float, child: int, status: int, leftovers: int) -> dict[str, object]:
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    env = os.environ
+    return {
+        "rank": int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
+        "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))),
+        "node": env.get("SLURMD_NODENAME") or socket.gethostname(), "host": socket.gethostname(),
+        "pid": child, "started": started, "ended": time.time(),
+        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": signal.Signals(sig).name if sig else None, "leftovers_killed": leftovers,
+    }
+
+
+def _write_record(record: dict[str, object]) -> None:
+    run_dir, job_id = os.environ.get("MEGALAUNCH_RUN_DIR"), os.environ.get("MEGALAUNCH_JOB_ID")
+    if not run_dir or not job_id:
+        return
+    path = RunPaths(Path(run_dir)).task_record(job_id, int(str(record["rank"])))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, record)
+    except OSError as e:  # evidence is best effort; the task's own exit status still tells Slurm
+        print(f"[megalaunch task] could not write {path}: {e}", file=sys.stderr, flush=True)
+
+
+def _leave_like(status: int) -> int:
+    """Exit the way the command did: the same signal (Slurm then reports it), or the same code."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # not reached for fatal signals
+    return os.WEXITSTATUS(status)
+
+
+def run(command: list[str], stop_signal: signal.Signals) -> int:
+    block(stop_signal)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # survive them long enough to clean up (a handler, unlike SIG_IGN, is not inherited by exec)
+        signal.signal(sig, lambda signum, frame: None)
+    started = time.time()
+    try:
+        child = subprocess.Popen(command, preexec_fn=_die_with_parent)  # preexec_fn is safe: no threads here
+    except OSError as e:
+        print(f"[megalaunch task] cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
+        return 127
+    status = _wait_for(child.pid)
+    child.returncode = 0  # reaped by os.wait above; keep Popen from waiting again
+    leftovers = kill_leftovers()
+    record = _record(started, child.pid, status, leftovers)
+    _write_record(record)
+    if record["signal"] or record["exit_code"] or leftovers:
+        print(f"[megalaunch task] rank {record['rank']} on {record['node']}: command "
+              + (f"killed by {record['signal']}" if record["signal"] else f"exited with {record['exit_code']}")
+              + (f"; killed {leftovers} left-over process(es)" if leftovers else ""), file=sys.stderr, flush=True)
+    return _leave_like(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megalaunch.runtime.task",
+                                     description="Run one task of a megalaunch job step (see the module docstring).")
+    parser.add_argument("--signal", default="SIGUSR2", help="the chain's stop signal (blocked for the command)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG ...]")
+    opts = parser.parse_args(argv)
+    command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
+    if not command:
+        parser.error("give the command after --")
+    return run(command, resolve_signal(opts.signal))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The real trainer on the local backend, the way a user runs it (`megalaunch submit`): the tiny recipe on
+2 ranks as a chain of >= 3 segments with periodic saves, each stopped by the local timer's stop signal,
+which goes to every process of each task as Slurm's does (checkpoint writers included); every segment
+ends `saved` at the iteration it acted on the signal, the next resumes there with the same consumed
+samples, no iteration is lost or repeated.
+
+Timing: limit 50 s, lead = save 5 + step 1 + margin 9 = 15 s (the local timer is exact), so the signal
+comes 35 s after the segment starts. Start-up of 2 ranks takes 7..20 s here, leaving 15..28 s of
+training; one iteration is the 0.4 s pacing sleep + a 20..100 ms step, so a segment trains 30..67
+iterations. TRAIN_ITERS = 150 > 2 x 67: never fewer than 3 segments (typically 4, ~4 min)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megalaunch.launcher.ledger import Ledger
+from megalaunch.runtime.files import read_jsonl
+from megalaunch.runtime.paths import RunPaths
+from megalaunch.runtime.resume import checkpoint_iterations
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+TRAIN_ITERS = 150
+SAVE_INTERVAL = 20
+GBS = 8
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
+SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
+
+
+@pytest.mark.timeout(900)
+def test_local_chain_with_periodic_saves_saves_on_every_signal(tmp_path: Path) -> None:
+    import subprocess
+
+    recipe = {
+        "include": ["tiny"], "name": "localchain", "run": {"root": str(tmp_path / "runs")},
+        "cluster": {"tasks_per_node": 2, "time": "00:00:50", "python": sys.executable,
+                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.4", "OMP_NUM_THREADS": "1"}},
+        "training": {"train_iters": TRAIN_ITERS, "log_interval": 1},
+        "checkpoint": {"save_interval": SAVE_INTERVAL, "save_time_estimate_s": 5, "keep_last": 50},
+        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 9, "min_train_time_s": 20},
+    }
+    path = tmp_path / "localchain.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "submit", str(path)], capture_output=True,
+                          text=True, timeout=840, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (root,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    paths = RunPaths(root)
+    segments = Ledger(paths).segments()
+    events = read_jsonl(paths.ledger)
+    stops = {e["job_id"]: e["iteration"] for e in events if e["event"] == "decision"}
+    assert len(segments) >= 3, [s.ended for s in segments]
+    assert [s.outcome for s in segments] == ["saved"] * (len(segments) - 1) + ["finished"], [s.ended for s in segments]
+    previous = 0
+    for s in segments:
+        log = paths.segment_log(s.job_id).read_text(errors="replace")
+        its = [(int(m.group(1)), int(m.group(2))) for m in ITERATION.finditer(log)]
+        last = s is segments[-1]
+        stop = TRAIN_ITERS if last else stops[s.job_id]
+        assert [i for i, _ in its] == list(range(previous + 1, stop + 1)), (s.job_id, its[:2], its[-2:], previous)
+        assert all(samples == i * GBS for i, samples in its), s.job_id
+        assert s.start_iteration == (previous or None), (s.job_id, s.start_iteration, previous)
+        periodic = [i for i in range(previous + 1, stop) if i % SAVE_INTERVAL == 0]
+        assert [int(m.group(1)) for m in SAVED.finditer(log)] == [*periodic, stop], s.job_id
+        assert "Broken pipe" not in log and "Traceback" not in log, log[-3000:]
+        assert s.ended is not None and s.ended["checkpoint_iteration"] == stop, s.ended
+        previous = stop
+    assert any(i % SAVE_INTERVAL == 0 for i in range(1, stops[segments[0].job_id]))  # saved before its signal
+    assert paths.read_tracker() == TRAIN_ITERS
+    assert set(stops.values()) | set(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL)) | {TRAIN_ITERS} == set(
+        checkpoint_iterations(paths))
+    # the supervisors recorded every rank of every segment, all clean exits
+    for s in segments:
+        records = sorted(paths.tasks(s.job_id).glob("rank-*.json"))
+        assert len(records) == 2, s.job_id
