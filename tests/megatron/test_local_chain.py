@@ -2,7 +2,7 @@
 2 ranks as a chain of >= 3 segments with periodic saves, each stopped by the local timer's stop signal,
 which goes to every process of each task as Slurm's does (checkpoint writers included); every segment
 ends `saved` at the iteration it acted on the signal, the next resumes there with the same consumed
-samples, no iteration is lost or repeated.
+samples, no iteration is lost or repeated; a `trigger save` early in the second segment changes none of it.
 
 Timing: limit 50 s, lead = save 5 + step 1 + margin 9 = 15 s (the local timer is exact), so the signal
 comes 35 s after the segment starts. Start-up of 2 ranks takes 7..20 s here, leaving 15..28 s of
@@ -12,14 +12,17 @@ iterations. TRAIN_ITERS = 150 > 2 x 67: never fewer than 3 segments (typically 4
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megalaunch.launcher.ledger import Ledger
-from megalaunch.runtime.files import read_jsonl
+from megalaunch.runtime.files import read_json, read_jsonl
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.resume import checkpoint_iterations
 
@@ -32,10 +35,32 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \
 SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
 
 
+def _wait[T](fn: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := fn()) is not None:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _run(tmp: Path) -> RunPaths | None:
+    runs = [p for p in (tmp / "runs").glob("*") if not p.name.startswith(".")]
+    return RunPaths(runs[0]) if runs and (runs[0] / "state" / "ledger.jsonl").exists() else None
+
+
+def _second_segment_training(paths: RunPaths) -> str | None:
+    """The second segment's job id once it has trained 3 iterations past its resume point."""
+    segments = Ledger(paths).segments()
+    if len(segments) < 2 or segments[1].resumed is None:
+        return None
+    progress = read_json(paths.progress) or {}
+    start = segments[1].resumed["iteration"]
+    return segments[1].job_id if (progress.get("iteration") or 0) >= start + 3 else None
+
+
 @pytest.mark.timeout(900)
 def test_local_chain_with_periodic_saves_saves_on_every_signal(tmp_path: Path) -> None:
-    import subprocess
-
     recipe = {
         "include": ["tiny"], "name": "localchain", "run": {"root": str(tmp_path / "runs")},
         "cluster": {"tasks_per_node": 2, "time": "00:00:50", "python": sys.executable,
@@ -46,14 +71,25 @@ def test_local_chain_with_periodic_saves_saves_on_every_signal(tmp_path: Path) -
     }
     path = tmp_path / "localchain.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "submit", str(path)], capture_output=True,
-                          text=True, timeout=840, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (root,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
-    paths = RunPaths(root)
+    chain = subprocess.Popen([sys.executable, "-m", "megalaunch.cli.main", "submit", str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        paths = _wait(lambda: _run(tmp_path), 120, "the run directory")
+        # a `trigger save` early in the second segment, before that segment's periodic saves and signal
+        second = _wait(lambda: _second_segment_training(paths), 300, "the second segment to train")
+        trigger = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "trigger", "save", str(paths.root)],
+                                 capture_output=True, text=True, timeout=60)
+        assert trigger.returncode == 0, trigger.stderr
+        out, _ = chain.communicate(timeout=840)
+    finally:
+        if chain.poll() is None:
+            chain.kill()
+    assert chain.returncode == 0, out[-3000:]
     segments = Ledger(paths).segments()
     events = read_jsonl(paths.ledger)
-    stops = {e["job_id"]: e["iteration"] for e in events if e["event"] == "decision"}
+    stops = {e["job_id"]: e["iteration"] for e in events if e["event"] == "decision" and e["decision"] == "signal"}
+    (triggered,) = [e for e in events if e["event"] == "decision" and e["decision"] == "save"]
+    assert triggered["job_id"] == second and triggered["triggers"] == ["save"], triggered
     assert len(segments) >= 3, [s.ended for s in segments]
     assert [s.outcome for s in segments] == ["saved"] * (len(segments) - 1) + ["finished"], [s.ended for s in segments]
     previous = 0
@@ -66,14 +102,15 @@ def test_local_chain_with_periodic_saves_saves_on_every_signal(tmp_path: Path) -
         assert all(samples == i * GBS for i, samples in its), s.job_id
         assert s.start_iteration == (previous or None), (s.job_id, s.start_iteration, previous)
         periodic = [i for i in range(previous + 1, stop) if i % SAVE_INTERVAL == 0]
-        assert [int(m.group(1)) for m in SAVED.finditer(log)] == [*periodic, stop], s.job_id
+        extra = [triggered["iteration"]] if s.job_id == second else []
+        assert [int(m.group(1)) for m in SAVED.finditer(log)] == [*sorted({*periodic, *extra}), stop], s.job_id
         assert "Broken pipe" not in log and "Traceback" not in log, log[-3000:]
         assert s.ended is not None and s.ended["checkpoint_iteration"] == stop, s.ended
         previous = stop
     assert any(i % SAVE_INTERVAL == 0 for i in range(1, stops[segments[0].job_id]))  # saved before its signal
     assert paths.read_tracker() == TRAIN_ITERS
-    assert set(stops.values()) | set(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL)) | {TRAIN_ITERS} == set(
-        checkpoint_iterations(paths))
+    assert set(stops.values()) | set(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL)) | {
+        TRAIN_ITERS, triggered["iteration"]} == set(checkpoint_iterations(paths))
     # the supervisors recorded every rank of every segment, all clean exits
     for s in segments:
         records = sorted(paths.tasks(s.job_id).glob("rank-*.json"))

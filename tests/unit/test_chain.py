@@ -3,6 +3,7 @@ records successors and cancellations (the Slurm side is tested for real in tests
 
 from __future__ import annotations
 
+import getpass
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,11 @@ from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.chain import Chain
 from megalaunch.launcher.control import write_trigger
 from megalaunch.launcher.rundir import prepare_run, write_run
-from megalaunch.runtime.files import atomic_write_text
+from megalaunch.launcher.status import run_status
+from megalaunch.runtime.files import append_jsonl, atomic_write_text
 from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.state import write_outcome
+from megalaunch.runtime.triggers import Decision, consume_for
 
 
 class RecordingScheduler:
@@ -153,3 +156,50 @@ def test_stopped_chain_skips_a_late_segment(run, monkeypatch) -> None:
     chain.end("1", 0)
     v = chain.begin("100")
     assert not v.proceed and "already stopped" in v.reason
+
+
+def test_status_shows_the_checkpoint_actually_resumed_after_a_fallback(run, monkeypatch) -> None:
+    paths, sched, chain = run
+    _ckpt(paths, 120)
+    chain.begin("1")  # `job begin` sees the tracker at 120 ...
+    # ... the trainer finds 120 incomplete and resumes from 100
+    append_jsonl(paths.ledger, {"event": "resume_fallback", "job_id": "1", "tracker": 120, "to": 100, "time": 0})
+    append_jsonl(paths.ledger, {"event": "resumed", "job_id": "1", "iteration": 100, "time": 0})
+    _ckpt(paths, 130)
+    _outcome(monkeypatch, paths, "1", "saved", iteration=130)
+    chain.end("1", 0)
+    (row,) = [r for r in run_status(paths)["segments"] if r["job_id"] == "1"]
+    assert (row["start_iteration"], row["end_iteration"]) == (100, 130)
+
+
+def test_stop_reason_names_who_asked_and_the_cancelled_successor_says_so(run, monkeypatch) -> None:
+    paths, sched, chain = run
+    monkeypatch.setattr("megalaunch.launcher.status.live_jobs", lambda ids: ({}, None))  # no Slurm here
+    chain.begin("1")
+    write_trigger(paths, "exit", "eval at 10k")
+    consume_for(paths, Decision.EXIT, 40, "1")
+    _ckpt(paths, 40)
+    _outcome(monkeypatch, paths, "1", "exited", iteration=40)
+    v = chain.end("1", 0)
+    assert v.reason == f'exit trigger by {getpass.getuser()} ("eval at 10k"): saved and stopped'
+    rows = {r["job_id"]: r for r in run_status(paths)["segments"]}
+    assert rows["100"]["state"] == "CANCELLED" and rows["100"]["reason"] == f"by the chain: {v.reason}"
+
+
+def test_status_says_unknown_when_slurm_does_not_answer(tmp_path: Path, monkeypatch) -> None:
+    loaded = load_recipe("tiny", [f"run.root={tmp_path}", "cluster.backend=slurm"])
+    paths = write_run(prepare_run(loaded))
+    chain = Chain(paths, RecordingScheduler())
+    chain.ledger.append("submitted", job_id="7", by="megalaunch submit")
+    chain.begin("7")  # running, successor 100 queued
+    asked: list[list[str]] = []
+
+    def no_answer(ids: list[str]) -> tuple[dict, str]:
+        asked.append(ids)
+        return {}, "'squeue -h' did not answer within 10 s"
+
+    monkeypatch.setattr("megalaunch.launcher.status.live_jobs", no_answer)
+    st = run_status(paths)
+    assert asked == [["7", "100"]]  # one query for every unfinished segment
+    assert st["chain_state"] == "unknown"
+    assert [(r["job_id"], r["state"]) for r in st["segments"]] == [("7", "UNKNOWN"), ("100", "UNKNOWN")]
