@@ -50,7 +50,7 @@ DEFAULT_SETS = [
 def make_run(root: Path, recipe: str, sets: list[str], name: str) -> Path:
     sys.path.insert(0, str(SRC))
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.rundir import prepare_run, write_run
+    from megalaunch.launcher.prepare import prepare_run, write_run
 
     loaded = load_recipe(recipe, sets, name=name, cluster="local")
     return write_run(prepare_run(loaded, root=root)).root
@@ -162,24 +162,21 @@ def bare_run(run: Path) -> None:
     """`megatron.training.pretrain` with megalaunch's model, data and step but none of its runtime:
     only the dataset-helper fix without which Megatron cannot start from the wheel."""
     sys.path.insert(0, str(SRC))
-    import yaml
-
-    from megalaunch.config.loader import load_resolved
+    from megalaunch.rundir.paths import RunPaths
     from megalaunch.runtime import megatron_seams
-    from megalaunch.runtime.paths import RunPaths
+    from megalaunch.runtime.settings import RuntimeSettings
     from megalaunch.runtime.train import megatron_argv, run_pretrain
 
     paths = RunPaths(run)
-    recipe = load_resolved(yaml.safe_load(paths.run_yaml.read_text()))
+    settings = RuntimeSettings.load(paths)
     import torch
 
-    cpu = not torch.cuda.is_available()
-    if cpu:  # only for a smoke test of this script on a machine without a GPU
+    if not torch.cuda.is_available():  # only for a smoke test of this script on a machine without a GPU
         from megalaunch.runtime import cpu_compat
 
         cpu_compat.enable()
     megatron_seams.skip_helper_compilation()
-    run_pretrain(megatron_argv(paths, recipe, cpu=cpu), attention=recipe.training.attention, session=None)
+    run_pretrain(megatron_argv(paths), attention=settings.attention, session=None)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from harness import Trainer, last_iteration, ledger, losses, make_run, wait_for  # noqa: E402
 
-from megalaunch.runtime.files import read_json  # noqa: E402
+from megalaunch.rundir.files import read_json  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +95,7 @@ def test_periodic_saves_then_group_signal_bf16(tmp_path: Path, async_save: bool)
 @pytest.mark.parametrize("attention", ["local", "sdpa"])
 def test_llama_1b_trains_and_resumes(tmp_path: Path, attention: str) -> None:
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.rundir import prepare_run, write_run
+    from megalaunch.launcher.prepare import prepare_run, write_run
 
     sets = [*GPU, *LLAMA_1B, "training.train_iters=40", f"training.attention={attention}"]
     loaded = load_recipe("train/llama3-1b", sets, name=f"llama1b-{attention}", cluster="local")

@@ -78,7 +78,8 @@ def megatron_layout(tied: bool, qkv_bias: bool) -> tuple[dict[str, tuple[int, ..
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-    from megalaunch.runtime.model import build_gpt_model, megatron_parallel_state
+    from megalaunch.conversion.model import build_gpt_model
+    from megalaunch.runtime.model import megatron_parallel_state
 
     family = "qwen2" if qkv_bias else "llama"
     model = model_from_hf_config(json.loads(json.dumps(_config_dict(family, tied)))).model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from harness import Trainer, ledger, losses, make_run
 
-from megalaunch.runtime.files import read_json
+from megalaunch.rundir.files import read_json
 from megalaunch.runtime.resume import iter_dir
 from megalaunch.runtime.watchdog import EXIT_HUNG
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megalaunch.launcher.ledger import Ledger
-from megalaunch.runtime.files import read_json, read_jsonl
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import read_json, read_jsonl
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.resume import checkpoint_iterations
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

@@ -78,7 +78,7 @@ def test_signal_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 
 
 def _check_wandb(paths, stops: list[int]) -> None:
-    from megalaunch.runtime.files import read_json
+    from megalaunch.rundir.files import read_json
 
     state = read_json(paths.state / "wandb.json")
     runs = sorted((paths.root / "wandb").glob("offline-run-*"))

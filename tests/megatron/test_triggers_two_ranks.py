@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from harness import Trainer, acted_iterations, last_iteration, ledger, make_run, wait_for
 
-from megalaunch.launcher.control import write_trigger
+from megalaunch.rundir.triggers import consumed_records, write_trigger
 from megalaunch.runtime.resume import is_complete
-from megalaunch.runtime.triggers import consumed_records
 
 pytestmark = pytest.mark.megatron
 

@@ -27,10 +27,10 @@ import yaml
 from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_done
 from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
 
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.triggers import consumed_records
 from megalaunch.runtime.dist_env import free_port
-from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.resume import checkpoint_iterations, is_complete
-from megalaunch.runtime.triggers import consumed_records
 
 pytestmark = [
     pytest.mark.megatron,

@@ -10,13 +10,12 @@ import pytest
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.control import write_trigger
-from megalaunch.launcher.rundir import prepare_run, write_run
+from megalaunch.launcher.prepare import prepare_run, write_run
 from megalaunch.launcher.status import run_status
-from megalaunch.runtime.files import append_jsonl, atomic_write_text
-from megalaunch.runtime.paths import RunPaths
-from megalaunch.runtime.state import write_outcome
-from megalaunch.runtime.triggers import Decision, consume_for
+from megalaunch.rundir.files import append_jsonl, atomic_write_text
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import write_outcome
+from megalaunch.rundir.triggers import Decision, consume_for, write_trigger
 
 
 class RecordingScheduler:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, failure_reason
-from megalaunch.runtime.files import atomic_write_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import atomic_write_json
+from megalaunch.rundir.paths import RunPaths
 
 
 def _record(paths: RunPaths, job: str, rank: int, node: str, ended: float, *, signal: str | None = None,

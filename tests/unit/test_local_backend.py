@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tests.unit.helpers import REPO, cli, counter_recipe
 
-from megalaunch.launcher.ledger import Ledger
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
 
 
 def _run_dir(tmp: Path) -> RunPaths:

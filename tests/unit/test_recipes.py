@@ -97,7 +97,7 @@ def test_run_yaml_round_trips(tmp_path: Path) -> None:
     import yaml
 
     from megalaunch.config.loader import load_resolved
-    from megalaunch.launcher.rundir import prepare_run
+    from megalaunch.launcher.prepare import prepare_run
 
     loaded = load_recipe("llama3-70b", cluster="pyxis")
     prepared = prepare_run(loaded, chain_name="x-00000000", created="T", root=tmp_path)

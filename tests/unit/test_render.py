@@ -5,6 +5,7 @@ Regenerate the golden files after an intended change with MEGALAUNCH_UPDATE_GOLD
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megalaunch.config.loader import load_recipe, shipped_recipes
-from megalaunch.launcher.rundir import prepare_run
+from megalaunch.launcher.prepare import prepare_run
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TRAIN = sorted(k.split("/")[1] for k in shipped_recipes() if k.startswith("train/"))
@@ -151,10 +152,13 @@ def test_debug_options_render_valid_scripts(tmp_path: Path) -> None:
     script = prepare_run(loaded, chain_name="dbg-00000000", created="T", root=Path("/runs")).files["job.sbatch"]
     assert "export NCCL_DEBUG_FILE=/runs/dbg-00000000/debug/nccl-%h-%p.log" in script
     assert "export TORCH_NCCL_DUMP_ON_TIMEOUT=1" in script
-    # the nsys window starts relative to the iteration this segment resumes from
-    assert "--profile-step-start $((resume_iteration + 10))" in script
-    assert "--profile-step-end $((resume_iteration + 15))" in script
     assert "nsys profile --capture-range=cudaProfilerApi" in script
+    # the nsys window is in Megatron's arguments, relative to the iteration each segment resumes from
+    args = prepare_run(loaded, chain_name="dbg-00000000", created="T", root=Path("/runs")).files["megatron.args"]
+    assert "--profile\n--profile-step-start\n10\n--profile-step-end\n15\n" in args
+    settings = json.loads(prepare_run(loaded, chain_name="dbg-00000000", created="T",
+                                      root=Path("/runs")).files["runtime.json"])
+    assert settings["profile_window"] is True
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
@@ -165,7 +169,7 @@ def test_debug_options_render_valid_scripts(tmp_path: Path) -> None:
 
 def test_code_snapshot_copies_tracked_files_and_fails_loudly(tmp_path: Path) -> None:
     from megalaunch.errors import PreflightError
-    from megalaunch.launcher.rundir import write_run
+    from megalaunch.launcher.prepare import write_run
 
     src = tmp_path / "src"
     src.mkdir()

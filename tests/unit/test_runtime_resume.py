@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from megalaunch.rundir.files import read_jsonl
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime import resume
-from megalaunch.runtime.files import read_jsonl
-from megalaunch.runtime.paths import RunPaths
 
 
 @pytest.fixture

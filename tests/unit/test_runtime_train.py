@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.runtime.files import read_jsonl
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import read_jsonl
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.triggers import Decision, consumed_records
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
 from megalaunch.runtime.train import Session, _parse_hang, megatron_argv, rank_env
-from megalaunch.runtime.triggers import Decision, consumed_records
 
 
 @pytest.fixture
@@ -73,21 +73,21 @@ def test_parse_hang() -> None:
     assert _parse_hang("4:1", 1) == 4 and _parse_hang("4:1", 0) is None
 
 
-def test_megatron_argv_adds_cpu_and_tensorboard_flags(tmp_path: Path) -> None:
+def test_megatron_argv_is_the_rendered_file_verbatim(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path)
-    paths.megatron_args.write_text("--num-layers\n2\n--save\n/x\n")
+    paths.megatron_args.write_text("--num-layers\n2\n--save\n/x y\n")
+    assert megatron_argv(paths) == ["--num-layers", "2", "--save", "/x y"]
 
-    class Logging:
-        tensorboard = True
 
-    class Recipe:
-        logging = Logging()
+def test_cpu_tensorboard_and_profile_flags_are_rendered(tmp_path: Path) -> None:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.megatron_args import megatron_args
 
-    argv = megatron_argv(paths, Recipe(), cpu=True)
-    assert argv[:4] == ["--num-layers", "2", "--save", "/x"]
-    assert "--distributed-backend" in argv and argv[argv.index("--distributed-backend") + 1] == "gloo"
-    assert argv[argv.index("--tensorboard-dir") + 1] == str(tmp_path / "tensorboard")
-    assert megatron_argv(paths, None, cpu=False) == ["--num-layers", "2", "--save", "/x"]
+    cpu = megatron_args(load_recipe("tiny", ["logging.tensorboard=true"]).recipe, RunPaths(tmp_path))
+    assert cpu[cpu.index("--distributed-backend") + 1] == "gloo" and "--use-cpu-initialization" in cpu
+    assert cpu[cpu.index("--tensorboard-dir") + 1] == str(tmp_path / "tensorboard")
+    gpu = megatron_args(load_recipe("llama3-8b").recipe, RunPaths(tmp_path))
+    assert "--distributed-backend" not in gpu and "--tensorboard-dir" not in gpu
 
 
 def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,15 +97,3 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert rank_env() == (5, 8, 1)
-
-
-def test_job_script_extra_args_reach_megatron(tmp_path, monkeypatch) -> None:
-    """The nsys window is computed per segment by the job script and passed in MEGALAUNCH_EXTRA_ARGS."""
-    from megalaunch.runtime.paths import RunPaths
-    from megalaunch.runtime.train import megatron_argv
-
-    paths = RunPaths(tmp_path)
-    paths.megatron_args.write_text("--num-layers\n2\n")
-    monkeypatch.setenv("MEGALAUNCH_EXTRA_ARGS", "--profile --profile-step-start 110 --profile-step-end 115")
-    assert megatron_argv(paths, None, cpu=False) == ["--num-layers", "2", "--profile", "--profile-step-start", "110",
-                                                     "--profile-step-end", "115"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.runtime.files import read_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import read_json
+from megalaunch.rundir.paths import RunPaths
 
 pytest.importorskip("wandb")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.task import descendants
 
 WORKLOAD = r'''

@@ -13,13 +13,13 @@ import os
 import sys
 import time
 
+from megalaunch.rundir.files import atomic_write_json, atomic_write_text
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
+from megalaunch.rundir.triggers import Decision, consume_for, decide
 from megalaunch.runtime.dist_env import rank_env
-from megalaunch.runtime.files import atomic_write_json, atomic_write_text
-from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
-from megalaunch.runtime.state import current_job_id, write_outcome, write_progress
-from megalaunch.runtime.triggers import Decision, consume_for, decide
 
 
 def log(msg: str) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import socket
 import sys
 
+from megalaunch.rundir.files import atomic_write_json
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import write_outcome
 from megalaunch.runtime.dist_env import export_rank_env
-from megalaunch.runtime.files import atomic_write_json
-from megalaunch.runtime.paths import RunPaths
-from megalaunch.runtime.state import write_outcome
 
 
 def main() -> int:

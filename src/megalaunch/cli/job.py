@@ -15,14 +15,14 @@ app = typer.Typer(no_args_is_help=True)
 
 def _chain(run: str):
     from megalaunch.launcher.chain import Chain, SlurmScheduler
-    from megalaunch.runtime.paths import RunPaths
+    from megalaunch.rundir.paths import RunPaths
 
     return Chain(RunPaths(__import__("pathlib").Path(run).absolute()), SlurmScheduler())
 
 
 def _job_id() -> str:
     from megalaunch.errors import MegalaunchError
-    from megalaunch.runtime.state import current_job_id
+    from megalaunch.rundir.state import current_job_id
 
     jid = current_job_id()
     if not jid:

@@ -41,7 +41,7 @@ def submit(
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.rundir import prepare_run
+    from megalaunch.launcher.prepare import prepare_run
 
     sets = list(set_ or [])
     if backend is not None:
@@ -65,10 +65,8 @@ def submit(
                 say(content.rstrip("\n"))
         import shlex
 
-        from megalaunch.config.megatron_args import read_args_file
-
         say("----- megatron.args -----")
-        say(shlex.join(read_args_file(prepared.files["megatron.args"])))
+        say(shlex.join(line for line in prepared.files["megatron.args"].splitlines() if line))
         say("nothing written, nothing submitted")
         return
     if r.cluster.backend == "slurm":
@@ -85,8 +83,8 @@ def submit(
         say(f"  megalaunch cancel {paths.root}")
         return
     from megalaunch.launcher.local import run_local_chain
-    from megalaunch.launcher.registry import register
-    from megalaunch.launcher.rundir import write_run
+    from megalaunch.launcher.prepare import write_run
+    from megalaunch.rundir.registry import register
 
     paths = write_run(prepared)
     register(paths.root)
@@ -105,9 +103,9 @@ def status(
 ) -> None:
     """Show a run's chain (segments, iteration, checkpoint, triggers, guard) or all of your runs."""
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.registry import known_runs
     from megalaunch.launcher.status import all_runs_status, format_run_status, run_status
-    from megalaunch.runtime.paths import RunPaths
+    from megalaunch.rundir.paths import RunPaths
+    from megalaunch.rundir.registry import known_runs
 
     def once() -> None:
         if run is not None:
@@ -149,7 +147,7 @@ def logs(
     """Print a segment's log."""
     from megalaunch.errors import RunDirError
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.ledger import Ledger
+    from megalaunch.rundir.ledger import Ledger
 
     paths = find_run(run)
     # every segment logs to <chain>-<job id>.out (Slurm's %x-%j, or the local backend's equivalent)
@@ -186,7 +184,8 @@ def trigger(
     reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
 ) -> None:
     """Ask a running job to save, exit or abort (any member of the run's group may)."""
-    from megalaunch.launcher.control import find_run, write_trigger
+    from megalaunch.launcher.control import find_run
+    from megalaunch.rundir.triggers import write_trigger
 
     paths = find_run(run)
     path = write_trigger(paths, verb.value, reason)
@@ -208,7 +207,7 @@ def resume(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -
     """Restart a stopped chain from its last checkpoint."""
     from megalaunch.launcher.chain import load_run_recipe
     from megalaunch.launcher.control import find_run, resume_run
-    from megalaunch.launcher.ledger import Ledger
+    from megalaunch.rundir.ledger import Ledger
 
     paths = find_run(run)
     recipe = load_run_recipe(paths)

@@ -54,7 +54,7 @@ def submit(
     """Submit every dump that is not done (a throttled job array; or run them here with --backend local).
     Submitting again resumes: finished tasks are skipped through datatrove's completion markers."""
     from megalaunch.errors import ConfigError
-    from megalaunch.tokenization.rundir import TokenizeRun
+    from megalaunch.rundir.tokenize import TokenizeRun
     from megalaunch.tokenization.submit import submit as submit_run
 
     if backend not in (None, "slurm", "local"):
@@ -62,7 +62,9 @@ def submit(
     run = TokenizeRun.at(run_dir)
     result = submit_run(run, backend=backend, dumps=list(dump) if dump else None)
     if result is None:
-        say(f"every dump is done; next: megalaunch data check {run.output_dir(run.load_recipe().output_dir)}")
+        from megalaunch.tokenization.recipe import load_run_recipe
+
+        say(f"every dump is done; next: megalaunch data check {run.output_dir(load_run_recipe(run).output_dir)}")
         return
     if result.backend == "slurm":
         say(f"submitted job array {result.job_id} ({len(result.dumps)} dumps) for {run.root}")
@@ -81,7 +83,7 @@ def status(
     """Per dump: done / running / pending / failed, documents and tokens so far, rate."""
     from dataclasses import asdict
 
-    from megalaunch.tokenization.rundir import TokenizeRun
+    from megalaunch.rundir.tokenize import TokenizeRun
     from megalaunch.tokenization.status import dump_statuses, totals
 
     run = TokenizeRun.at(run_dir)
@@ -117,7 +119,7 @@ def _print_status(statuses: list, total: dict) -> None:
 @app.command()
 def cancel(run_dir: RunArg) -> None:
     """Cancel the run's job array (by its job id). Submitting again resumes."""
-    from megalaunch.tokenization.rundir import TokenizeRun
+    from megalaunch.rundir.tokenize import TokenizeRun
     from megalaunch.tokenization.submit import cancel as cancel_run
 
     run = TokenizeRun.at(run_dir)

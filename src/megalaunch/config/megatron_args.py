@@ -1,4 +1,6 @@
-"""Recipe -> Megatron command-line arguments (written one per line into RUN/megatron.args).
+"""Recipe -> Megatron command-line arguments (written one per line into RUN/megatron.args). This is
+the one place Megatron's argument list is built: the job reads the file and adds nothing
+(docs/architecture.md, "The job gets only its slice").
 
 Schema fields map one-to-one to Megatron flags (`num_layers` -> `--num-layers`); booleans are bare
 flags when true and omitted when false; `megatron_args` passthrough comes last, so it wins."""
@@ -10,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from megalaunch.config.schema import Recipe
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
 _TRAINING_OWN = {"precision", "attention", "log_interval", "eval_interval", "eval_iters"}
@@ -91,15 +93,14 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _emit(out, "vocab_size", d.vocab_size)
 
     out += ["--exit-signal-handler", "--exit-signal", recipe.chain.stop_signal]
+    if recipe.logging.tensorboard:
+        out += ["--tensorboard-dir", str(paths.tensorboard)]
+    if recipe.cluster.gpus_per_node == 0:  # a CPU job (the runtime hides any GPU from it)
+        out += ["--distributed-backend", "gloo", "--use-cpu-initialization"]
+    g = recipe.debug
+    if g.nsys:  # the window counts from the iteration each segment resumes from (the runtime shifts it)
+        out += ["--profile", "--profile-step-start", str(g.nsys_start_offset),
+                "--profile-step-end", str(g.nsys_start_offset + g.nsys_iters)]
     for key, value in recipe.megatron_args.items():
         _emit(out, key, value)
     return out
-
-
-def render_args_file(args: list[str]) -> str:
-    """One token per line: values with spaces survive, and the file is diffable."""
-    return "\n".join(args) + "\n"
-
-
-def read_args_file(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line != ""]

@@ -54,7 +54,7 @@ def render_script(recipe: Recipe, command: list[str], out: Path, *, gpus: int | 
 def submit(recipe: Recipe, command: list[str], out: Path, *, gpus: int | None = None,
            time_limit: str | None = None, slurm: object | None = None) -> Submitted:
     from megalaunch.launcher.slurm import SlurmClient
-    from megalaunch.runtime.files import atomic_write_text
+    from megalaunch.rundir.files import atomic_write_text
 
     out = Path(out).absolute()
     (out / "logs").mkdir(parents=True, exist_ok=True)

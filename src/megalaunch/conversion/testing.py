@@ -61,7 +61,7 @@ def megatron_logits(rank: int, world: int, port: int, ckpt: str, model: dict[str
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megalaunch.config.schema import ModelConfig
-    from megalaunch.runtime.model import build_gpt_model
+    from megalaunch.conversion.model import build_gpt_model
 
     cpu = not torch.cuda.is_available()
     if cpu:

@@ -51,7 +51,7 @@ class Blend:
                                      field="data", fix=f"megalaunch data check {prefix}")
 
     def write(self, path: str | os.PathLike[str]) -> None:
-        from megalaunch.runtime.files import atomic_write_text
+        from megalaunch.rundir.files import atomic_write_text
 
         atomic_write_text(path, self.text)
 

@@ -149,7 +149,7 @@ def _pick_without_repetition(weights: list[float], available: list[tuple[tuple[s
 def write_mixture(mixture: Mixture, output: str | os.PathLike[str]) -> Path:
     """`links`: OUTPUT/<source>/<path inside the source>.{bin,idx} links. `blend`: OUTPUT/data_blend.txt.
     Both: OUTPUT/mixture.json (the report). Refuses a non-empty OUTPUT that is not this mixture."""
-    from megalaunch.runtime.files import atomic_write_json
+    from megalaunch.rundir.files import atomic_write_json
 
     out = Path(output).expanduser().absolute()
     report = {"mode": mixture.mode, "tokens": mixture.tokens, "sources": mixture.report_rows()}

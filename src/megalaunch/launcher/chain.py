@@ -17,10 +17,10 @@ from megalaunch.config.loader import load_resolved
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import RunDirError
 from megalaunch.launcher.evidence import abnormal_ends, failure_reason
-from megalaunch.launcher.ledger import Ledger
-from megalaunch.runtime import triggers
-from megalaunch.runtime.paths import RunPaths
-from megalaunch.runtime.state import read_outcome
+from megalaunch.rundir import triggers
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import read_outcome
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
 

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalaunch.runtime.files import read_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import read_json
+from megalaunch.rundir.paths import RunPaths
 
 # srun: error: node2: task 1: Killed / tasks 0-3: Exited with exit code 1 / task 0: Segmentation fault
 SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$", re.M)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain import Chain, NoScheduler, Verdict
-from megalaunch.launcher.rundir import job_command, task_supervisor
+from megalaunch.launcher.prepare import job_command, task_supervisor
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.dist_env import free_port
-from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.signals import resolve_signal
 
 KILL_WAIT_S = 10.0

@@ -7,12 +7,12 @@ from typing import Any
 
 from megalaunch.errors import SlurmError
 from megalaunch.launcher.chain import load_run_recipe
-from megalaunch.launcher.ledger import Ledger, Segment
 from megalaunch.launcher.local import pid_alive
 from megalaunch.launcher.slurm import JobInfo, SlurmClient
-from megalaunch.runtime import triggers
-from megalaunch.runtime.paths import RunPaths
-from megalaunch.runtime.state import read_outcome, read_progress
+from megalaunch.rundir import triggers
+from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import read_outcome, read_progress
 
 QUERY_TIMEOUT_S = 10.0  # one Slurm query per command: status and cancel answer within ~10 s, Slurm down or not
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")

@@ -5,8 +5,9 @@ the current device, synchronisation, RNG state, streams and memory; factory call
 `device='cuda'`; `Tensor.cuda()`; `param.type() == 'torch.cuda.FloatTensor'` checks; an
 `initialize_megatron` that asserts CUDA; a fused-kernel warm-up; an architecture probe. `enable()`
 redirects all of them to the CPU, once, for the whole process. Nothing else in megalaunch needs to
-know about it: the trainer calls `enable()` when `torch.cuda.is_available()` is false, and the
-Megatron command line gets `--distributed-backend gloo` (see `extra_megatron_args`).
+know about it: the trainer calls `enable()` for a CPU job (`gpus_per_node: 0`, or no GPU visible),
+and the rendered Megatron command line of a CPU job has `--distributed-backend gloo`
+(config/megatron_args.py).
 
 This is for the `tiny` demo and the CPU tests (gloo, fp32, 1-2 processes); it makes no attempt at
 speed, and it never runs when a GPU is present."""
@@ -18,11 +19,6 @@ import functools
 from typing import Any
 
 _ENABLED = False
-
-
-def extra_megatron_args() -> list[str]:
-    """Megatron flags a CPU run needs in addition to the recipe's."""
-    return ["--distributed-backend", "gloo", "--use-cpu-initialization"]
 
 
 def is_enabled() -> bool:

@@ -176,7 +176,7 @@ def _wrap_checkpoint_and_decide_exit(hooks: Hooks) -> None:
     from megatron.training import get_args
     from megatron.training import training as mtraining
 
-    from megalaunch.runtime.triggers import Decision
+    from megalaunch.rundir.triggers import Decision
 
     original = mtraining.checkpoint_and_decide_exit
 

@@ -1,5 +1,6 @@
-"""The GPT/Llama model for Megatron's loop: layer specs, the model provider, the forward step, and a
-public builder from a `megalaunch.config.schema.ModelConfig` (conversion and logits-parity tests).
+"""The GPT/Llama model for Megatron's loop: layer specs, the model provider, and a one-process
+parallel state for building a model outside the loop (the builder from a recipe's ModelConfig, for
+conversion and logits-parity tests, is `megalaunch.conversion.model`).
 
 Attention implementations (`training.attention` in a recipe):
 - `local`: Megatron's own DotProductAttention (no transformer-engine needed; slow, memory-hungry);
@@ -23,8 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megalaunch.config.schema import ModelConfig
 
 ATTENTIONS = ("local", "sdpa", "te")
 
@@ -114,102 +113,6 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
     return spec
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
-    """Megatron's vocabulary padding: up to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tensor_parallel
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
-def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None = None,
-                       init_method_std: float = 0.02, use_cpu_initialization: bool | None = None,
-                       **overrides: Any) -> TransformerConfig:
-    """A Megatron TransformerConfig equivalent to what `--num-layers ...` etc. produce for this
-    ModelConfig with the local implementation (no fusions). `overrides` go to TransformerConfig."""
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    dtype = params_dtype or torch.float32
-    kwargs: dict[str, Any] = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
-        num_query_groups=model.num_query_groups,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
-        add_bias_linear=not model.disable_bias_linear,
-        add_qkv_bias=model.add_qkv_bias,
-        attention_dropout=model.attention_dropout,
-        hidden_dropout=model.hidden_dropout,
-        gated_linear_unit=model.swiglu,
-        activation_func=F.silu if model.swiglu else F.gelu,
-        init_method_std=init_method_std,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        num_moe_experts=model.num_experts,
-        moe_router_topk=model.moe_router_topk if model.num_experts else 2,
-        persist_layer_norm=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None
-        else use_cpu_initialization,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",
-                    params_dtype: torch.dtype | None = None, pre_process: bool = True,
-                    post_process: bool = True, make_vocab_size_divisible_by: int | None = None,
-                    **config_overrides: Any) -> GPTModel:
-    """Build a Megatron-core GPTModel (the one `megalaunch.runtime.train` trains) from a recipe's
-    ModelConfig, outside of the training loop.
-
-    Args:
-        model: the recipe's `model` section (shape, RoPE, norm, SwiGLU, biases, ties...).
-        vocab_size: the tokenizer's vocabulary size, before padding; the embedding gets
-            `padded_vocab_size(vocab_size, make_vocab_size_divisible_by, TP)` rows, as in training.
-        attention: "local" (Megatron's), "sdpa" (torch SDPA) or "te" (transformer-engine).
-        params_dtype: parameter dtype (default float32).
-        make_vocab_size_divisible_by: default `model.make_vocab_size_divisible_by`.
-        config_overrides: extra TransformerConfig fields.
-
-    Megatron's model-parallel state must exist: inside training it does; in a test or a converter
-    use `with megatron_parallel_state(): ...` (one process, TP=PP=1, CPU or GPU). State-dict keys
-    are Megatron's (`embedding.word_embeddings.weight`, `decoder.layers.0.self_attention.
-    linear_qkv.weight`, ..., `output_layer.weight`), identical to the checkpoints training writes.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    config = transformer_config(model, params_dtype=params_dtype, **config_overrides)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
-    impl = "transformer_engine" if attention == "te" else "local"
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, attention=attention, transformer_impl=impl,
-                                          normalization=model.normalization),
-        vocab_size=padded_vocab_size(vocab_size, divisible, tp),
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=False,
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type=model.position_embedding_type,
-        rotary_percent=model.rotary_percent,
-        rotary_base=model.rotary_base,
-        rope_scaling=model.use_rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
-    )
-
-
 @contextlib.contextmanager
 def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
     """One-process Megatron parallel state (TP=PP=1) for building and running a model outside the
@@ -241,8 +144,6 @@ def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
         parallel_state.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
-
-
 
 
 # --- inside Megatron's loop -------------------------------------------------------------------

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megalaunch.runtime.files import append_jsonl, atomic_write_text
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import append_jsonl, atomic_write_text
+from megalaunch.rundir.paths import RunPaths
 
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 

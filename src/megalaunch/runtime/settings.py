@@ -1,11 +1,12 @@
-"""The runtime's slice of the recipe, written by the launcher into RUN/runtime.json."""
+"""The runtime's slice of the recipe, decided at render time and written into RUN/runtime.json: with
+RUN/megatron.args it is everything the job reads of the recipe (the job never re-types run.yaml)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.paths import RunPaths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +19,14 @@ class RuntimeSettings:
     hang_timeout_s: float = 1800.0
     keep_last: int = 2
     milestone_interval: int = 0
+    cpu: bool = False  # gpus_per_node == 0: the job hides any GPU and runs on the CPU (gloo)
+    attention: str = "local"
+    allow_blend_change: bool = False
+    profile_window: bool = False  # --profile-step-start/end count from the iteration resumed from
+    run_name: str = "run"
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from megalaunch.runtime.files import atomic_write_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import atomic_write_json
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.signals import block, resolve_signal
 
 PR_SET_PDEATHSIG = 1

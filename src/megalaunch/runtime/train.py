@@ -24,20 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from megalaunch.rundir.files import append_jsonl, read_args_file
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
+from megalaunch.rundir.triggers import Decision, consume, consume_for, decide
 from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import free_port
-from megalaunch.runtime.files import append_jsonl
-from megalaunch.runtime.paths import RunPaths
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
-from megalaunch.runtime.state import current_job_id, write_outcome, write_progress
-from megalaunch.runtime.triggers import Decision, consume, consume_for, decide
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
@@ -75,7 +74,6 @@ class Session:
         self.world = world
         self.job_id = current_job_id()
         self.resume_from = resume_from
-        self.recipe: Any = None
         self.iteration = 0
         self.decision = Decision.CONTINUE
         self.decision_iteration: int | None = None
@@ -225,6 +223,12 @@ class Session:
 
     def loaded(self, iteration: int, consumed_samples: int) -> None:
         self.iteration = iteration
+        if self.settings.profile_window and iteration > 0:
+            from megatron.training import get_args
+
+            args = get_args()  # the rendered nsys window counts from the iteration resumed from
+            args.profile_step_start += iteration
+            args.profile_step_end += iteration
         if iteration > 0:
             self.log(f"resumed at iteration {iteration} with {consumed_samples} consumed samples")
             self.ledger("resumed", iteration=iteration, consumed_samples=consumed_samples)
@@ -285,22 +289,9 @@ def _parse_hang(text: str | None, rank: int) -> int | None:
 
 # --- Megatron arguments, data and the step ---------------------------------------------------------
 
-EXTRA_ARGS_ENV = "MEGALAUNCH_EXTRA_ARGS"
-
-
-def megatron_argv(paths: RunPaths, recipe: Any, *, cpu: bool) -> list[str]:
-    from megalaunch.config.megatron_args import read_args_file
-
-    argv = read_args_file(paths.megatron_args.read_text())
-    if cpu:
-        from megalaunch.runtime import cpu_compat
-
-        argv += [a for a in cpu_compat.extra_megatron_args() if a not in argv]
-    if recipe is not None and recipe.logging.tensorboard and "--tensorboard-dir" not in argv:
-        argv += ["--tensorboard-dir", str(paths.root / "tensorboard")]
-    # per-segment flags computed by the job script, e.g. the nsys window relative to the resume point
-    argv += shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
-    return argv
+def megatron_argv(paths: RunPaths) -> list[str]:
+    """Megatron's arguments, exactly as rendered into RUN/megatron.args (config/megatron_args.py)."""
+    return read_args_file(paths.megatron_args)
 
 
 def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> Any:
@@ -404,31 +395,18 @@ def run_pretrain(argv: list[str], *, attention: str, session: Session | None) ->
              model_provider=model_provider(attention))
 
 
-def _load_recipe(paths: RunPaths) -> Any:
-    import yaml
-
-    from megalaunch.config.loader import load_resolved
-
-    try:
-        return load_resolved(yaml.safe_load(paths.run_yaml.read_text()) or {})
-    except Exception as e:
-        raise ConfigFailure(f"RUN/run.yaml: {resume.one_line(e)}") from e
-
-
 def _setup(session: Session) -> tuple[list[str], str]:
-    """Everything before Megatron starts: recipe, blend check, CPU mode, seams, W&B."""
-    import torch
-
-    paths, rank = session.paths, session.rank
-    recipe = session.recipe = _load_recipe(paths)
+    """Everything before Megatron starts: blend check, CPU mode, seams, W&B."""
+    paths, rank, settings = session.paths, session.rank, session.settings
     try:
-        resume.check_blend(paths, allow_change=recipe.checkpoint.allow_blend_change, write=rank == 0,
-                           job_id=session.job_id)
+        resume.check_blend(paths, allow_change=settings.allow_blend_change, write=rank == 0, job_id=session.job_id)
     except resume.BlendChanged as e:
         raise ConfigFailure(str(e)) from e
-    attention = recipe.training.attention
-    cpu = not torch.cuda.is_available()
-    if cpu:
+    if settings.cpu:  # the recipe asked for no GPU: hide any there is (before torch initialises CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    if settings.cpu or not torch.cuda.is_available():
         from megalaunch.runtime import cpu_compat
 
         cpu_compat.enable()
@@ -436,20 +414,25 @@ def _setup(session: Session) -> tuple[list[str], str]:
     from megalaunch.runtime import megatron_seams
 
     megatron_seams.install(session)
-    if rank == 0 and recipe.logging.wandb_project:
-        from megalaunch.runtime.wandb_run import WandbRun, offline_by_default
+    if rank == 0 and settings.wandb_project:
+        _open_wandb(session)
+    return megatron_argv(paths), settings.attention
 
-        mode = recipe.logging.wandb_mode
-        if mode == "online" and offline_by_default():
-            session.log("W&B: no WANDB_API_KEY in the environment, logging offline")
-            mode = "offline"
-        import yaml
 
-        session.wandb = WandbRun.open(paths, project=recipe.logging.wandb_project, entity=recipe.logging.wandb_entity,
-                                      mode=mode, name=recipe.name, config=yaml.safe_load(paths.run_yaml.read_text()),
-                                      job_id=session.job_id)
-        session.log(f"W&B run {session.wandb.run_id} ({mode})")
-    return megatron_argv(paths, recipe, cpu=cpu), attention
+def _open_wandb(session: Session) -> None:
+    import yaml
+
+    from megalaunch.runtime.wandb_run import WandbRun, offline_by_default
+
+    s = session.settings
+    mode = s.wandb_mode
+    if mode == "online" and offline_by_default():
+        session.log("W&B: no WANDB_API_KEY in the environment, logging offline")
+        mode = "offline"
+    session.wandb = WandbRun.open(session.paths, project=str(s.wandb_project), entity=s.wandb_entity, mode=mode,
+                                  name=s.run_name, config=yaml.safe_load(session.paths.run_yaml.read_text()),
+                                  job_id=session.job_id)
+    session.log(f"W&B run {session.wandb.run_id} ({mode})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ import os
 import time
 from typing import Any
 
-from megalaunch.runtime.files import atomic_write_json, read_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import atomic_write_json, read_json
+from megalaunch.rundir.paths import RunPaths
 
 
 def state_file(paths: RunPaths) -> Any:
@@ -29,7 +29,7 @@ def wandb_dir(paths: RunPaths) -> Any:
 
 
 def sync_command(paths: RunPaths) -> str:
-    return f"wandb sync --include-offline {paths.root / 'wandb'}/offline-run-*"
+    return f"wandb sync --include-offline {paths.wandb_dir}/offline-run-*"
 
 
 class WandbRun:

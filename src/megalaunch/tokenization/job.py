@@ -13,10 +13,12 @@ import os
 import sys
 import time
 
-from megalaunch.tokenization.rundir import TokenizeRun
+from megalaunch.rundir.tokenize import TokenizeRun
+from megalaunch.tokenization.plan import load_plan
+from megalaunch.tokenization.recipe import load_run_recipe
 
 
-def run_dump(run_dir: str, dump_index: int) -> dict[str, int]:
+def run_dump(run_dir: str, dump_index: int) -> dict[str, float]:
     """Tokenize one dump (resuming), check its outputs, write its summary; returns the summary."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one worker = one core
     from datatrove.executor import LocalPipelineExecutor
@@ -25,8 +27,8 @@ def run_dump(run_dir: str, dump_index: int) -> dict[str, int]:
     from megalaunch.tokenization.pipeline import MegatronTokenize, PlanReader
 
     run = TokenizeRun.at(run_dir)
-    recipe = run.load_recipe()
-    plan = run.load_plan()
+    recipe = load_run_recipe(run)
+    plan = load_plan(run)
     if not 0 <= dump_index < len(plan.dumps):
         raise SystemExit(f"dump {dump_index} does not exist: the plan has dumps 0..{len(plan.dumps) - 1}")
     dump = plan.dumps[dump_index]
@@ -48,12 +50,12 @@ def run_dump(run_dir: str, dump_index: int) -> dict[str, int]:
     return summarize_dump(run, dump_index)
 
 
-def summarize_dump(run: TokenizeRun, dump_index: int) -> dict[str, int]:
+def summarize_dump(run: TokenizeRun, dump_index: int) -> dict[str, float]:
     """Check every output pair of a completed dump and record documents/tokens in summary.json."""
     from megalaunch.data.check import check_prefix, raise_for_problems
 
-    recipe = run.load_recipe()
-    dump = run.load_plan().dumps[dump_index]
+    recipe = load_run_recipe(run)
+    dump = load_plan(run).dumps[dump_index]
     missing = [t for t in range(len(dump.tasks)) if not run.completion(dump_index, t).exists()]
     if missing:
         raise SystemExit(f"dump {dump_index}: tasks {missing} did not complete")

@@ -137,7 +137,7 @@ class _Progress:
             self._write(done=True)
 
     def _write(self, *, done: bool) -> None:
-        from megalaunch.runtime.files import atomic_write_json
+        from megalaunch.rundir.files import atomic_write_json
 
         assert self.path is not None
         atomic_write_json(self.path, {"documents": self.documents, "tokens": self.tokens, "done": done,

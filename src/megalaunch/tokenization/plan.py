@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from megalaunch.errors import PreflightError
+from megalaunch.errors import PreflightError, RunDirError
+from megalaunch.rundir.files import read_json
+from megalaunch.rundir.tokenize import TokenizeRun
 from megalaunch.tokenization.recipe import INPUT_SUFFIXES, InputsConfig
 
 
@@ -137,3 +139,11 @@ def make_plan(inputs: InputsConfig, n_dumps: int, tasks: int) -> Plan:
     dumps = tuple(Dump(index=i, tasks=tuple(tuple(t) for t in balance(group, tasks)))
                   for i, group in enumerate(balance(files, n_dumps)))
     return Plan(dumps=dumps, roots=tuple(os.path.abspath(os.path.expanduser(r)) for r in inputs.roots))
+
+
+def load_plan(run: TokenizeRun) -> Plan:
+    """The plan a tokenization run directory holds (written once by `tokenize plan`)."""
+    data = read_json(run.plan_json)
+    if data is None:
+        raise RunDirError(f"{run.plan_json} is missing or unreadable")
+    return Plan.from_json(data)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from megalaunch.config.typed import build, doc
 from megalaunch.errors import ConfigError
+from megalaunch.rundir.tokenize import TokenizeRun
 
 # Extensions the datatrove readers take (see tokenization/pipeline.py for the mapping).
 INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".ndjson",
@@ -158,3 +159,10 @@ def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
         tok["path"] = tok["path"] if looks_like_hub and not os.path.exists(anchored) else anchored
     if tree.get("output_dir"):
         tree["output_dir"] = anchor(tree["output_dir"])
+
+
+def load_run_recipe(run: TokenizeRun) -> TokenizeRecipe:
+    """The resolved recipe a tokenization run directory holds."""
+    import yaml
+
+    return build(TokenizeRecipe, yaml.safe_load(run.recipe_yaml.read_text()))

@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from megalaunch.runtime.files import read_json
-from megalaunch.tokenization.rundir import TokenizeRun
+from megalaunch.rundir.files import read_json
+from megalaunch.rundir.tokenize import TokenizeRun
+from megalaunch.tokenization.plan import load_plan
 
 # A running task whose progress file is older than this is shown as stalled.
 STALE_S = 120.0
@@ -45,7 +46,7 @@ def _array_tasks(job_id: str, slurm: Any) -> dict[int, str]:
 
 
 def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus]:
-    plan = run.load_plan()
+    plan = load_plan(run)
     submissions = [e for e in run.events() if e.get("event") == "submitted"]
     last = submissions[-1] if submissions else None
     submitted = {d for e in submissions for d in e.get("dumps", [])}

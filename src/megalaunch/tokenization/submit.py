@@ -13,10 +13,10 @@ from typing import Any
 
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.local import pid_alive
-from megalaunch.runtime.files import atomic_write_json, atomic_write_text
-from megalaunch.tokenization.plan import Plan, make_plan
-from megalaunch.tokenization.recipe import TokenizeRecipe
-from megalaunch.tokenization.rundir import TokenizeRun
+from megalaunch.rundir.files import atomic_write_json, atomic_write_text
+from megalaunch.rundir.tokenize import TokenizeRun
+from megalaunch.tokenization.plan import Plan, load_plan, make_plan
+from megalaunch.tokenization.recipe import TokenizeRecipe, load_run_recipe
 
 RUN_DIR_MODE = 0o2770
 
@@ -32,7 +32,7 @@ def create_run(recipe: TokenizeRecipe, run_dir: str | os.PathLike[str]) -> tuple
     plan = make_plan(recipe.inputs, recipe.n_dumps, recipe.tasks)
     run = TokenizeRun(Path(run_dir).expanduser().absolute())
     if run.plan_json.exists():
-        from megalaunch.runtime.files import read_json
+        from megalaunch.rundir.files import read_json
 
         if read_json(run.plan_json) != plan.to_json():
             raise RunDirError(f"{run.root} already holds a different plan (inputs or n_dumps changed)",
@@ -177,8 +177,8 @@ def _run_local_dump(run: TokenizeRun, dump: int, python: str, env: dict[str, str
 def submit(run: TokenizeRun, *, backend: str | None = None, dumps: list[int] | None = None,
            slurm: Any | None = None) -> Submission | None:
     """Submit every dump that is not done (or the given ones). None when nothing is left to do."""
-    recipe = run.load_recipe()
-    plan = run.load_plan()
+    recipe = load_run_recipe(run)
+    plan = load_plan(run)
     backend = backend or recipe.backend
     todo = pending_dumps(run, plan)
     if dumps is not None:

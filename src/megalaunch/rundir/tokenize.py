@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.errors import RunDirError
-from megalaunch.runtime.files import append_jsonl, atomic_write_json, read_json, read_jsonl
+from megalaunch.rundir.files import append_jsonl, atomic_write_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -82,22 +82,6 @@ class TokenizeRun:
 
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.ledger)
-
-    def load_plan(self) -> Any:
-        from megalaunch.tokenization.plan import Plan
-
-        data = read_json(self.plan_json)
-        if data is None:
-            raise RunDirError(f"{self.plan_json} is missing or unreadable")
-        return Plan.from_json(data)
-
-    def load_recipe(self) -> Any:
-        import yaml
-
-        from megalaunch.config.typed import build
-        from megalaunch.tokenization.recipe import TokenizeRecipe
-
-        return build(TokenizeRecipe, yaml.safe_load(self.recipe_yaml.read_text()))
 
     def write_json(self, path: Path, data: Any) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalaunch.runtime.files import append_jsonl, read_jsonl
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import append_jsonl, read_jsonl
+from megalaunch.rundir.paths import RunPaths
 
 # Outcomes after which a segment made no progress unless a new checkpoint appeared.
 ENDING_OUTCOMES = {"finished", "exited", "aborted"}

@@ -81,3 +81,13 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     except FileNotFoundError:
         pass
     return out
+
+
+def args_file_text(args: list[str]) -> str:
+    """RUN/megatron.args: one token per line, so values with spaces survive and the file diffs well."""
+    return "\n".join(args) + "\n"
+
+
+def read_args_file(path: str | os.PathLike[str]) -> list[str]:
+    with open(path) as f:
+        return [line for line in f.read().splitlines() if line != ""]

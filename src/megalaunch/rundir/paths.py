@@ -44,6 +44,14 @@ class RunPaths:
         return self.root / "megatron.args"
 
     @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def wandb_dir(self) -> Path:
+        return self.root / "wandb"
+
+    @property
     def job_script(self) -> Path:
         return self.root / "job.sbatch"
 

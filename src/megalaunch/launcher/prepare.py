@@ -17,13 +17,14 @@ from typing import Any
 
 from megalaunch import __version__
 from megalaunch.config.loader import LoadedRecipe
-from megalaunch.config.megatron_args import megatron_args, render_args_file
+from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import Topology, preflight, signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import ConfigError, PreflightError, RunDirError
 from megalaunch.launcher.explain import yaml_with_origins
 from megalaunch.launcher.render import render
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import args_file_text
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.settings import RuntimeSettings
 
 _MANAGED_SBATCH = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "mem", "time",
@@ -81,6 +82,10 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
         log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
         stop_signal=recipe.chain.stop_signal, hang_timeout_s=recipe.chain.hang_timeout_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
+        cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention,
+        allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,
+        run_name=recipe.name, wandb_project=recipe.logging.wandb_project, wandb_entity=recipe.logging.wandb_entity,
+        wandb_mode=recipe.logging.wandb_mode,
     )
 
 
@@ -117,8 +122,7 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
         "secret_env": list(cl.secret_env),
         "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
         "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys,
-        "nsys_start_offset": recipe.debug.nsys_start_offset, "nsys_iters": recipe.debug.nsys_iters,
-        "tracker": str(paths.tracker), "megalaunch": _home(cl.megalaunch), "master_port": cl.master_port,
+        "megalaunch": _home(cl.megalaunch), "master_port": cl.master_port,
         "srun_args": srun_args, "supervisor": task_supervisor(recipe),
         "command": command,
     }
@@ -156,7 +160,7 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
                 + yaml_with_origins(resolved, loaded.origin))
     files = {
         "run.yaml": run_yaml,
-        "megatron.args": render_args_file(megatron_args(recipe, paths)),
+        "megatron.args": args_file_text(megatron_args(recipe, paths)),
         "runtime.json": runtime_settings(recipe).to_json(),
     }
     if recipe.cluster.backend == "slurm":

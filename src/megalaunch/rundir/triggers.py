@@ -1,4 +1,5 @@
-"""Trigger files, the job's side: look (cheaply), decide, consume with an audit record.
+"""Trigger files, both sides: the CLI writes them (any member of the run's group), the job looks
+(cheaply), decides, and consumes them with an audit record.
 
 A trigger is `RUN/triggers/<verb>` holding JSON (who, uid, host, when, reason). Rank 0 looks once
 every `trigger_interval` steps with one directory listing, folds the result with the signal flag into
@@ -8,14 +9,18 @@ one integer, and the caller makes every rank agree with a collective. Consuming 
 from __future__ import annotations
 
 import enum
+import getpass
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from megalaunch.runtime.paths import TRIGGER_VERBS, RunPaths
+from megalaunch.errors import RunDirError
+from megalaunch.rundir.access import group_name
+from megalaunch.rundir.paths import TRIGGER_VERBS, RunPaths
 
 
 class Decision(enum.IntEnum):
@@ -29,6 +34,30 @@ class Decision(enum.IntEnum):
 
 
 VERB_DECISION = {"save": Decision.SAVE, "exit": Decision.EXIT, "abort": Decision.ABORT}
+
+
+def write_trigger(paths: RunPaths, verb: str, reason: str | None) -> Path:
+    """Atomically create triggers/<verb> with who, when and why. Any member of the run's group can."""
+    if verb not in TRIGGER_VERBS:
+        raise RunDirError(f"unknown trigger '{verb}'", valid=", ".join(TRIGGER_VERBS))
+    tdir = paths.triggers
+    if not tdir.is_dir():
+        raise RunDirError(f"{paths.root} has no triggers/ directory", fix="is this a megalaunch run directory?")
+    record = {"verb": verb, "user": getpass.getuser(), "uid": os.getuid(), "host": socket.gethostname(),
+              "time": time.time(), "reason": reason}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{verb}.", dir=tdir)
+    except PermissionError:
+        group = group_name(tdir)
+        raise RunDirError(f"permission denied writing a trigger in {tdir}: you ({getpass.getuser()}) are not "
+                          f"a member of the run's group '{group}'",
+                          fix=f"ask the run's owner to add you to '{group}' or to trigger it") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o660)
+    os.replace(tmp, tdir / verb)
+    return tdir / verb
 
 
 def pending_triggers(paths: RunPaths) -> list[str]:

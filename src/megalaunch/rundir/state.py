@@ -6,8 +6,8 @@ import os
 import time
 from typing import Any
 
-from megalaunch.runtime.files import atomic_write_json, read_json
-from megalaunch.runtime.paths import RunPaths
+from megalaunch.rundir.files import atomic_write_json, read_json
+from megalaunch.rundir.paths import RunPaths
 
 OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "hung")
 

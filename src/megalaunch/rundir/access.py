@@ -1,0 +1,29 @@
+"""Who may read and write a run directory: its Unix group (the directory is 2770, setgid)."""
+
+from __future__ import annotations
+
+import getpass
+import grp
+from pathlib import Path
+
+from megalaunch.errors import RunDirError
+
+
+def group_name(path: Path) -> str:
+    """The group of `path`, or of the nearest directory above it that this user may stat: inside a
+    2770 run directory an outsider can stat nothing, but the run directory itself they can."""
+    for p in [path.absolute(), *path.absolute().parents]:
+        try:
+            gid = p.stat().st_gid
+        except OSError:
+            continue
+        try:
+            return grp.getgrgid(gid).gr_name
+        except KeyError:
+            return str(gid)
+    return "?"
+
+
+def not_in_group(p: Path) -> RunDirError:
+    return RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
+                       f"'{group_name(p)}' can", fix="ask the run's owner to add you to that group")
