@@ -4,6 +4,7 @@ records successors and cancellations (the Slurm side is tested for real in tests
 from __future__ import annotations
 
 import getpass
+import os
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ class RecordingScheduler:
         self.submitted.append(jid)
         return jid
 
-    def cancel(self, job_ids: list[str]) -> None:
+    def cancel_jobs(self, job_ids: list[str]) -> None:
         self.cancelled.extend(job_ids)
 
     def state(self, job_id: str) -> str | None:
@@ -173,7 +174,6 @@ def test_status_shows_the_checkpoint_actually_resumed_after_a_fallback(run, monk
 
 def test_stop_reason_names_who_asked_and_the_cancelled_successor_says_so(run, monkeypatch) -> None:
     paths, sched, chain = run
-    monkeypatch.setattr("megalaunch.launcher.status.live_jobs", lambda ids: ({}, None))  # no Slurm here
     chain.begin("1")
     write_trigger(paths, "exit", "eval at 10k")
     consume_for(paths, Decision.EXIT, 40, "1")
@@ -191,14 +191,16 @@ def test_status_says_unknown_when_slurm_does_not_answer(tmp_path: Path, monkeypa
     chain = Chain(paths, RecordingScheduler())
     chain.ledger.append("submitted", job_id="7", by="megalaunch submit")
     chain.begin("7")  # running, successor 100 queued
-    asked: list[list[str]] = []
-
-    def no_answer(ids: list[str]) -> tuple[dict, str]:
-        asked.append(ids)
-        return {}, "'squeue -h' did not answer within 10 s"
-
-    monkeypatch.setattr("megalaunch.launcher.status.live_jobs", no_answer)
+    # Slurm's client at the subprocess boundary: a squeue that cannot reach the controller
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    squeue = bin_dir / "squeue"
+    squeue.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
+                      'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n')
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     st = run_status(paths)
-    assert asked == [["7", "100"]]  # one query for every unfinished segment
-    assert st["chain_state"] == "unknown"
+    assert calls.read_text().splitlines() == ["-h -o %i|%j|%T|%r|%u|%M|%N -j 7,100"]  # one query for both
+    assert st["chain_state"] == "unknown" and "Unable to contact" in st["slurm_error"]
     assert [(r["job_id"], r["state"]) for r in st["segments"]] == [("7", "UNKNOWN"), ("100", "UNKNOWN")]

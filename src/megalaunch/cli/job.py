@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-
-if TYPE_CHECKING:
-    pass
 
 app = typer.Typer(no_args_is_help=True)
 
 
 def _chain(run: str):
-    from megalaunch.launcher.chain import Chain, SlurmScheduler
+    from pathlib import Path
+
+    from megalaunch.launcher.backends import backend_for
+    from megalaunch.launcher.chain import Chain, load_run_recipe
     from megalaunch.rundir.paths import RunPaths
 
-    return Chain(RunPaths(__import__("pathlib").Path(run).absolute()), SlurmScheduler())
+    paths = RunPaths(Path(run).absolute())
+    recipe = load_run_recipe(paths)
+    return Chain(paths, backend_for(recipe.cluster.backend), recipe)
 
 
 def _job_id() -> str:

@@ -69,31 +69,21 @@ def submit(
         say(shlex.join(line for line in prepared.files["megatron.args"].splitlines() if line))
         say("nothing written, nothing submitted")
         return
-    if r.cluster.backend == "slurm":
-        from megalaunch.launcher.control import submit_slurm
+    from megalaunch.launcher.backends import backend_for
 
-        paths, job_id = submit_slurm(prepared)
-        say(summary)
-        say(f"run directory: {paths.root}")
-        say(f"submitted job {job_id} (chain {prepared.chain_name}; each segment queues its successor)")
-        say("next:")
-        say(f"  megalaunch status {paths.root}")
-        say(f"  megalaunch logs {paths.root} -f")
-        say(f"  megalaunch trigger save|exit|abort {paths.root} --reason '...'")
-        say(f"  megalaunch cancel {paths.root}")
-        return
-    from megalaunch.launcher.local import run_local_chain
-    from megalaunch.launcher.prepare import write_run
-    from megalaunch.rundir.registry import register
-
-    paths = write_run(prepared)
-    register(paths.root)
     say(summary)
-    say(f"run directory: {paths.root}")
-    say("running the chain on this machine (Ctrl-C stops it; `megalaunch resume` continues it)")
-    verdict = run_local_chain(paths, r, prepared.chain_name, echo=say)
-    say(f"done: {verdict.reason}")
-    say(f"  megalaunch status {paths.root}")
+    started = backend_for(r.cluster.backend).start(prepared, say)
+    if started.job_id is None:
+        say(f"done: {started.outcome}")
+        say(f"  megalaunch status {started.paths.root}")
+        return
+    say(f"run directory: {started.paths.root}")
+    say(f"submitted job {started.job_id} (chain {prepared.chain_name}; each segment queues its successor)")
+    say("next:")
+    say(f"  megalaunch status {started.paths.root}")
+    say(f"  megalaunch logs {started.paths.root} -f")
+    say(f"  megalaunch trigger save|exit|abort {started.paths.root} --reason '...'")
+    say(f"  megalaunch cancel {started.paths.root}")
 
 
 def status(
@@ -195,31 +185,28 @@ def trigger(
 
 def cancel(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
     """Cancel the run's running and queued segments (by job id) and stop the chain."""
-    from megalaunch.launcher.control import cancel_run, find_run
+    from megalaunch.launcher.backends import backend_for
+    from megalaunch.launcher.chain import load_run_recipe
+    from megalaunch.launcher.control import find_run
 
     paths = find_run(run)
-    ids = cancel_run(paths)
+    ids = backend_for(load_run_recipe(paths).cluster.backend).cancel(paths)
     say(f"cancelled {', '.join(ids) if ids else 'nothing (no job of this run was queued or running)'}")
     say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
 
 
 def resume(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
     """Restart a stopped chain from its last checkpoint."""
+    from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.chain import load_run_recipe
-    from megalaunch.launcher.control import find_run, resume_run
-    from megalaunch.rundir.ledger import Ledger
+    from megalaunch.launcher.control import find_run
 
     paths = find_run(run)
-    recipe = load_run_recipe(paths)
-    if recipe.cluster.backend == "local":
-        from megalaunch.launcher.local import run_local_chain
-
-        Ledger(paths).append("chain_resumed")
-        verdict = run_local_chain(paths, recipe, paths.root.name, echo=say)
-        say(f"done: {verdict.reason}")
-        return
-    job_id = resume_run(paths)
-    say(f"submitted job {job_id}; megalaunch status {paths.root}")
+    started = backend_for(load_run_recipe(paths).cluster.backend).resume(paths, say)
+    if started.job_id is None:
+        say(f"done: {started.outcome}")
+    else:
+        say(f"submitted job {started.job_id}; megalaunch status {paths.root}")
 
 
 def register(app: typer.Typer) -> None:

@@ -15,8 +15,6 @@ from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import to_plain
 from megalaunch.errors import PreflightError
 
-SLURM_CHECK_PERIOD_S = 30  # slurmctld looks at time limits and --signal warnings every 30 s
-
 # Values that look like credentials. A recipe names secret variables (cluster.secret_env); it never holds one.
 _SECRET_VALUE_RES = [
     re.compile(r"^hf_[A-Za-z0-9]{20,}$"),  # Hugging Face token
@@ -50,7 +48,7 @@ def signal_lead_s(recipe: Recipe) -> int:
 
 def check_period_s(recipe: Recipe) -> int:
     """How late the signal may come: Slurm checks every 30 s; the local backend's timer is exact."""
-    return SLURM_CHECK_PERIOD_S if recipe.cluster.backend == "slurm" else 0
+    return recipe.cluster.traits.signal_delay_s
 
 
 def topology(recipe: Recipe) -> Topology:
@@ -163,8 +161,8 @@ def check_sbatch_values(recipe: Recipe) -> None:
 def check_cluster(recipe: Recipe) -> None:
     cl, t = recipe.cluster, recipe.training
     check_sbatch_values(recipe)
-    if cl.backend == "local":
-        _require(cl.nodes == 1, "cluster.nodes", f"the local backend runs on one node, not {cl.nodes}", "1",
+    if not cl.traits.multi_node:
+        _require(cl.nodes == 1, "cluster.nodes", f"the {cl.backend} backend runs on one node, not {cl.nodes}", "1",
                  "--set cluster.nodes=1, or use --backend slurm")
     if cl.gpus_per_node > 0 and cl.tasks_per_node is not None:
         _require(cl.tasks_per_node == cl.gpus_per_node, "cluster.tasks_per_node",

@@ -165,6 +165,19 @@ class ContainerConfig:
             raise ValueError("cluster.container.environment is required when kind is cscs")
 
 
+@dataclass(frozen=True)
+class BackendTraits:
+    """What recipes and preflight need to know of a backend (its code: launcher/backends.py)."""
+
+    signal_delay_s: int  # how late the time-limit signal may come (slurmctld checks every 30 s)
+    multi_node: bool
+    job_script: bool  # segments run RUN/job.sbatch
+
+
+BACKENDS = {"slurm": BackendTraits(signal_delay_s=30, multi_node=True, job_script=True),
+            "local": BackendTraits(signal_delay_s=0, multi_node=False, job_script=False)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     """Where and how the job runs."""
@@ -217,6 +230,10 @@ class ClusterConfig:
     @property
     def time_limit_s(self) -> int:
         return parse_time_limit(self.time)
+
+    @property
+    def traits(self) -> BackendTraits:
+        return BACKENDS[self.backend]
 
 
 @dataclass(frozen=True, kw_only=True)

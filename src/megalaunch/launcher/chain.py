@@ -2,20 +2,20 @@
 
 A segment's fate is read from state: outcome.json (written by the trainer, tagged with the job id),
 the checkpoint tracker and the ledger, never from the exit status alone. Both backends use this
-module; they differ only in how a successor is queued and a job cancelled (`Scheduler`)."""
+module; they differ only in how a successor is queued and a job cancelled (`backend.JobControl`)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from typing import Protocol
 
 import yaml
 
 from megalaunch.config.loader import load_resolved
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import RunDirError
+from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import abnormal_ends, failure_reason
 from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger
@@ -23,42 +23,6 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
-
-
-class Scheduler(Protocol):
-    def submit_successor(self, paths: RunPaths) -> str | None: ...
-    def cancel(self, job_ids: list[str]) -> None: ...
-    def state(self, job_id: str) -> str | None: ...
-
-
-class SlurmScheduler:
-    def __init__(self) -> None:
-        from megalaunch.launcher.slurm import SlurmClient
-
-        self.client = SlurmClient()
-
-    def submit_successor(self, paths: RunPaths) -> str | None:
-        return self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
-
-    def cancel(self, job_ids: list[str]) -> None:
-        self.client.scancel(job_ids)
-
-    def state(self, job_id: str) -> str | None:
-        info = self.client.job_state(job_id)
-        return info.state if info else None
-
-
-class NoScheduler:
-    """The local backend: segments run in sequence in one process; nothing is queued."""
-
-    def submit_successor(self, paths: RunPaths) -> str | None:
-        return None
-
-    def cancel(self, job_ids: list[str]) -> None:
-        return None
-
-    def state(self, job_id: str) -> str | None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -81,7 +45,7 @@ def log(message: str) -> None:
 
 
 class Chain:
-    def __init__(self, paths: RunPaths, scheduler: Scheduler, recipe: Recipe | None = None) -> None:
+    def __init__(self, paths: RunPaths, scheduler: JobControl, recipe: Recipe | None = None) -> None:
         self.paths = paths
         self.scheduler = scheduler
         self.recipe = recipe or load_run_recipe(paths)
@@ -123,7 +87,7 @@ class Chain:
                 self.ledger.append("submitted", job_id=successor, by=f"segment {job_id}", dependency="singleton")
                 log(f"queued successor {successor} (singleton)")
                 if self.paths.cancel_requested.exists():  # a cancel raced with the submission
-                    self.scheduler.cancel([successor])
+                    self.scheduler.cancel_jobs([successor])
         log(f"segment {job_id} starts at checkpoint iteration {iteration}")
         return Verdict(True, "train")
 
@@ -200,7 +164,7 @@ class Chain:
         successors = self.pending_successors(job_id)
         if successors:
             try:
-                self.scheduler.cancel(successors)
+                self.scheduler.cancel_jobs(successors)
             except Exception as e:  # a failed cancel must not lose the record of the decision
                 log(f"could not cancel successor(s) {successors}: {e}")
         self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors)

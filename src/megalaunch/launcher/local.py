@@ -7,6 +7,7 @@ signals every process of a job step, each signal goes to the whole process group
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import signal
 import subprocess
@@ -16,9 +17,12 @@ from collections.abc import Callable
 
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
-from megalaunch.launcher.chain import Chain, NoScheduler, Verdict
-from megalaunch.launcher.prepare import job_command, task_supervisor
+from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, unfinished
+from megalaunch.launcher.chain import Chain, Verdict, load_run_recipe
+from megalaunch.launcher.prepare import PreparedRun, job_command, task_supervisor, write_run
+from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.registry import register
 from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.signals import resolve_signal
 
@@ -74,6 +78,10 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
             _send(procs, signal.SIGKILL)
             killed = True
             echo(f"segment {job_id}: task {bad} exited with status {procs[bad].returncode}; killed the others")
+        if not killed and paths.cancel_requested.exists():  # `megalaunch cancel` from another shell
+            _send(procs, signal.SIGKILL)
+            killed = True
+            echo(f"segment {job_id}: cancel requested, killed its tasks")
         if not signalled and elapsed >= limit - lead:
             _send(procs, stop_sig)
             signalled = True
@@ -100,7 +108,7 @@ def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
                     echo: Callable[[str], None] = print) -> Verdict:
     os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
-    chain = Chain(paths, NoScheduler(), recipe)
+    chain = Chain(paths, LocalBackend(), recipe)
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
         job_id = f"local-{n}"
@@ -116,3 +124,53 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
             return verdict
         n += 1
 
+
+class LocalBackend:
+    """This machine: the chain runs in the foreground process, segment after segment."""
+
+    name = "local"
+
+    def start(self, prepared: PreparedRun, echo: Echo) -> Started:
+        paths = write_run(prepared)
+        register(paths.root)
+        echo(f"run directory: {paths.root}")
+        echo("running the chain on this machine (Ctrl-C stops it; `megalaunch resume` continues it)")
+        verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo)
+        return Started(paths, None, verdict.reason)
+
+    def resume(self, paths: RunPaths, echo: Echo) -> Started:
+        with contextlib.suppress(FileNotFoundError):
+            paths.cancel_requested.unlink()
+        Ledger(paths).append("chain_resumed")
+        verdict = run_local_chain(paths, load_run_recipe(paths), paths.root.name, echo=echo)
+        return Started(paths, None, verdict.reason)
+
+    def cancel(self, paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
+        """Ask the chain's process to stop: it kills its running segment and starts no other."""
+        running = [s for s in unfinished(Ledger(paths).segments()) if s.pid is not None and pid_alive(s.pid)]
+        paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
+        deadline = time.monotonic() + timeout_s
+        while any(pid_alive(s.pid) for s in running if s.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for s in running:  # a chain process that did not stop in time
+            with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+                os.kill(s.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        targets = [s.job_id for s in running]
+        record_cancel(paths, targets)
+        return targets
+
+    def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]:
+        out = {}
+        for s in unfinished(segments):
+            if s.pid is not None and pid_alive(s.pid):
+                out[s.job_id] = Live("RUNNING" if s.started else "PENDING")
+        return out, None
+
+    def submit_successor(self, paths: RunPaths) -> str | None:
+        return None  # the chain's process runs the next segment itself
+
+    def cancel_jobs(self, job_ids: list[str]) -> None:
+        return None
+
+    def state(self, job_id: str) -> str | None:
+        return None

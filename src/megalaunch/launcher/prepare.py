@@ -163,7 +163,7 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
         "megatron.args": args_file_text(megatron_args(recipe, paths)),
         "runtime.json": runtime_settings(recipe).to_json(),
     }
-    if recipe.cluster.backend == "slurm":
+    if recipe.cluster.traits.job_script:
         files["job.sbatch"] = render("train.sbatch.j2", **script_context(recipe, paths, chain_name,
                                                                          loaded.source, created))
     if blend is not None:

@@ -1,55 +1,35 @@
-"""What `megalaunch status` shows: read from the run directory, plus one batched Slurm query."""
+"""What `megalaunch status` shows: read from the run directory, plus one batched query of the backend."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from megalaunch.errors import SlurmError
+from megalaunch.launcher.backend import Live
+from megalaunch.launcher.backends import backend_for
 from megalaunch.launcher.chain import load_run_recipe
-from megalaunch.launcher.local import pid_alive
-from megalaunch.launcher.slurm import JobInfo, SlurmClient
 from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, read_progress
 
-QUERY_TIMEOUT_S = 10.0  # one Slurm query per command: status and cancel answer within ~10 s, Slurm down or not
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 
 
-def live_jobs(ids: list[str]) -> tuple[dict[str, JobInfo], str | None]:
-    """The active jobs among `ids` from one `squeue`, or ({}, why) when Slurm did not answer."""
-    if not ids:
-        return {}, None
-    try:
-        return SlurmClient(timeout_s=QUERY_TIMEOUT_S).squeue(ids), None
-    except SlurmError as e:
-        return {}, str(e)
-
-
-def _unfinished(segments: list[Segment]) -> list[str]:
-    return [s.job_id for s in segments if s.ended is None and not s.skipped and not s.job_id.startswith("local-")]
-
-
-def _row_state(s: Segment, info: JobInfo | None, cancelled: dict[str, str], slurm_error: str | None,
-               backend: str) -> tuple[str, str | None]:
-    if info is not None:
-        return info.state, (info.reason if info.reason not in ("None", "") else None)
+def _row_state(s: Segment, live: Live | None, cancelled: dict[str, str], error: str | None) -> tuple[str, str | None]:
+    if live is not None:
+        return live.state, live.reason
     if s.ended is not None:
         return s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
     if s.skipped:
         return "SKIPPED", "started after the chain had stopped"
     if s.job_id in cancelled:
         return "CANCELLED", cancelled[s.job_id]
-    if backend == "local":
-        alive = s.pid is not None and pid_alive(s.pid)
-        return ("RUNNING" if alive and s.started else "PENDING" if alive else "GONE"), None
-    if slurm_error is not None:
-        return "UNKNOWN", "Slurm did not answer"
+    if error is not None:
+        return "UNKNOWN", f"the backend did not answer: {error}"
     if s.started is not None:
         return "GONE", "ended without `job end` (killed?); the next segment accounts for it"
-    return "GONE", "no longer in Slurm's queue"
+    return "GONE", "no longer queued"
 
 
 def _cancelled(events: list[dict[str, Any]]) -> dict[str, str]:
@@ -70,12 +50,11 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     ledger = Ledger(paths)
     events = ledger.events()
     segments = ledger.segments(events)
-    backend = recipe.cluster.backend
-    live, slurm_error = live_jobs(_unfinished(segments)) if backend == "slurm" else ({}, None)
+    live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
     rows = []
     for i, s in enumerate(segments, 1):
-        state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error, backend)
+        state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error)
         rows.append({"segment": i, "job_id": s.job_id, "state": state, "reason": reason,
                      "start_iteration": s.start_iteration,
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
@@ -93,7 +72,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         chain_state = "idle"
     return {
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
-        "backend": backend, "chain_state": chain_state,
+        "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
         "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
         "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
@@ -130,7 +109,7 @@ def format_run_status(st: dict[str, Any]) -> str:
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
-    """One line per run, from one `squeue` of every unfinished segment of all of them."""
+    """One line per run, from one query per backend for the unfinished segments of all of them."""
     loaded = []
     for paths in runs:
         try:
@@ -138,26 +117,33 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
         except Exception:
             continue  # unreadable or half-written: not listed
     segments = {paths.root: ledger.segments() for paths, _, ledger in loaded}
-    ids = [jid for paths, recipe, _ in loaded if recipe.cluster.backend == "slurm" for jid in _unfinished(segments[paths.root])]
-    live, slurm_error = live_jobs(ids)
+    by_backend: dict[str, list[Segment]] = {}
+    for paths, recipe, _ in loaded:
+        by_backend.setdefault(recipe.cluster.backend, []).extend(segments[paths.root])
+    live: dict[str, Live] = {}
+    errors: dict[str, str | None] = {}
+    for name, group in by_backend.items():
+        found, errors[name] = backend_for(name).live(group)
+        live.update(found)
     out = []
     for paths, recipe, ledger in loaded:
-        unfinished = _unfinished(segments[paths.root]) if recipe.cluster.backend == "slurm" else []
-        jobs = [live[j] for j in unfinished if j in live]
+        error = errors[recipe.cluster.backend]
+        unfinished = [s for s in segments[paths.root] if s.ended is None and not s.skipped]
+        jobs = [s.job_id for s in unfinished if s.job_id in live]
         stopped = ledger.stopped()
-        if any(j.state == "RUNNING" for j in jobs):
+        if any(live[j].state == "RUNNING" for j in jobs):
             state = "running"
         elif jobs:
             state = "queued"
-        elif slurm_error is not None and unfinished and not stopped:
+        elif error is not None and unfinished and not stopped:
             state = "unknown"
         else:
             state = "stopped" if stopped else "idle"
         progress = read_progress(paths) or {}
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
-                    "jobs": [j.job_id for j in jobs], "iteration": progress.get("iteration"),
+                    "jobs": jobs, "iteration": progress.get("iteration"),
                     "target": recipe.training.train_iters, "stop_reason": stopped.get("reason") if stopped else None,
-                    "owner": _owner(paths), "slurm_error": slurm_error})
+                    "owner": _owner(paths), "slurm_error": error})
     return out
 
 

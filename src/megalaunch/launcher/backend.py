@@ -1,0 +1,62 @@
+"""The interface every backend implements (docs/architecture.md, "Backends"); `backends.backend_for`
+picks one by name.
+
+A backend starts a prepared run, resumes and cancels a chain, tells the live state of its segments,
+and, for the chain's own decisions at `job begin`/`job end`, queues a successor, cancels jobs by id
+and reads one job's state."""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.paths import RunPaths
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megalaunch.launcher.prepare import PreparedRun
+
+Echo = Callable[[str], None]
+QUERY_TIMEOUT_S = 10.0  # one Slurm query per command: status and cancel answer within ~10 s, Slurm down or not
+
+
+@dataclass(frozen=True)
+class Started:
+    paths: RunPaths
+    job_id: str | None  # queued (Slurm), or None when the chain already ran here (local)
+    outcome: str | None = None  # local: why the chain stopped
+
+
+@dataclass(frozen=True)
+class Live:
+    state: str  # RUNNING, PENDING, ... as the backend says
+    reason: str | None = None
+
+
+class JobControl(Protocol):
+    """What the chain needs at `job begin` / `job end`."""
+
+    def submit_successor(self, paths: RunPaths) -> str | None: ...
+    def cancel_jobs(self, job_ids: list[str]) -> None: ...
+    def state(self, job_id: str) -> str | None: ...
+
+
+class Backend(JobControl, Protocol):
+    name: str
+
+    def start(self, prepared: PreparedRun, echo: Echo) -> Started: ...
+    def resume(self, paths: RunPaths, echo: Echo) -> Started: ...
+    def cancel(self, paths: RunPaths) -> list[str]: ...
+    def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]: ...
+
+
+def unfinished(segments: list[Segment]) -> list[Segment]:
+    return [s for s in segments if s.ended is None and not s.skipped]
+
+
+def record_cancel(paths: RunPaths, targets: list[str]) -> None:
+    ledger = Ledger(paths)
+    ledger.append("cancelled", job_ids=targets)
+    ledger.append("chain_stopped", job_id=None, reason=f"cancelled by {getpass.getuser()}", cancelled=targets)

@@ -1,0 +1,20 @@
+"""`backend_for(name)`: the only place that maps `cluster.backend` to code. Nothing else compares
+backend names. To add a backend, implement `launcher.backend.Backend` and add it here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megalaunch.errors import RunDirError
+from megalaunch.launcher.backend import Backend
+from megalaunch.launcher.local import LocalBackend
+from megalaunch.launcher.slurm_backend import SlurmBackend
+
+_BACKENDS: dict[str, Callable[[], Backend]] = {"slurm": SlurmBackend, "local": LocalBackend}
+
+
+def backend_for(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise RunDirError(f"unknown backend {name!r}", valid=" | ".join(_BACKENDS)) from None

@@ -1,0 +1,94 @@
+"""The Slurm backend: sbatch, squeue, scancel through the one Slurm client (launcher/slurm.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import time
+
+from megalaunch.errors import PreflightError
+from megalaunch.launcher.backend import QUERY_TIMEOUT_S, Echo, Live, Started, record_cancel, unfinished
+from megalaunch.launcher.prepare import PreparedRun, write_run
+from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.registry import register
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        from megalaunch.launcher.slurm import SlurmClient
+
+        self.client = SlurmClient() if timeout_s is None else SlurmClient(timeout_s=timeout_s)
+
+    def start(self, prepared: PreparedRun, echo: Echo) -> Started:
+        """Write the run directory and queue the first segment."""
+        missing = [n for n in prepared.recipe.cluster.secret_env if not os.environ.get(n)]
+        if missing:
+            raise PreflightError(f"{', '.join(missing)} not set in this shell", field="cluster.secret_env",
+                                 fix=f"export {missing[0]}=... before submitting (its value is never written to disk)")
+        self.client.check_available()  # fail before writing anything if Slurm is absent
+        paths = write_run(prepared)
+        ledger = Ledger(paths)
+        try:
+            job_id = self.client.sbatch(paths.job_script, cwd=paths.root)
+        except Exception as e:
+            ledger.append("submit_failed", reason=str(e))
+            raise
+        ledger.append("submitted", job_id=job_id, by="megalaunch submit")
+        register(paths.root)
+        return Started(paths, job_id)
+
+    def resume(self, paths: RunPaths, echo: Echo) -> Started:
+        """Restart a stopped chain from its last checkpoint (a new epoch in the ledger)."""
+        with contextlib.suppress(FileNotFoundError):
+            paths.cancel_requested.unlink()
+        ledger = Ledger(paths)
+        ledger.append("chain_resumed")
+        job_id = self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+        ledger.append("submitted", job_id=job_id, by="megalaunch resume")
+        return Started(paths, job_id)
+
+    def cancel(self, paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
+        """Cancel every queued or running job of the chain and wait until none is left. The jobs are
+        found with one query (the chain's unique job name) and cancelled by id. If Slurm does not
+        answer, nothing is written and nothing is cancelled: the error says so."""
+        from megalaunch.launcher.slurm import SlurmClient
+
+        client = SlurmClient(timeout_s=QUERY_TIMEOUT_S)
+        targets = sorted(client.squeue(name=paths.root.name))
+        paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
+        client.scancel(targets)
+        deadline = time.monotonic() + timeout_s
+        while targets and time.monotonic() < deadline:
+            if not client.squeue(targets):
+                break
+            time.sleep(0.5)
+        record_cancel(paths, targets)
+        return targets
+
+    def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]:
+        """One `squeue` for every unfinished segment given, or ({}, why) when Slurm did not answer."""
+        from megalaunch.errors import SlurmError
+        from megalaunch.launcher.slurm import SlurmClient
+
+        ids = [s.job_id for s in unfinished(segments)]
+        if not ids:
+            return {}, None
+        try:
+            jobs = SlurmClient(timeout_s=QUERY_TIMEOUT_S).squeue(ids)
+        except SlurmError as e:
+            return {}, str(e)
+        return {j: Live(i.state, i.reason if i.reason not in ("None", "") else None) for j, i in jobs.items()}, None
+
+    def submit_successor(self, paths: RunPaths) -> str | None:
+        return self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+
+    def cancel_jobs(self, job_ids: list[str]) -> None:
+        self.client.scancel(job_ids)
+
+    def state(self, job_id: str) -> str | None:
+        info = self.client.job_state(job_id)
+        return info.state if info else None
