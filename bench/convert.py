@@ -27,7 +27,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # bench/ is not a package: keep its scripts from shadowing standard-library modules.
-sys.path[:] = [str(SRC)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path[:] = [str(SRC), str(SRC.parent)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 GB = 1e9
 
@@ -80,11 +80,11 @@ def model_shape(size_gb: float, hidden: int, vocab: int) -> tuple[int, int]:
 
 def generate(path: Path, size_gb: float, hidden: int, vocab: int) -> dict[str, int]:
     import torch
+    from tests.support.hf_models import hf_config  # noqa: F401  (needs transformers: fail early)
 
     from megalaunch.config.schema import ModelConfig
     from megalaunch.conversion.families import hf_config_from_model
     from megalaunch.conversion.safetensors_io import SafetensorsWriter
-    from megalaunch.conversion.testing import hf_config  # noqa: F401  (needs transformers: fail early)
 
     layers, ffn = model_shape(size_gb, hidden, vocab)
     heads = max(hidden // 128, 1)

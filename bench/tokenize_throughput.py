@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]
 
-from megalaunch.tokenization.synthetic import documents, train_bpe_tokenizer, write_jsonl_corpus
+from tests.support.corpus import documents, train_bpe_tokenizer, write_jsonl_corpus  # noqa: E402 (after the path)
 
 RAW_BATCH = 1000
 

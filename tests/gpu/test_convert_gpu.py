@@ -72,11 +72,11 @@ def test_round_trip_bit_exact(llama_1b: Path) -> None:
 def test_bf16_logits_parity(llama_1b: Path, tp: int, tmp_path: Path) -> None:
     if tp > torch.cuda.device_count():
         pytest.skip(f"TP={tp} needs {tp} GPUs")
+    from tests.support.hf_models import run_megatron_logits
     from transformers import AutoModelForCausalLM
 
     from megalaunch.conversion import hf_to_mcore
     from megalaunch.conversion.families import model_from_hf_config
-    from megalaunch.conversion.testing import run_megatron_logits
 
     if not (llama_1b / "mcore").exists():
         hf_to_mcore(llama_1b / "hf", llama_1b / "mcore", progress=False)

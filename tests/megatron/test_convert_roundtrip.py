@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 import torch
 from safetensors.torch import load_file, save_file
+from tests.support.hf_models import make_hf_model, run_megatron_logits
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.conversion import hf_to_mcore, mcore_to_hf
@@ -28,7 +29,6 @@ from megalaunch.conversion.errors import (
     UnsupportedModelError,
 )
 from megalaunch.conversion.families import model_from_hf_config
-from megalaunch.conversion.testing import make_hf_model, run_megatron_logits
 
 pytestmark = pytest.mark.megatron
 
@@ -100,7 +100,7 @@ def megatron_layout(tied: bool, qkv_bias: bool) -> tuple[dict[str, tuple[int, ..
 
 
 def _config_dict(family: str, tied: bool) -> dict[str, Any]:
-    from megalaunch.conversion.testing import hf_config as make
+    from tests.support.hf_models import hf_config as make
 
     return make(family, tied=tied).to_dict() | {"architectures": [{"llama": "LlamaForCausalLM",
                                                                      "qwen2": "Qwen2ForCausalLM"}[family]]}

@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 import torch
 from harness import Trainer, make_run
 from safetensors.torch import load_file
+from tests.support.hf_models import make_hf_model, run_megatron_logits
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.conversion import hf_to_mcore, mcore_to_hf
-from megalaunch.conversion.testing import make_hf_model, run_megatron_logits
 
 pytestmark = pytest.mark.megatron
 

@@ -14,6 +14,8 @@ from cluster import job_state, wait_for, wait_job_done
 pytest.importorskip("datatrove")
 pytest.importorskip("tokenizers")
 
+from tests.support.corpus import documents, train_bpe_tokenizer, write_jsonl_corpus
+
 from megalaunch.config.typed import build
 from megalaunch.data.blend import resolve_blend
 from megalaunch.data.check import check_paths
@@ -23,7 +25,6 @@ from megalaunch.tokenization.encoder import load_encoder
 from megalaunch.tokenization.recipe import TokenizeRecipe
 from megalaunch.tokenization.status import dump_statuses
 from megalaunch.tokenization.submit import create_run, submit
-from megalaunch.tokenization.synthetic import documents, train_bpe_tokenizer, write_jsonl_corpus
 
 TASKS = 4
 

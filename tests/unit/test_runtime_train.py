@@ -4,6 +4,7 @@ triggers), the verdict that becomes outcome.json, the Megatron argument list, ra
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ import pytest
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, consumed_records
+from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.train import Session, _parse_hang, megatron_argv, rank_env
+from megalaunch.runtime.train import Session, _parse_hang, megatron_argv
 
 
 @pytest.fixture
@@ -96,4 +98,6 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    assert rank_env() == (5, 8, 1)
+    r = export_rank_env()
+    assert (r.rank, r.world_size, r.local_rank) == (5, 8, 1)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")

@@ -24,7 +24,7 @@ pytest.importorskip("tokenizers")
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from megalaunch.tokenization.synthetic import documents, train_bpe_tokenizer
+    from tests.support.corpus import documents, train_bpe_tokenizer
 
     return train_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json",
                                list(documents(50, mean_words=20)), vocab_size=300)
@@ -32,7 +32,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture
 def corpus(tmp_path):
-    from megalaunch.tokenization.synthetic import write_jsonl_corpus
+    from tests.support.corpus import write_jsonl_corpus
 
     write_jsonl_corpus(tmp_path / "raw", n_files=4, docs_per_file=5, mean_words=20)
     return tmp_path / "raw"

@@ -11,13 +11,14 @@ import pytest
 pytest.importorskip("datatrove")
 pytest.importorskip("tokenizers")
 
+from tests.support.corpus import documents, train_bpe_tokenizer, write_jsonl_corpus
+
 from megalaunch.config.typed import build
 from megalaunch.data.index import read_documents
 from megalaunch.tokenization.encoder import load_encoder
 from megalaunch.tokenization.recipe import TokenizeRecipe
 from megalaunch.tokenization.status import dump_statuses, totals
 from megalaunch.tokenization.submit import create_run, submit
-from megalaunch.tokenization.synthetic import documents, train_bpe_tokenizer, write_jsonl_corpus
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from megalaunch.cli.options import SetOpt
 from megalaunch.cli.output import say, warn
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ app = typer.Typer(no_args_is_help=True)
 
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", "-r", help="Recipe (YAML file or shipped name).")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE",
-                                                  help="Override a recipe value (repeatable).")]
 IterOpt = Annotated[int | None, typer.Option("--iteration", min=0, help="Iteration to read or write.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Output dtype: auto (the source's), bfloat16, float16, "
                                                        "float32.")]

@@ -4,7 +4,6 @@ non-zero; `--debug` shows the traceback."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from typing import Annotated
@@ -29,8 +28,7 @@ app.add_typer(job.app, name="job", help="Called by the job script inside each se
 for _name, _help in (("tokenize", "Tokenize raw text into Megatron .bin/.idx with datatrove."),
                      ("data", "Check datasets, build data blends and mixtures."),
                      ("convert", "Convert checkpoints between Hugging Face and Megatron-core.")):
-    if importlib.util.find_spec(f"megalaunch.cli.{_name}") is not None:
-        app.add_typer(importlib.import_module(f"megalaunch.cli.{_name}").app, name=_name, help=_help)
+    app.add_typer(importlib.import_module(f"megalaunch.cli.{_name}").app, name=_name, help=_help)
 
 
 def _version(value: bool) -> None:
@@ -72,12 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("megalaunch: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:
+        if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
+            # a usage error (unknown option, missing argument, bad choice): Click's own short message.
+            # Duck-typed: typer >= 0.28 vendors Click, older typer depends on it; neither is imported here.
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(e.exit_code)  # type: ignore[attr-defined]
         if debug:
             raise
         print(f"megalaunch: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "

@@ -6,12 +6,11 @@ from typing import Annotated
 
 import typer
 
+from megalaunch.cli.options import ClusterOpt, SetOpt
 from megalaunch.cli.output import say
 
 app = typer.Typer(no_args_is_help=True)
 
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a value.")]
-ClusterOpt = Annotated[str | None, typer.Option("--cluster", help="Cluster profile merged over the recipe.")]
 
 
 def _is_tokenize(ref: str) -> bool:

@@ -9,14 +9,8 @@ from typing import Annotated
 
 import typer
 
+from megalaunch.cli.options import ClusterOpt, RunArg, SetOpt
 from megalaunch.cli.output import emit_json, say
-
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE",
-                                                  help="Override a recipe value, e.g. training.lr=3e-4 (repeatable).")]
-
-
-ClusterOpt = Annotated[str | None, typer.Option("--cluster", help="Cluster profile merged over the recipe "
-                                                "(e.g. slurm, pyxis, cscs, modules, local).")]
 
 
 class Backend(str, Enum):
@@ -130,7 +124,7 @@ def status(
 
 
 def logs(
-    run: Annotated[str, typer.Argument(help="Run directory or name.")],
+    run: RunArg,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows (Ctrl-C stops).")] = False,
     segment: Annotated[int | None, typer.Option("--segment", help="Segment number (1 = first); default: newest.")] = None,
 ) -> None:
@@ -170,7 +164,7 @@ def _print_file(path: Path, follow: bool) -> None:
 def trigger(
     verb: Annotated[Verb, typer.Argument(help="save: checkpoint and continue; exit: save and stop the chain; "
                                               "abort: stop now without saving.")],
-    run: Annotated[str, typer.Argument(help="Run directory or name.")],
+    run: RunArg,
     reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
 ) -> None:
     """Ask a running job to save, exit or abort (any member of the run's group may)."""
@@ -183,7 +177,7 @@ def trigger(
     say(f"the job acts on it within chain.trigger_interval iterations; check: megalaunch status {paths.root}")
 
 
-def cancel(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
+def cancel(run: RunArg) -> None:
     """Cancel the run's running and queued segments (by job id) and stop the chain."""
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.chain import load_run_recipe
@@ -195,7 +189,7 @@ def cancel(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -
     say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
 
 
-def resume(run: Annotated[str, typer.Argument(help="Run directory or name.")]) -> None:
+def resume(run: RunArg) -> None:
     """Restart a stopped chain from its last checkpoint."""
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.chain import load_run_recipe

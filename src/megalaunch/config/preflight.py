@@ -142,7 +142,7 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
                  "--set training.attention=local")
 
 
-_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")
+SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")  # #SBATCH lines are parsed by sbatch, not a shell
 
 
 def check_sbatch_values(recipe: Recipe) -> None:
@@ -152,7 +152,7 @@ def check_sbatch_values(recipe: Recipe) -> None:
                                                         "constraint", "mem", "time")}
     values.update({f"cluster.sbatch_extra.{k}": v for k, v in cl.sbatch_extra.items()})
     for field, value in values.items():
-        if value is not None and not _SBATCH_SAFE.match(str(value)):
+        if value is not None and not SBATCH_SAFE.match(str(value)):
             raise PreflightError(f"{value!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
                                  field=field, valid="letters, digits and . _ , : = @ / + % - [ ]",
                                  fix="fix the value in the recipe")

@@ -138,19 +138,6 @@ def build(cls: Any, data: Any, path: str = "") -> Any:
         raise ConfigError(str(e), field=path or "<recipe>") from None
 
 
-def field_docs(cls: Any, prefix: str = "") -> dict[str, str]:
-    """Dotted field path -> docstring, recursively."""
-    out = {}
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        out[name] = f.metadata.get("doc", "")
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.update(field_docs(tp, name + "."))
-    return out
-
-
 def to_plain(obj: Any) -> Any:
     """Dataclass -> nested dicts/lists (tuples become lists) for YAML/JSON."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

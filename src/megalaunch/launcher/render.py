@@ -4,16 +4,14 @@ character set instead."""
 
 from __future__ import annotations
 
-import re
 import shlex
 from functools import lru_cache
 from typing import Any
 
 import jinja2
 
+from megalaunch.config.preflight import SBATCH_SAFE
 from megalaunch.errors import ConfigError
-
-_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")
 
 
 def shell_quote(value: Any) -> str:
@@ -22,7 +20,7 @@ def shell_quote(value: Any) -> str:
 
 def sbatch_value(value: Any) -> str:
     text = str(value)
-    if not _SBATCH_SAFE.match(text):
+    if not SBATCH_SAFE.match(text):
         raise ConfigError(f"{text!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
                           valid="letters, digits and . _ , : = @ / + % - [ ]", fix="fix the value in the recipe")
     return text

@@ -13,13 +13,13 @@ import getpass
 import json
 import os
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from megalaunch.errors import RunDirError
 from megalaunch.rundir.access import group_name
+from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import TRIGGER_VERBS, RunPaths
 
 
@@ -46,17 +46,12 @@ def write_trigger(paths: RunPaths, verb: str, reason: str | None) -> Path:
     record = {"verb": verb, "user": getpass.getuser(), "uid": os.getuid(), "host": socket.gethostname(),
               "time": time.time(), "reason": reason}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{verb}.", dir=tdir)
+        atomic_write_json(tdir / verb, record, mode=0o660)
     except PermissionError:
         group = group_name(tdir)
         raise RunDirError(f"permission denied writing a trigger in {tdir}: you ({getpass.getuser()}) are not "
                           f"a member of the run's group '{group}'",
                           fix=f"ask the run's owner to add you to '{group}' or to trigger it") from None
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o660)
-    os.replace(tmp, tdir / verb)
     return tdir / verb
 
 
@@ -102,9 +97,7 @@ def consume(paths: RunPaths, verb: str, iteration: int | None, job_id: str | Non
     })
     paths.consumed_triggers.mkdir(exist_ok=True)
     dst = paths.consumed_triggers / f"{time.strftime('%Y%m%dT%H%M%S')}-{verb}-{os.getpid()}.json"
-    tmp = dst.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, dst)
+    atomic_write_json(dst, record)
     try:
         os.unlink(src)
     except FileNotFoundError:

@@ -22,8 +22,10 @@ def rank_env() -> RankEnv:
     rank = int(e.get("RANK", e.get("SLURM_PROCID", "0")))
     local = int(e.get("LOCAL_RANK", e.get("SLURM_LOCALID", "0")))
     world = int(e.get("WORLD_SIZE", e.get("SLURM_NTASKS", "1")))
+    # one process on its own needs no agreed port: any free one (29500 may be taken by another run)
+    port = e.get("MASTER_PORT") or (str(free_port()) if world == 1 else "29500")
     return RankEnv(rank=rank, local_rank=local, world_size=world,
-                   master_addr=e.get("MASTER_ADDR", "127.0.0.1"), master_port=int(e.get("MASTER_PORT", "29500")))
+                   master_addr=e.get("MASTER_ADDR", "127.0.0.1"), master_port=int(port))
 
 
 def export_rank_env() -> RankEnv:

@@ -34,7 +34,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, consume, consume_for, decide
 from megalaunch.runtime import resume
-from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 
@@ -45,21 +45,6 @@ STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
 
 class ConfigFailure(Exception):
     """A failure no retry can fix (outcome `failed`, kind `config`)."""
-
-
-def rank_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank), from the launcher's variables or Slurm's; also makes sure
-    Megatron finds them (it reads RANK/WORLD_SIZE/LOCAL_RANK) and a rendezvous address."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local)})
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return rank, world, local
-
-
 
 
 class Session:
@@ -448,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = RuntimeSettings.load(paths)
     # First thing after knowing which signal: before the handler exists, SIGUSR2 would kill us.
     flag = SignalFlag(resolve_signal(settings.stop_signal))
-    rank, world, _ = rank_env()
+    env = export_rank_env()  # Megatron reads RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address
+    rank, world = env.rank, env.world_size
     os.environ["MEGALAUNCH_RUN_DIR"] = str(paths.root)
     session = Session(paths, settings, flag, rank=rank, world=world,
                       resume_from=opts.resume_from if opts.resume_from is not None else _env_int("MEGALAUNCH_RESUME_FROM"))

@@ -1,0 +1,1 @@
+"""Test support shared by tests and benchmarks: tiny Hugging Face models, synthetic corpora."""
