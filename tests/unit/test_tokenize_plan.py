@@ -102,3 +102,23 @@ def test_recipe_paths_are_relative_to_the_file_and_set_to_the_cwd(tmp_path, monk
     assert recipe.n_dumps == 3
     with pytest.raises(ConfigError, match="unknown key"):
         load_tokenize_recipe("conf/r.yaml", ["tokenizer.paht=x"])
+
+
+def test_tokenize_recipes_load_through_the_training_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Includes (with paths relative to each file), did-you-mean for unknown keys, `--set` checked."""
+    (tmp_path / "data").mkdir()
+    base = tmp_path / "base.yaml"
+    base.write_text("name: base\ninputs: {roots: [data]}\ntokenizer: {path: tok.json}\nn_dumps: 2\n")
+    child = tmp_path / "sub" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text("include: [../base.yaml]\nname: child\ntasks: 3\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    recipe, _ = load_tokenize_recipe(str(child), ["n_dumps=4"])
+    assert (recipe.name, recipe.n_dumps, recipe.tasks) == ("child", 4, 3)
+    assert list(recipe.inputs.roots) == [str(tmp_path / "data")]  # relative to base.yaml, not to the cwd
+    assert recipe.tokenizer.path == str(tmp_path / "tok.json")
+    with pytest.raises(ConfigError, match="did you mean 'n_dumps'"):
+        load_tokenize_recipe(str(child), ["n_dump=4"])
+    child.write_text("include: [../base.yaml]\ntaskz: 3\n")
+    with pytest.raises(ConfigError, match="taskz"):
+        load_tokenize_recipe(str(child))

@@ -1,4 +1,5 @@
-"""Load a recipe: resolve includes, merge, apply `--set` overrides, build the typed Recipe.
+"""Load a recipe: resolve includes, merge, apply `--set` overrides, build the typed schema (a training
+`Recipe`, or a stage's own schema such as tokenization's, through the same code).
 
 Precedence, written down once: `--set` > the recipe file > its includes (later includes override
 earlier ones) > schema defaults. Every leaf remembers which file or flag set it (provenance)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -20,6 +22,9 @@ from megalaunch.errors import ConfigError
 
 RECIPE_GROUPS = ("train", "models", "clusters", "training", "tokenize")
 _MAX_INCLUDE_DEPTH = 16
+# A schema's own treatment of one file's values before merging, given the directory its relative
+# paths are relative to (tokenization anchors input and tokenizer paths there).
+Anchor = Callable[[dict[str, Any], Path], None]
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,9 @@ def shipped_recipes() -> dict[str, Path]:
     return out
 
 
-def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
+def find_recipe(ref: str, relative_to: Path | None = None, group: str = "train") -> Path:
     """A file path (absolute, or relative to the including file / cwd) or a shipped name
-    ('train/tiny', or just 'tiny' for a training recipe)."""
+    ('train/tiny', or just 'tiny' for a recipe of `group`)."""
     candidates = []
     p = Path(ref).expanduser()
     if relative_to is not None and not p.is_absolute():
@@ -66,7 +71,7 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
             return c.with_suffix(".yaml").resolve()
     shipped = shipped_recipes()
     name = ref[:-5] if ref.endswith(".yaml") else ref
-    for key in (name, f"train/{name}"):
+    for key in (name, f"{group}/{name}"):
         if key in shipped:
             return shipped[key]
     raise ConfigError(f"recipe '{ref}' not found{did_you_mean(name, shipped)}",
@@ -123,7 +128,13 @@ def _mark(value: Any, source: str, prov: dict[str, str], dotted: str,
         prov[dotted] = (src_prov or {}).get(sdotted, source)
 
 
-def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...]) -> dict[str, Any]:
+def _base_dir(path: Path) -> Path:
+    """Relative paths in a recipe file are relative to the file; in a shipped recipe, to the cwd."""
+    return Path.cwd() if path.resolve().is_relative_to(recipes_root().resolve()) else path.parent
+
+
+def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor: Anchor | None = None,
+               group: str = "train") -> dict[str, Any]:
     """The composed tree of `path`; fills `prov` with the origin of each of its leaves."""
     if path in stack:
         chain = " -> ".join(_display(p) for p in (*stack, path))
@@ -136,11 +147,13 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...]) -> dic
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{_display(path)}: include")
+    if anchor is not None:
+        anchor(data, _base_dir(path))
     merged: dict[str, Any] = {}
     for inc in includes:
-        inc_path = find_recipe(inc, path.parent)
+        inc_path = find_recipe(inc, path.parent, group)
         sub_prov: dict[str, str] = {}
-        sub = _load_tree(inc_path, sub_prov, (*stack, path))
+        sub = _load_tree(inc_path, sub_prov, (*stack, path), anchor, group)
         _merge(merged, sub, _display(inc_path), prov, src_prov=sub_prov)
     _merge(merged, data, _display(path), prov)
     return merged
@@ -161,9 +174,9 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def _check_path(parts: list[str]) -> None:
+def _check_path(parts: list[str], schema: Any = Recipe) -> None:
     """Reject `--set` keys that name no schema field, with a did-you-mean at the failing level."""
-    cls: Any = Recipe
+    cls: Any = schema
     for i, part in enumerate(parts):
         if cls is None or not dataclasses.is_dataclass(cls):
             return  # inside a free-form mapping (env, megatron_args, ...)
@@ -177,10 +190,19 @@ def _check_path(parts: list[str]) -> None:
         cls = tp if dataclasses.is_dataclass(tp) else None
 
 
-def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str]) -> None:
+def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str], schema: Any = Recipe,
+               anchor: Anchor | None = None) -> None:
     for expr in sets:
         parts, value = parse_set(expr)
-        _check_path(parts)
+        _check_path(parts, schema)
+        if anchor is not None:  # paths on the command line are relative to the cwd
+            wrapped: dict[str, Any] = {parts[-1]: value}
+            for part in reversed(parts[:-1]):
+                wrapped = {part: wrapped}
+            anchor(wrapped, Path.cwd())
+            for part in parts:
+                wrapped = wrapped[part]
+            value = wrapped
         node = tree
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -189,26 +211,32 @@ def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str]) -> N
         _merge(node, {parts[-1]: value}, "--set", prov, ".".join(parts[:-1]) + "." if len(parts) > 1 else "")
 
 
-def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None,
-                cluster: str | None = None) -> LoadedRecipe:
-    """Load, compose, override and type-check a recipe. Raises ConfigError (one line) on any problem.
-
-    `cluster` names a cluster profile merged on top of the recipe (before `--set`)."""
-    path = find_recipe(ref)
+def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any = Recipe, group: str = "train",
+              anchor: Anchor | None = None, cluster: str | None = None,
+              name: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The composed, overridden mapping of a recipe of `schema` and where each leaf came from."""
+    path = find_recipe(ref, group=group)
     prov: dict[str, str] = {}
-    tree = _load_tree(path, prov, ())
+    tree = _load_tree(path, prov, (), anchor, group)
     if cluster is not None:
         ref_c = cluster if "/" in cluster or cluster.endswith(".yaml") else f"clusters/{cluster}"
         cpath = find_recipe(ref_c)
         sub_prov: dict[str, str] = {}
         _merge(tree, _load_tree(cpath, sub_prov, ()), _display(cpath), prov, src_prov=sub_prov)
-    apply_sets(tree, list(sets), prov)
+    apply_sets(tree, list(sets), prov, schema, anchor)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)
-    recipe = build(Recipe, tree)
-    return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref)
+    return tree, prov
+
+
+def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None,
+                cluster: str | None = None) -> LoadedRecipe:
+    """Load, compose, override and type-check a training recipe. Raises ConfigError (one line) on any
+    problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`)."""
+    tree, prov = load_tree(ref, sets, cluster=cluster, name=name)
+    return LoadedRecipe(recipe=build(Recipe, tree), raw=tree, provenance=prov, source=ref)
 
 
 def load_resolved(data: dict[str, Any]) -> Recipe:
-    """Re-type a resolved recipe (run.yaml) inside the job."""
+    """Re-type a resolved recipe (run.yaml)."""
     return build(Recipe, data)

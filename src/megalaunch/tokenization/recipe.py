@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megalaunch.config.typed import build, doc
-from megalaunch.errors import ConfigError
 from megalaunch.rundir.tokenize import TokenizeRun
 
 # Extensions the datatrove readers take (see tokenization/pipeline.py for the mapping).
@@ -90,54 +89,13 @@ class TokenizeRecipe:
 
 
 def load_tokenize_recipe(ref: str, sets: list[str] | tuple[str, ...] = ()) -> tuple[TokenizeRecipe, dict[str, Any]]:
-    """A tokenization recipe from a YAML file or a shipped name (`tokenize/NAME`), with `--set`
-    overrides (`--set` > file > defaults). Returns the typed recipe and the merged mapping."""
-    import yaml
+    """A tokenization recipe from a YAML file or a shipped name (`tokenize/NAME`), through the same
+    loader as training recipes (includes, provenance, did-you-mean; `--set` > file > includes >
+    defaults). Returns the typed recipe and the merged mapping."""
+    from megalaunch.config.loader import load_tree
 
-    from megalaunch.config.loader import find_recipe, parse_set
-
-    path = _find(ref, find_recipe)
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping at the top level")
-    shipped = Path(str(path)).is_relative_to(_package_recipes())
-    _anchor_paths(tree, Path.cwd() if shipped else path.parent)
-    for expr in sets:
-        keys, value = parse_set(expr)
-        node = tree
-        for key in keys[:-1]:
-            if not isinstance(node.get(key), dict):
-                node[key] = {}
-            node = node[key]
-        override: dict[str, Any] = {}
-        sub = override
-        for key in keys[:-1]:
-            sub = sub.setdefault(key, {})
-        sub[keys[-1]] = value
-        _anchor_paths(override, Path.cwd())  # paths on the command line are relative to the cwd
-        for key in keys[:-1]:
-            override = override[key]
-        node[keys[-1]] = override[keys[-1]]
+    tree, _ = load_tree(ref, sets, schema=TokenizeRecipe, group="tokenize", anchor=_anchor_paths)
     return build(TokenizeRecipe, tree), tree
-
-
-def _package_recipes() -> Path:
-    from importlib import resources
-
-    return Path(str(resources.files("megalaunch") / "recipes")).resolve()
-
-
-def _find(ref: str, find_recipe: Any) -> Path:
-    if os.path.isfile(ref):
-        return Path(ref).resolve()
-    shipped = ref if ref.startswith("tokenize/") else f"tokenize/{ref}"
-    try:
-        return find_recipe(shipped)
-    except ConfigError:
-        return find_recipe(ref)
 
 
 def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
