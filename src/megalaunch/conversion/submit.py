@@ -4,7 +4,6 @@ launcher's Slurm client."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,31 +23,18 @@ def render_script(recipe: Recipe, command: list[str], out: Path, *, gpus: int | 
     """The job script for `megalaunch convert COMMAND...` (COMMAND without --submit, absolute paths)."""
     from megalaunch import __version__
     from megalaunch.launcher.render import render
+    from megalaunch.launcher.sbatch import JobHeader, cluster_options, environment_context
 
     cl = recipe.cluster
-    options = [{"name": k, "value": v} for k, v in (("partition", cl.partition), ("account", cl.account),
-                                                   ("qos", cl.qos), ("reservation", cl.reservation),
-                                                   ("constraint", cl.constraint)) if v]
-    options += [{"name": k, "value": v} for k, v in sorted(cl.sbatch_extra.items())]
-    srun_args: list[str] = []
-    if cl.container.kind == "pyxis":
-        mounts = [f"{out}:{out}", *cl.container.mounts]
-        srun_args += [f"--container-image={cl.container.image}", f"--container-mounts={','.join(mounts)}"]
-        if cl.container.workdir:
-            srun_args.append(f"--container-workdir={cl.container.workdir}")
-    elif cl.container.kind == "cscs":
-        srun_args.append(f"--environment={os.path.expanduser(cl.container.environment or '')}")
     # Conversion needs no GPU; GPU clusters often refuse jobs without one, so take one there.
     default_gpus = 1 if cl.gpus_per_node > 0 else 0
+    job = JobHeader(name=f"convert-{recipe.name}", log=str(out / "logs" / "%x-%j.out"), time=time_limit or cl.time,
+                    cpus_per_task=cl.cpus_per_task, gpus_per_node=default_gpus if gpus is None else gpus, mem=cl.mem,
+                    options=cluster_options(cl))
     return render(
         "convert.sbatch.j2", version=__version__, created=time.strftime("%Y-%m-%d %H:%M:%S"),
-        direction=command[0], out=str(out), script=str(out / "convert.sbatch"),
-        job_name=f"convert-{recipe.name}", cpus_per_task=cl.cpus_per_task,
-        gpus=default_gpus if gpus is None else gpus, mem=cl.mem, time=time_limit or cl.time,
-        slurm_options=options, log_pattern=str(out / "logs" / "%x-%j.out"), modules=list(cl.modules),
-        venv_activate=os.path.join(os.path.expanduser(cl.venv), "bin", "activate") if cl.venv else "",
-        env=[{"name": k, "value": v} for k, v in sorted(cl.env.items())], srun_args=srun_args,
-        megalaunch=os.path.expanduser(cl.megalaunch), command=command)
+        direction=command[0], out=str(out), script=str(out / "convert.sbatch"), job=job,
+        **environment_context(cl, [str(out)]), command=command)
 
 
 def submit(recipe: Recipe, command: list[str], out: Path, *, gpus: int | None = None,

@@ -20,16 +20,14 @@ from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import Topology, preflight, signal_lead_s
 from megalaunch.config.schema import Recipe
-from megalaunch.errors import ConfigError, PreflightError, RunDirError
+from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.explain import yaml_with_origins
 from megalaunch.launcher.render import render
+from megalaunch.launcher.sbatch import JobHeader, cluster_options, environment_context, home
 from megalaunch.rundir.files import args_file_text
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.settings import RuntimeSettings
 
-_MANAGED_SBATCH = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "mem", "time",
-                   "signal", "requeue", "no-requeue", "output", "error", "open-mode", "dependency",
-                   "partition", "account", "qos", "reservation", "constraint", "exclusive"}
 RUN_DIR_MODE = 0o2770  # group-private, setgid so everything inside stays in the run's group
 
 
@@ -62,18 +60,13 @@ def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
     """What each task runs: Megatron training, or the recipe's `workload` ({run_dir} is substituted)."""
     if recipe.workload:
         return [arg.replace("{run_dir}", str(paths.root)) for arg in recipe.workload]
-    return [_home(recipe.cluster.python), "-m", "megalaunch.runtime.train", str(paths.root)]
+    return [home(recipe.cluster.python), "-m", "megalaunch.runtime.train", str(paths.root)]
 
 
 def task_supervisor(recipe: Recipe) -> list[str]:
     """The per-task supervisor every rank starts under (runtime/task.py): it keeps the stop signal
     from the trainer's child processes, kills what a dying rank leaves behind, records each rank's exit."""
-    return [_home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
-
-
-def _home(path: str | None) -> str:
-    """Expand a leading ~ at render time: inside quotes the shell would not."""
-    return os.path.expanduser(path) if path else ""
+    return [home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
 
 
 def runtime_settings(recipe: Recipe) -> RuntimeSettings:
@@ -91,40 +84,17 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
 
 def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:
     cl = recipe.cluster
-    options = [{"name": k, "value": getattr(cl, k)} for k in ("partition", "account", "qos", "reservation",
-                                                              "constraint") if getattr(cl, k)]
-    for name, value in sorted(cl.sbatch_extra.items()):
-        if name in _MANAGED_SBATCH or not name.replace("-", "").isalnum():
-            raise ConfigError(f"'{name}' is set by megalaunch or is not an sbatch option name",
-                              field=f"cluster.sbatch_extra.{name}", fix="use the dedicated recipe field")
-        options.append({"name": name, "value": value})
-    srun_args: list[str] = []
-    co = cl.container
-    if co.kind == "pyxis":
-        mounts = [f"{paths.root}:{paths.root}", *co.mounts]
-        srun_args += [f"--container-image={co.image}", f"--container-mounts={','.join(mounts)}"]
-        if co.workdir:
-            srun_args.append(f"--container-workdir={co.workdir}")
-    elif co.kind == "cscs":
-        srun_args.append(f"--environment={_home(co.environment)}")
-    command = job_command(recipe, paths)
+    job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), time=cl.time, cpus_per_task=cl.cpus_per_task,
+                    nodes=cl.nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
+                    options=cluster_options(cl), exclusive=cl.exclusive,
+                    signal=f"{recipe.chain.stop_signal.removeprefix('SIG')}@{signal_lead_s(recipe)}", append=True)
     return {
-        "version": __version__, "source": source, "created": created, "run_dir": str(paths.root),
-        "job_name": chain_name, "nodes": cl.nodes, "tasks_per_node": cl.ntasks_per_node,
-        "cpus_per_task": cl.cpus_per_task, "gpus_per_node": cl.gpus_per_node, "mem": cl.mem, "time": cl.time,
-        "slurm_options": options, "exclusive": cl.exclusive,
-        "stop_signal_short": recipe.chain.stop_signal.removeprefix("SIG"),
-        "signal_lead_s": signal_lead_s(recipe),
-        "log_pattern": str(paths.logs / "%x-%j.out"),
-        "modules": list(cl.modules), "venv": cl.venv,
-        "venv_activate": os.path.join(_home(cl.venv), "bin", "activate") if cl.venv else "",
-        "env": [{"name": k, "value": v} for k, v in sorted(cl.env.items())],
+        "version": __version__, "source": source, "created": created, "run_dir": str(paths.root), "job": job,
+        "tasks_per_node": cl.ntasks_per_node, **environment_context(cl, [str(paths.root)]),
         "secret_env": list(cl.secret_env),
         "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
-        "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys,
-        "megalaunch": _home(cl.megalaunch), "master_port": cl.master_port,
-        "srun_args": srun_args, "supervisor": task_supervisor(recipe),
-        "command": command,
+        "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys, "master_port": cl.master_port,
+        "supervisor": task_supervisor(recipe), "command": job_command(recipe, paths),
     }
 
 

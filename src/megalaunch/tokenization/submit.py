@@ -125,14 +125,14 @@ def active_submission(run: TokenizeRun, slurm: Any | None = None) -> str | None:
 def render_job_script(run: TokenizeRun, recipe: TokenizeRecipe) -> str:
     from megalaunch import __version__
     from megalaunch.launcher.render import render
+    from megalaunch.launcher.sbatch import JobHeader, sbatch_options
 
     slurm = recipe.slurm
-    options = [{"name": k, "value": v} for k, v in (("partition", slurm.partition), ("account", slurm.account),
-                                                   ("qos", slurm.qos)) if v]
-    options += [{"name": k, "value": v} for k, v in sorted(slurm.options.items())]
-    return render("tokenize.sbatch.j2", version=__version__, run_dir=str(run.root),
-                  job_name=f"tok-{recipe.name}", cpus_per_task=recipe.concurrent_workers, mem=slurm.mem,
-                  time=slurm.time, slurm_options=options, log_pattern=str(run.logs / "%x-%A_%a.out"),
+    options = sbatch_options(slurm.partition, slurm.account, slurm.qos, extra=slurm.options, field_prefix="slurm.options",
+                             reserved={"reservation", "constraint"})  # no fields of their own here
+    job = JobHeader(name=f"tok-{recipe.name}", log=str(run.logs / "%x-%A_%a.out"), time=slurm.time,
+                    cpus_per_task=recipe.concurrent_workers, mem=slurm.mem, options=options)
+    return render("tokenize.sbatch.j2", version=__version__, run_dir=str(run.root), job=job,
                   setup=list(slurm.setup), python=slurm.python or sys.executable)
 
 
