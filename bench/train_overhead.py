@@ -165,7 +165,7 @@ def bare_run(run: Path) -> None:
     from megalaunch.rundir.paths import RunPaths
     from megalaunch.runtime import megatron_seams
     from megalaunch.runtime.settings import RuntimeSettings
-    from megalaunch.runtime.train import megatron_argv, run_pretrain
+    from megalaunch.runtime.step import megatron_argv, run_pretrain
 
     paths = RunPaths(run)
     settings = RuntimeSettings.load(paths)

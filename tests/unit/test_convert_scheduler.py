@@ -160,11 +160,11 @@ def test_hf_to_mcore_keeps_its_budget_and_stays_exact(tmp_path: Path, monkeypatc
                                                       dtype: str | None) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from megalaunch.conversion import converter, hf_to_mcore, mcore_to_hf, scheduler
+    from megalaunch.conversion import hf_to_mcore, mcore_to_hf, scheduler, to_mcore
     from megalaunch.conversion.safetensors_io import SafetensorsReader
 
     _tiny_llama(tmp_path / "hf")
-    monkeypatch.setattr(converter, "CAST_CHUNK_BYTES", 4096)  # a dtype change reads in several chunks
+    monkeypatch.setattr(to_mcore, "CAST_CHUNK_BYTES", 4096)  # a dtype change reads in several chunks
     leases: list[tuple[int, int]] = []
     original = scheduler.BufferPool.lease
 

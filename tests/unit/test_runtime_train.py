@@ -15,7 +15,8 @@ from megalaunch.rundir.triggers import Decision, consumed_records
 from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.train import Session, _parse_hang, megatron_argv
+from megalaunch.runtime.step import megatron_argv
+from megalaunch.runtime.train import Session, _parse_hang
 
 
 @pytest.fixture

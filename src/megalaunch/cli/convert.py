@@ -156,7 +156,7 @@ def hf_to_mcore(
                                                    "--no-progress": True}, set_)
         _submit(loaded, command, out, gpus, time_limit)
         return
-    from megalaunch.conversion.converter import hf_to_mcore as convert
+    from megalaunch.conversion.to_mcore import hf_to_mcore as convert
 
     tensor_parallel = tp or (loaded.parallel.tensor_model_parallel_size if loaded else 1)
     report = convert(hf_dir, out, model=loaded.model if loaded else None, vocab_size=_recipe_vocab(loaded),
@@ -205,7 +205,7 @@ def mcore_to_hf(
             "--overwrite": overwrite, "--fsync": fsync, "--no-progress": True}, set_)
         _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit)
         return
-    from megalaunch.conversion.converter import mcore_to_hf as convert
+    from megalaunch.conversion.to_hf import mcore_to_hf as convert
 
     report = convert(checkpoint, out, iteration=iteration, hf_template=hf_template, family=family,
                      model=loaded.model if loaded else None, vocab_size=vocab_size or _recipe_vocab(loaded),

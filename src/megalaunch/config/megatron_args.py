@@ -42,8 +42,7 @@ def _section(out: list[str], section: Any, skip: set[str]) -> None:
             _emit(out, f.name, getattr(section, f.name))
 
 
-def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
-    """The full Megatron argument list for this recipe and run directory."""
+def _model_args(recipe: Recipe) -> list[str]:
     out: list[str] = []
     m = recipe.model
     _section(out, m, {"num_experts", "moe_router_topk", "use_rope_scaling", "rope_scaling_factor"})
@@ -54,6 +53,13 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     if m.num_experts:
         _emit(out, "num_experts", m.num_experts)
         _emit(out, "moe_router_topk", m.moe_router_topk)
+    return out
+
+
+def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
+    """The full Megatron argument list for this recipe and run directory."""
+    out = _model_args(recipe)
+    m = recipe.model
 
     _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size"})
     vpp = recipe.parallel.virtual_pipeline_model_parallel_size
@@ -71,7 +77,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _emit(out, "eval_interval", t.eval_interval)
     _emit(out, "eval_iters", t.eval_iters)
     if t.transformer_impl == "local":
-        # Megatron's fused paths need apex/TE; the local implementation needs them off (FACTS.md).
+        # Megatron's fused paths need apex/TE; the local implementation needs them off (docs/training.md).
         out += ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
                 "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
 

@@ -1,5 +1,5 @@
 """Checks that run before anything is written or submitted. Each failure is one PreflightError
-naming the field, what is valid and the fix (DESIGN.md, "preflight")."""
+naming the field, what is valid and the fix (the README lists the checks)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,12 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
     _require(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
              "sequence parallelism needs tensor_model_parallel_size > 1", "false when TP = 1",
              "--set parallel.sequence_parallel=false")
-    ep = p.expert_model_parallel_size
+    _check_experts(recipe, topo)
+    _check_sequence(recipe, topo)
+
+
+def _check_experts(recipe: Recipe, topo: Topology) -> None:
+    m, ep = recipe.model, recipe.parallel.expert_model_parallel_size
     if ep > 1 or m.num_experts:
         _require(bool(m.num_experts), "parallel.expert_model_parallel_size",
                  f"EP {ep} needs an MoE model (model.num_experts)", "1 for dense models",
@@ -130,6 +135,10 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
         _require((topo.dp * topo.cp) % ep == 0, "parallel.expert_model_parallel_size",
                  f"EP {ep} does not divide DP x CP = {topo.dp * topo.cp}", "a divisor of DP x CP",
                  "choose another EP")
+
+
+def _check_sequence(recipe: Recipe, topo: Topology) -> None:
+    m = recipe.model
     _require(m.seq_length <= m.max_position_embeddings, "model.seq_length",
              f"{m.seq_length} exceeds max_position_embeddings {m.max_position_embeddings}",
              f"<= {m.max_position_embeddings}", "lower seq_length or raise max_position_embeddings")

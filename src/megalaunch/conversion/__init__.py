@@ -4,6 +4,8 @@ safetensors (`safetensors_io`) and torch_dist (`mcore_io`) I/O, orchestrated by 
 
 Importing this package is cheap; torch, megatron and transformers load inside the functions."""
 
-from megalaunch.conversion.converter import Report, hf_to_mcore, mcore_to_hf
+from megalaunch.conversion.converter import Report
+from megalaunch.conversion.to_hf import mcore_to_hf
+from megalaunch.conversion.to_mcore import hf_to_mcore
 
 __all__ = ["Report", "hf_to_mcore", "mcore_to_hf"]

@@ -62,6 +62,36 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling or None
 
 
+def _check_mappable(cfg: dict[str, Any], family: str, hidden: int, heads: int) -> None:
+    """Refuse what has no exact Megatron counterpart (one line naming the config field)."""
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise _unsupported(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the recipe schema "
+                           "has no kv_channels field yet")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _unsupported(f"hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
+    if cfg.get("mlp_bias"):
+        raise _unsupported("mlp_bias: true has no mapping (Megatron's biases are all-or-nothing)")
+    if family == "llama" and cfg.get("attention_bias"):
+        raise _unsupported("attention_bias: true (bias on o_proj too) has no mapping; add_qkv_bias covers QKV only")
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, bool, float]:
+    """(rope theta, use Llama 3.1 rope scaling, its factor), refusing any other scaling."""
+    theta, scaling = rope_settings(cfg)
+    use_rope_scaling, factor = False, 8.0
+    if scaling is not None:
+        if scaling.get("rope_type") != "llama3":
+            raise _unsupported(f"rope scaling {scaling.get('rope_type')!r}: only Llama 3.1's 'llama3' is mapped")
+        differing = {k: scaling.get(k) for k, v in LLAMA3_ROPE.items() if not math.isclose(float(scaling.get(k, -1)), v)}
+        if differing:
+            raise _unsupported(f"llama3 rope scaling {differing} differs from Megatron's fixed {LLAMA3_ROPE}")
+        use_rope_scaling, factor = True, float(scaling.get("factor", 8.0))
+    if theta != int(theta):
+        raise _unsupported(f"rope_theta {theta} is not an integer (model.rotary_base is)")
+    return theta, use_rope_scaling, factor
+
+
 def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: int = 128) -> HFModel:
     """Read a Hugging Face config.json dict; refuse what Megatron's GPT cannot represent exactly."""
     archs = cfg.get("architectures") or []
@@ -75,33 +105,13 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
     notes: list[str] = []
 
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise _unsupported(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the recipe schema "
-                           "has no kv_channels field yet")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
-    if cfg.get("mlp_bias"):
-        raise _unsupported("mlp_bias: true has no mapping (Megatron's biases are all-or-nothing)")
+    _check_mappable(cfg, family, hidden, heads)
     qkv_bias = family == "qwen2"
-    if family == "llama" and cfg.get("attention_bias"):
-        raise _unsupported("attention_bias: true (bias on o_proj too) has no mapping; add_qkv_bias covers QKV only")
     if cfg.get("use_sliding_window") or (family == "mistral" and cfg.get("sliding_window")
                                          and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)):
         notes.append(f"sliding_window {cfg.get('sliding_window')} is not in the recipe schema: logits agree only "
                      "for sequences up to the window")
-
-    theta, scaling = rope_settings(cfg)
-    use_rope_scaling, factor = False, 8.0
-    if scaling is not None:
-        if scaling.get("rope_type") != "llama3":
-            raise _unsupported(f"rope scaling {scaling.get('rope_type')!r}: only Llama 3.1's 'llama3' is mapped")
-        differing = {k: scaling.get(k) for k, v in LLAMA3_ROPE.items() if not math.isclose(float(scaling.get(k, -1)), v)}
-        if differing:
-            raise _unsupported(f"llama3 rope scaling {differing} differs from Megatron's fixed {LLAMA3_ROPE}")
-        use_rope_scaling, factor = True, float(scaling.get("factor", 8.0))
-    if theta != int(theta):
-        raise _unsupported(f"rope_theta {theta} is not an integer (model.rotary_base is)")
+    theta, use_rope_scaling, factor = _rope(cfg)
 
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     model = ModelConfig(

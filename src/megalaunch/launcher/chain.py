@@ -1,4 +1,4 @@
-"""The self-requeuing chain (DESIGN.md, "The chain"): what `megalaunch job begin` and `job end` decide.
+"""The self-requeuing chain (docs/architecture.md, "The chain"): what `megalaunch job begin` and `job end` decide.
 
 A segment's fate is read from state: outcome.json (written by the trainer, tagged with the job id),
 the checkpoint tracker and the ledger, never from the exit status alone. Both backends use this

@@ -1,4 +1,4 @@
-"""The append-only ledger of a run: state/ledger.jsonl (DESIGN.md). Every event carries `event`,
+"""The append-only ledger of a run: state/ledger.jsonl (docs/architecture.md). Every event carries `event`,
 `time` and, where it concerns a job, `job_id`. Decisions are derived from it, never stored twice."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RunPaths owns every file name of a run directory (see DESIGN.md, "Run directory").
+"""RunPaths owns every file name of a run directory (docs/architecture.md, "The run directory").
 
 Both the launcher (login node) and the runtime (inside the job) use it, so it lives here and
 imports nothing beyond the standard library."""

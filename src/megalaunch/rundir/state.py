@@ -1,4 +1,4 @@
-"""Progress and outcome files written by rank 0 (DESIGN.md, "Run directory")."""
+"""Progress and outcome files written by rank 0 (docs/architecture.md, "The run directory")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every accommodation that lets Megatron's training loop run on a machine without a GPU.
 
-Megatron assumes CUDA in many places (FACTS.md, "Megatron's training loop"): `torch.cuda` calls for
+Megatron assumes CUDA in many places (docs/training.md): `torch.cuda` calls for
 the current device, synchronisation, RNG state, streams and memory; factory calls with
 `device='cuda'`; `Tensor.cuda()`; `param.type() == 'torch.cuda.FloatTensor'` checks; an
 `initialize_megatron` that asserts CUDA; a fused-kernel warm-up; an architecture probe. `enable()`

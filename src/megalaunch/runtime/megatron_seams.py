@@ -12,7 +12,7 @@ Seams (megatron-core 0.19.2, `megatron.training`):
 - `training.training_log` -> the reduced loss of each iteration (progress, W&B).
 - `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
   back to an older one if loading fails.
-- Bug fixes for megatron-core 0.19.2 without TE/apex (FACTS.md): the dataset helper `make`; the
+- Bug fixes for megatron-core 0.19.2 without TE/apex (docs/training.md): the dataset helper `make`; the
   distributed optimizer's `assert len(steps) == 1` on an empty state; Adam's per-parameter `step`
   reset (and aliased into one tensor) after a load; fp32 main-param views copied outside no_grad.
 """

@@ -5,7 +5,7 @@ conversion and logits-parity tests, is `megalaunch.conversion.model`).
 Attention implementations (`training.attention` in a recipe):
 - `local`: Megatron's own DotProductAttention (no transformer-engine needed; slow, memory-hungry);
 - `sdpa`:  `torch.nn.functional.scaled_dot_product_attention` (causal, GQA) as the core attention in
-           Megatron's local layer spec: ~20-28 % more tokens/s than `local` on one GPU (FACTS.md);
+           Megatron's local layer spec: ~20-28 % more tokens/s than `local` on one GPU (docs/results.md);
 - `te`:    transformer-engine's spec (needs `transformer_impl: transformer_engine` and TE installed).
 
 Heavy imports (torch, megatron) happen inside functions: importing this module is cheap."""

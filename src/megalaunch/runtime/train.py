@@ -3,8 +3,8 @@
 One process per GPU (srun task, or the local backend's processes), with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment. It runs Megatron's own loop
 (`megatron.training.pretrain`) on the arguments in RUN/megatron.args, a GPT/Llama model
-(runtime/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data), and adds what
-the chain needs (DESIGN.md, "Training entry"):
+(runtime/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data; runtime/step.py),
+and adds what the chain needs (docs/training.md):
 
 - the stop signal and the trigger files folded into one decision per check, the same on every rank
   (`Session.decide`, one all-reduce MAX); every rank logs the iteration at which it acted;
@@ -13,11 +13,8 @@ the chain needs (DESIGN.md, "Training entry"):
 - retention of the last N checkpoints plus milestones; a data-blend check;
 - one W&B run for the whole experiment (runtime/wandb_run.py); a hang watchdog (runtime/watchdog.py).
 
-Test hooks (environment): MEGALAUNCH_LOSS_LOG=FILE appends {"iteration", "loss"} for every
-iteration (rank 0, full precision); MEGALAUNCH_TEST_HANG=ITER[:RANK] makes RANK (default 0) stop
-making progress inside iteration ITER; MEGALAUNCH_TEST_STEP_SLEEP_S=SECONDS makes every rank sleep
-that long after each iteration, before the stop decision (paces iterations so that tests of the
-chain get a predictable number of iterations per segment, whatever the machine's speed)."""
+Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG, MEGALAUNCH_TEST_HANG,
+MEGALAUNCH_TEST_STEP_SLEEP_S."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megalaunch.rundir.files import append_jsonl, read_args_file
+from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, consume, consume_for, decide
@@ -37,6 +34,7 @@ from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
+from megalaunch.runtime.step import megatron_argv, run_pretrain
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
@@ -272,113 +270,7 @@ def _parse_hang(text: str | None, rank: int) -> int | None:
     return int(iteration) if int(hang_rank or 0) == rank else None
 
 
-# --- Megatron arguments, data and the step ---------------------------------------------------------
-
-def megatron_argv(paths: RunPaths) -> list[str]:
-    """Megatron's arguments, exactly as rendered into RUN/megatron.args (config/megatron_args.py)."""
-    return read_args_file(paths.megatron_args)
-
-
-def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> Any:
-    """GPTDataset over RUN/data_blend.txt (Megatron's --data-args-path), or mock data."""
-    from megatron.core import mpu
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.training import get_args, get_tokenizer
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    args = get_args()
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus, mmap_bin_files=args.mmap_bin_files,
-    )
-
-    def built_here() -> bool:
-        return (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()) and \
-            mpu.get_tensor_model_parallel_rank() == 0
-
-    cls = MockGPTDataset if config.mock else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, config).build()
-
-
-dataset_provider.is_distributed = True  # type: ignore[attr-defined]
-
-
-def get_batch(data_iterator: Any) -> dict[str, Any]:
-    """This micro-batch on this rank: TP rank 0 reads it, the other TP ranks receive it."""
-    import torch
-    from megatron.core import mpu
-    from megatron.training import get_args
-
-    args = get_args()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    keys = ("tokens", "labels", "loss_mask", "position_ids")
-    if mpu.get_tensor_model_parallel_rank() == 0:
-        raw = next(data_iterator)
-        batch = {k: raw[k].to(device, non_blocking=True) for k in keys}
-    else:
-        shape = (args.micro_batch_size, args.seq_length)
-        dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
-        batch = {k: torch.empty(shape, dtype=dtypes[k], device=device) for k in keys}
-    if mpu.get_tensor_model_parallel_world_size() > 1:
-        import torch.distributed as dist
-
-        for k in keys:
-            if batch[k].dtype != torch.float32 and k == "loss_mask":
-                batch[k] = batch[k].float()
-            dist.broadcast(batch[k], mpu.get_tensor_model_parallel_src_rank(),
-                           group=mpu.get_tensor_model_parallel_group())
-    return batch
-
-
-def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """Summed token loss and token count; Megatron divides and reduces over data parallel."""
-    import torch
-
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-
-
-def make_forward_step(session: Session | None) -> Any:
-    from functools import partial
-
-    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-        if session is not None:
-            session.maybe_hang()
-        batch = get_batch(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return output, partial(loss_func, batch["loss_mask"])
-
-    return forward_step
-
-
 # --- the entry ---------------------------------------------------------------------------------------
-
-def run_pretrain(argv: list[str], *, attention: str, session: Session | None) -> None:
-    """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain`."""
-    from megatron.core.enums import ModelType
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-    from megatron.training.training import pretrain
-
-    from megalaunch.runtime.model import model_provider
-
-    saved_argv = sys.argv
-    sys.argv = [saved_argv[0], *argv]
-    try:
-        cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
-    finally:
-        sys.argv = saved_argv
-    pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, make_forward_step(session),
-             model_provider=model_provider(attention))
-
 
 def _setup(session: Session) -> tuple[list[str], str]:
     """Everything before Megatron starts: blend check, CPU mode, seams, W&B."""
@@ -436,14 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     env = export_rank_env()  # Megatron reads RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address
     rank, world = env.rank, env.world_size
     os.environ["MEGALAUNCH_RUN_DIR"] = str(paths.root)
-    session = Session(paths, settings, flag, rank=rank, world=world,
-                      resume_from=opts.resume_from if opts.resume_from is not None else _env_int("MEGALAUNCH_RESUME_FROM"))
+    resume_from = opts.resume_from if opts.resume_from is not None else int(os.environ.get("MEGALAUNCH_RESUME_FROM") or -1)
+    session = Session(paths, settings, flag, rank=rank, world=world, resume_from=None if resume_from < 0 else resume_from)
     return run_session(session)
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
 
 
 def run_session(session: Session) -> int:
@@ -458,10 +345,9 @@ def run_session(session: Session) -> int:
 
     session.watchdog = Watchdog(paths.debug, rank=session.rank, job_id=session.job_id,
                                 timeout_s=session.settings.hang_timeout_s, on_hang=on_hang).start()
-    status: str = "failed"
+    status, code = "failed", 1
     reason: str | None = "did not start"
     kind: str | None = None
-    code = 1
     try:
         argv, attention = _setup(session)
         run_pretrain(argv, attention=attention, session=session)

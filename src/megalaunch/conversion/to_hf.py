@@ -1,0 +1,234 @@
+"""A complete Megatron-core checkpoint (a run, its checkpoints/ or an iteration directory) -> Hugging
+Face safetensors + config.json, one tensor group after the other (converter.py has the shared parts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megalaunch.config.schema import ModelConfig
+from megalaunch.conversion import families, mcore_io, safetensors_io, transforms
+from megalaunch.conversion.converter import (
+    ASSET_FILES,
+    ASSETS_DIR,
+    CONVERSION_KEY,
+    Report,
+    _dtype,
+    _hf_shapes,
+    _numel,
+    _offset,
+    _read_json,
+    _stacked_shape,
+    _Staging,
+    largest_group_bytes,
+)
+from megalaunch.conversion.dims import Dims
+from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
+from megalaunch.conversion.progress import Progress
+from megalaunch.conversion.tables import TABLES, Item, items
+
+if TYPE_CHECKING:
+    import torch
+
+def model_from_megatron_args(args: Any) -> ModelConfig:
+    """The ModelConfig a Megatron checkpoint was trained with, from the `args` it stores."""
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    groups = get("num_query_groups") if get("group_query_attention", False) else None
+    return ModelConfig(
+        num_layers=get("num_layers"), hidden_size=get("hidden_size"), ffn_hidden_size=get("ffn_hidden_size"),
+        num_attention_heads=get("num_attention_heads"), num_query_groups=groups or get("num_attention_heads"),
+        seq_length=get("seq_length") or 2048, max_position_embeddings=get("max_position_embeddings") or 2048,
+        position_embedding_type=get("position_embedding_type", "rope"), rotary_base=int(get("rotary_base", 10000)),
+        rotary_percent=float(get("rotary_percent", 1.0)), use_rope_scaling=bool(get("use_rope_scaling", False)),
+        rope_scaling_factor=float(get("rope_scaling_factor", 8.0)),
+        normalization=get("normalization", "RMSNorm"), norm_epsilon=float(get("norm_epsilon", 1e-5)),
+        swiglu=bool(get("swiglu", False)), disable_bias_linear=not get("add_bias_linear", True),
+        add_qkv_bias=bool(get("add_qkv_bias", False)),
+        untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
+        num_experts=get("num_experts"), make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
+    )
+
+
+def _tokenizer_vocab(args: Any) -> int | None:
+    """Megatron's tokenizer size: NullTokenizer's --vocab-size, or a Hugging Face tokenizer's length."""
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    path = getattr(args, "tokenizer_model", None)
+    if getattr(args, "tokenizer_type", None) == "HuggingFaceTokenizer" and path and Path(path).exists():
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(path))
+    return None
+
+
+@dataclass(frozen=True)
+class _Source:
+    hf_cfg: dict[str, Any]
+    assets: Path | None
+    notes: tuple[str, ...]
+
+
+def _hf_source(ref: mcore_io.CheckpointRef, common: dict[str, Any], *, hf_template: Path | None,
+               family: str | None, model: ModelConfig | None, vocab_size: int | None,
+               padded_rows: int, dtype: torch.dtype) -> _Source:
+    """Which Hugging Face config describes this checkpoint: --hf-template, else the one hf-to-mcore
+    stored in the checkpoint, else one written from the model (recipe or the checkpoint's args)."""
+    stored = common.get(CONVERSION_KEY) or {}
+    args = common.get("args")
+    notes: list[str] = []
+    if hf_template is not None:
+        cfg = _read_json(Path(hf_template) / "config.json")
+        return _Source(cfg, Path(hf_template), ())
+    root_assets = ref.path.parent / ASSETS_DIR
+    if stored.get("hf_config"):
+        return _Source(dict(stored["hf_config"]), root_assets if root_assets.is_dir() else None, ())
+    if model is None:
+        if args is None:
+            raise ConversionError(f"{ref.path} carries no model arguments",
+                                  fix="pass --recipe (the model it was trained with) or --hf-template HF_DIR")
+        model = model_from_megatron_args(args)
+    vocab = vocab_size or (_tokenizer_vocab(args) if args is not None else None)
+    if vocab is None:
+        vocab = padded_rows
+        notes.append(f"vocabulary size unknown: kept all {padded_rows} rows (pass --vocab-size to strip padding)")
+    fam = family or ("qwen2" if model.add_qkv_bias else "llama")
+    cfg = families.hf_config_from_model(model, family=fam, vocab_size=vocab, dtype=str(dtype).removeprefix("torch."))
+    return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes))
+
+
+def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf_template: Path | None = None,
+                family: str | None = None, model: ModelConfig | None = None, vocab_size: int | None = None,
+                dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+                progress: bool = True, fsync: bool = False) -> Report:
+    """Convert a complete Megatron-core checkpoint into a Hugging Face directory `out`."""
+    out = Path(out)
+    ref = mcore_io.resolve(Path(checkpoint), iteration)
+    if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
+        raise ConversionError(f"{out} already holds safetensors files", fix="choose another --out, or --overwrite")
+    with mcore_io.process_group():
+        common = mcore_io.load_common(ref.path)
+        meta = mcore_io.tensors_metadata(ref.path)
+        embed = meta.get("embedding.word_embeddings.weight")
+        if embed is None:
+            raise ConversionError(f"{ref.path} has no embedding.word_embeddings.weight: not a GPT checkpoint "
+                                  "(or a pipeline stage without the embedding)")
+        padded_rows = int(embed.global_shape[0])
+        out_dtype = _dtype(dtype) or embed.dtype
+        source = _hf_source(ref, common, hf_template=hf_template, family=family, model=model,
+                            vocab_size=vocab_size, padded_rows=padded_rows, dtype=out_dtype)
+        hf = families.model_from_hf_config(source.hf_cfg)
+        _check_described(model, common.get("args"), hf)
+        dims = Dims.from_model(hf.model, vocab=hf.vocab_size, padded_vocab=max(padded_rows, hf.vocab_size))
+        table = TABLES[hf.family]
+        work = list(items(table, dims))
+        _check_mcore_tensors(meta, work, dims, ref.path)
+        report = Report(output=out, notes=list(hf.notes) + list(source.notes),
+                        largest_group_bytes=largest_group_bytes(work, dims, out_dtype.itemsize))
+        plan: list[tuple[str, str, tuple[int, ...]]] = []
+        code = safetensors_io.dtype_code(out_dtype)
+        for item in work:
+            shapes = [(dims.vocab, *s[1:]) if item.rule.vocab_rows else s for s in _hf_shapes(item, dims)]
+            plan += [(n, code, s) for n, s in zip(item.hf_names, shapes, strict=True)]
+        out.mkdir(parents=True, exist_ok=True)
+        writer = safetensors_io.SafetensorsWriter(out, plan, max_shard_bytes=max_shard_bytes)
+        bar = Progress(writer.total_bytes, f"mcore-to-hf {ref.path.name}", progress)
+        start = time.perf_counter()
+        try:
+            _copy_tensors(ref.path, work, dims, meta, writer, out_dtype, bar, report)
+            writer.close(sync=fsync)
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            bar.close()
+        report.seconds = time.perf_counter() - start
+    _write_hf_metadata(out, source, out_dtype)
+    return report
+
+
+def _check_described(model: ModelConfig | None, args: Any, hf: families.HFModel) -> None:
+    """The Hugging Face config must describe the checkpoint's model (the recipe's, or its own args)."""
+    ckpt_model = model or (model_from_megatron_args(args) if args is not None else None)
+    if ckpt_model is None:
+        return
+    diffs = families.differences(ckpt_model, hf.model)
+    if diffs:
+        text = "; ".join(f"{n}: checkpoint {a!r}, Hugging Face {b!r}" for n, a, b in diffs)
+        raise ConversionError(f"the Hugging Face config does not describe this checkpoint: {text}")
+
+
+def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any],
+                  writer: safetensors_io.SafetensorsWriter, out_dtype: torch.dtype, bar: Progress,
+                  report: Report) -> None:
+    """Each Megatron tensor read into one reused staging buffer, cast, and written as the row blocks
+    of its Hugging Face tensors."""
+    staging = _Staging()
+    requests = [_request(item, dims, meta) for item in work]
+    capacity = max(_numel(r.local_shape) * r.dtype.itemsize for r in requests)
+    with mcore_io.DirectReader(ckpt) as reader:
+        for item, r in zip(work, requests, strict=True):
+            target = staging.tensor(((1,) if r.stacked else ()) + r.local_shape, r.dtype, capacity)
+            reader.read_into(r.key, r.offset, target)
+            tensor = target[0] if r.stacked else target
+            tensor = tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
+            rows = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
+            hf_rows = [writer.slots[n].shape[0] if writer.slots[n].shape else 1 for n in item.hf_names]
+            for b in transforms.blocks(item.rule.transform, dims, hf_rows, rows.shape[0]):
+                name = item.hf_names[b.source]
+                block = rows[b.dest:b.dest + b.rows].view(b.rows, *writer.slots[name].shape[1:])
+                writer.write_rows(name, b.start, block)
+                bar.update(block.numel() * block.element_size())
+            for name in item.hf_names:
+                writer.done(name)
+                report.bytes += writer.slots[name].nbytes
+                report.tensors += 1
+
+
+def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_io.ShardRequest:
+    info = meta[item.rule.mcore]
+    shape = tuple(int(d) for d in info.global_shape)
+    local = shape[1:] if item.rule.per_layer else shape
+    return mcore_io.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
+                                 info.dtype)
+
+
+def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path) -> None:
+    seen: set[str] = set()
+    for item in work:
+        key = item.rule.mcore
+        if key in seen:
+            continue
+        seen.add(key)
+        info = meta.get(key)
+        if info is None:
+            hint = " (saved with singleton_local_shards?)" if f"{key}_w" in meta else ""
+            raise ConversionError(f"tensor '{key}' is missing from {ckpt}{hint}",
+                                  fix="the checkpoint does not match the model configuration (tied embeddings? "
+                                      "QKV bias?)")
+        found = tuple(int(d) for d in info.global_shape)
+        expected = _stacked_shape(item, dims)
+        if item.rule.vocab_rows:
+            found, expected = found[1:], expected[1:]
+        if found != expected:
+            raise ShapeMismatchError(key, found, expected, source=f"Megatron checkpoint {ckpt.name}")
+
+
+def _write_hf_metadata(out: Path, source: _Source, dtype: torch.dtype) -> None:
+    cfg = dict(source.hf_cfg)
+    name = str(dtype).removeprefix("torch.")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / "config.json")
+    if source.assets is not None:
+        for n in ASSET_FILES:
+            if (source.assets / n).is_file():
+                shutil.copy2(source.assets / n, out / n)
