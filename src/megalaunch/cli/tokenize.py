@@ -53,12 +53,13 @@ def submit(
 ) -> None:
     """Submit every dump that is not done (a throttled job array; or run them here with --backend local).
     Submitting again resumes: finished tasks are skipped through datatrove's completion markers."""
+    from megalaunch.config.schema import BACKENDS
     from megalaunch.errors import ConfigError
     from megalaunch.rundir.tokenize import TokenizeRun
     from megalaunch.tokenization.submit import submit as submit_run
 
-    if backend not in (None, "slurm", "local"):
-        raise ConfigError(f"unknown backend {backend!r}", field="--backend", valid="slurm | local")
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}", field="--backend", valid=" | ".join(BACKENDS))
     run = TokenizeRun.at(run_dir)
     result = submit_run(run, backend=backend, dumps=list(dump) if dump else None)
     if result is None:
@@ -66,7 +67,7 @@ def submit(
 
         say(f"every dump is done; next: megalaunch data check {run.output_dir(load_run_recipe(run).output_dir)}")
         return
-    if result.backend == "slurm":
+    if result.job_id is not None:
         say(f"submitted job array {result.job_id} ({len(result.dumps)} dumps) for {run.root}")
         say(f"next: megalaunch tokenize status {run.root} --follow")
     else:

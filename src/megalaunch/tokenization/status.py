@@ -52,13 +52,13 @@ def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus
     submitted = {d for e in submissions for d in e.get("dumps", [])}
     active: dict[int, str] = {}
     local_running = False
-    if last and last.get("backend") == "slurm":
+    if last and last.get("job_id"):  # a Slurm job array
         if slurm is None:
             from megalaunch.launcher.slurm import SlurmClient
 
             slurm = SlurmClient()
         active = _array_tasks(str(last["job_id"]), slurm)
-    elif last and last.get("backend") == "local":
+    elif last and last.get("pid"):  # dumps run on this machine
         from megalaunch.tokenization.submit import active_submission
 
         local_running = active_submission(run) is not None
@@ -68,7 +68,7 @@ def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus
         n_tasks = len(dump.tasks)
         done_tasks = sum(run.completion(dump.index, t).exists() for t in range(n_tasks))
         summary = read_json(run.summary(dump.index))
-        job = f"{last['job_id']}_{dump.index}" if last and last.get("backend") == "slurm" else ""
+        job = f"{last['job_id']}_{dump.index}" if last and last.get("job_id") else ""
         if summary:
             out.append(DumpStatus(dump.index, "done", n_tasks, n_tasks, summary["documents"], summary["tokens"],
                                   0.0, job))
@@ -100,7 +100,7 @@ def _state(index: int, active: dict[int, str], local_running: bool, last: dict[s
         return "running", ""
     if index not in submitted:
         return "not submitted", ""
-    if last and last.get("backend") == "slurm" and index in last.get("dumps", []):
+    if last and last.get("job_id") and index in last.get("dumps", []):
         info = slurm.job_state(job)
         if info is not None and info.state in ("CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
             return ("cancelled" if info.state == "CANCELLED" else "failed"), info.state

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megalaunch.config.schema import BACKENDS
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.local import pid_alive
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
@@ -105,7 +106,7 @@ def active_submission(run: TokenizeRun, slurm: Any | None = None) -> str | None:
     if not submitted:
         return None
     last = events[submitted[-1]]
-    if last.get("backend") == "slurm":
+    if last.get("job_id"):  # a Slurm job array
         from megalaunch.launcher.slurm import SlurmClient
 
         client = slurm or SlurmClient()
@@ -189,12 +190,13 @@ def submit(run: TokenizeRun, *, backend: str | None = None, dumps: list[int] | N
         todo = [d for d in todo if d in set(dumps)]
     if not todo:
         return None
-    active = active_submission(run, slurm if backend == "slurm" else None) if run.events() else None
+    queued = BACKENDS[backend].job_script  # Slurm: a job array; local: the dumps run here, one by one
+    active = active_submission(run, slurm if queued else None) if run.events() else None
     if active:
         raise RunDirError(f"a previous submission ({active}) is still queued or running; two jobs must not "
                           "write the same dump", fix=f"wait, or `megalaunch tokenize cancel {run.root}`")
     check_tokenizer(recipe)
-    if backend == "slurm":
+    if queued:
         return submit_slurm(run, todo, recipe, slurm)
     return run_local(run, todo, recipe)
 
@@ -203,7 +205,7 @@ def cancel(run: TokenizeRun, slurm: Any | None = None) -> str | None:
     """Cancel the last Slurm submission by its job id (never by name)."""
     from megalaunch.launcher.slurm import SlurmClient
 
-    events = [e for e in run.events() if e.get("event") == "submitted" and e.get("backend") == "slurm"]
+    events = [e for e in run.events() if e.get("event") == "submitted" and e.get("job_id")]
     if not events:
         return None
     job_id = events[-1]["job_id"]
