@@ -14,12 +14,13 @@ def _chain(run: str):
     from pathlib import Path
 
     from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.chain import Chain, load_run_recipe
+    from megalaunch.launcher.chain import Chain
     from megalaunch.rundir.paths import RunPaths
+    from megalaunch.runtime.settings import RuntimeSettings
 
     paths = RunPaths(Path(run).absolute())
-    recipe = load_run_recipe(paths)
-    return Chain(paths, backend_for(recipe.cluster.backend), recipe)
+    settings = RuntimeSettings.load(paths)  # the job's slice: `job begin/end` do not re-type the recipe
+    return Chain(paths, backend_for(settings.backend), settings)
 
 
 def _job_id() -> str:

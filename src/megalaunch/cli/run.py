@@ -179,8 +179,8 @@ def trigger(
 
 def cancel(run: RunArg) -> None:
     """Cancel the run's running and queued segments (by job id) and stop the chain."""
+    from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.chain import load_run_recipe
     from megalaunch.launcher.control import find_run
 
     paths = find_run(run)
@@ -191,8 +191,8 @@ def cancel(run: RunArg) -> None:
 
 def resume(run: RunArg) -> None:
     """Restart a stopped chain from its last checkpoint."""
+    from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.chain import load_run_recipe
     from megalaunch.launcher.control import find_run
 
     paths = find_run(run)

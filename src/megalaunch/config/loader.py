@@ -18,7 +18,8 @@ import yaml
 
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import build, did_you_mean, to_plain
-from megalaunch.errors import ConfigError
+from megalaunch.errors import ConfigError, RunDirError
+from megalaunch.rundir.paths import RunPaths
 
 RECIPE_GROUPS = ("train", "models", "clusters", "training", "tokenize")
 _MAX_INCLUDE_DEPTH = 16
@@ -240,3 +241,13 @@ def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str |
 def load_resolved(data: dict[str, Any]) -> Recipe:
     """Re-type a resolved recipe (run.yaml)."""
     return build(Recipe, data)
+
+
+def load_run_recipe(paths: RunPaths) -> Recipe:
+    """The typed recipe of a run directory (its run.yaml)."""
+    try:
+        data = yaml.safe_load(paths.run_yaml.read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
+                          fix="pass the directory that `megalaunch submit` printed") from None
+    return load_resolved(data)

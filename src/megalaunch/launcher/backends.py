@@ -7,10 +7,22 @@ from collections.abc import Callable
 
 from megalaunch.errors import RunDirError
 from megalaunch.launcher.backend import Backend
-from megalaunch.launcher.local import LocalBackend
-from megalaunch.launcher.slurm_backend import SlurmBackend
 
-_BACKENDS: dict[str, Callable[[], Backend]] = {"slurm": SlurmBackend, "local": LocalBackend}
+
+def _slurm() -> Backend:
+    from megalaunch.launcher.slurm_backend import SlurmBackend
+
+    return SlurmBackend()
+
+
+def _local() -> Backend:
+    from megalaunch.launcher.local import LocalBackend
+
+    return LocalBackend()
+
+
+# imported when chosen: `job begin` on a compute node loads only the Slurm side
+_BACKENDS: dict[str, Callable[[], Backend]] = {"slurm": _slurm, "local": _local}
 
 
 def backend_for(name: str) -> Backend:

@@ -10,17 +10,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-import yaml
-
-from megalaunch.config.loader import load_resolved
-from megalaunch.config.schema import Recipe
-from megalaunch.errors import RunDirError
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import abnormal_ends, failure_reason
 from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome
+from megalaunch.runtime.settings import RuntimeSettings
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
 
@@ -31,24 +27,15 @@ class Verdict:
     reason: str
 
 
-def load_run_recipe(paths: RunPaths) -> Recipe:
-    try:
-        data = yaml.safe_load(paths.run_yaml.read_text())
-    except FileNotFoundError:
-        raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
-                          fix="pass the directory that `megalaunch submit` printed") from None
-    return load_resolved(data)
-
-
 def log(message: str) -> None:
     print(f"megalaunch: {message}", file=sys.stderr, flush=True)
 
 
 class Chain:
-    def __init__(self, paths: RunPaths, scheduler: JobControl, recipe: Recipe | None = None) -> None:
+    def __init__(self, paths: RunPaths, scheduler: JobControl, settings: RuntimeSettings | None = None) -> None:
         self.paths = paths
         self.scheduler = scheduler
-        self.recipe = recipe or load_run_recipe(paths)
+        self.settings = settings or RuntimeSettings.load(paths)  # the job's slice, not the whole recipe
         self.ledger = Ledger(paths)
 
     # ----------------------------------------------------------------------------------- begin
@@ -76,12 +63,12 @@ class Chain:
         stopped_by_guard = self._guard(job_id, record_continue=False)
         if stopped_by_guard is not None:
             return stopped_by_guard
-        target = self.recipe.training.train_iters
+        target = self.settings.train_iters
         if iteration is not None and iteration >= target:
             return self.stop(job_id, f"training already reached its target (iteration {iteration})")
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart)
-        if self.recipe.chain.auto_requeue:
+        if self.settings.auto_requeue:
             successor = self.scheduler.submit_successor(self.paths)
             if successor is not None:
                 self.ledger.append("submitted", job_id=successor, by=f"segment {job_id}", dependency="singleton")
@@ -133,18 +120,18 @@ class Chain:
             return self.stop(job_id, f"configuration error: {reason}")
         if self.paths.cancel_requested.exists():
             return self.stop(job_id, "cancel requested")
-        if now is not None and now >= self.recipe.training.train_iters:
+        if now is not None and now >= self.settings.train_iters:
             return self.stop(job_id, f"training reached its target (iteration {now})")
         stopped_by_guard = self._guard(job_id, record_continue=True)
         if stopped_by_guard is not None:
             return stopped_by_guard
-        if not self.recipe.chain.auto_requeue:
+        if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
         return Verdict(True, f"outcome {status}: the next segment resumes")
 
     def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
         """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""
-        budget = self.recipe.chain.max_segments_without_progress
+        budget = self.settings.max_segments_without_progress
         failures = self.ledger.consecutive_without_progress()
         if failures >= budget:
             self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)

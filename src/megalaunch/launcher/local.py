@@ -15,15 +15,17 @@ import sys
 import time
 from collections.abc import Callable
 
+from megalaunch.config.loader import load_run_recipe
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, unfinished
-from megalaunch.launcher.chain import Chain, Verdict, load_run_recipe
+from megalaunch.launcher.chain import Chain, Verdict
 from megalaunch.launcher.prepare import PreparedRun, job_command, task_supervisor, write_run
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
 from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import resolve_signal
 
 KILL_WAIT_S = 10.0
@@ -108,7 +110,7 @@ def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
                     echo: Callable[[str], None] = print) -> Verdict:
     os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
-    chain = Chain(paths, LocalBackend(), recipe)
+    chain = Chain(paths, LocalBackend(), RuntimeSettings.load(paths))
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
         job_id = f"local-{n}"

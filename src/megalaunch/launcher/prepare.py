@@ -78,7 +78,9 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
         cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention,
         allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,
         run_name=recipe.name, wandb_project=recipe.logging.wandb_project, wandb_entity=recipe.logging.wandb_entity,
-        wandb_mode=recipe.logging.wandb_mode,
+        wandb_mode=recipe.logging.wandb_mode, backend=recipe.cluster.backend,
+        auto_requeue=recipe.chain.auto_requeue,
+        max_segments_without_progress=recipe.chain.max_segments_without_progress,
     )
 
 

@@ -6,13 +6,16 @@ import contextlib
 import getpass
 import os
 import time
+from typing import TYPE_CHECKING
 
 from megalaunch.errors import PreflightError
 from megalaunch.launcher.backend import QUERY_TIMEOUT_S, Echo, Live, Started, record_cancel, unfinished
-from megalaunch.launcher.prepare import PreparedRun, write_run
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megalaunch.launcher.prepare import PreparedRun
 
 
 class SlurmBackend:
@@ -25,6 +28,8 @@ class SlurmBackend:
 
     def start(self, prepared: PreparedRun, echo: Echo) -> Started:
         """Write the run directory and queue the first segment."""
+        from megalaunch.launcher.prepare import write_run
+
         missing = [n for n in prepared.recipe.cluster.secret_env if not os.environ.get(n)]
         if missing:
             raise PreflightError(f"{', '.join(missing)} not set in this shell", field="cluster.secret_env",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from megalaunch.config.loader import load_run_recipe
 from megalaunch.launcher.backend import Live
 from megalaunch.launcher.backends import backend_for
-from megalaunch.launcher.chain import load_run_recipe
 from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths

@@ -27,6 +27,10 @@ class RuntimeSettings:
     wandb_project: str | None = None
     wandb_entity: str | None = None
     wandb_mode: str = "online"
+    # the chain's part (`job begin` / `job end` read these too, never the whole recipe)
+    backend: str = "slurm"
+    auto_requeue: bool = True
+    max_segments_without_progress: int = 3
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
