@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from harness import Trainer, acted_iterations, last_iteration, ledger, make_run, wait_for
 
-from megalaunch.rundir.triggers import consumed_records, write_trigger
+from megalaunch.rundir.triggers import TriggerBox
 from megalaunch.runtime.resume import is_complete
 
 pytestmark = pytest.mark.megatron
@@ -34,25 +34,25 @@ def test_save_exit_abort_on_two_ranks(tmp_path: Path) -> None:
     t = Trainer(paths, world=2, job_id="31", env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
     wait_for(lambda: last_iteration(loss_log) >= 3, what="iteration 3", trainer=t)
 
-    write_trigger(paths, "save", "test: save and continue")
+    TriggerBox(paths).write("save", "test: save and continue")
     (saved_at,) = _both_acted(t, "save")
     assert is_complete(paths, saved_at) and paths.read_tracker() == saved_at
     wait_for(lambda: last_iteration(loss_log) > saved_at + 1, what="training after the save", trainer=t)
 
-    write_trigger(paths, "exit", "test: save and stop")
+    TriggerBox(paths).write("exit", "test: save and stop")
     (exited_at,) = _both_acted(t, "exit")
     assert t.wait() == [0, 0]
     out = t.outcome()
     assert (out["status"], out["iteration"]) == ("exited", exited_at)
     assert exited_at > saved_at and paths.read_tracker() == exited_at and is_complete(paths, exited_at)
-    consumed = {(r["verb"], r["consumed_iteration"]) for r in consumed_records(paths)}
+    consumed = {(r["verb"], r["consumed_iteration"]) for r in TriggerBox(paths).consumed()}
     assert consumed == {("save", saved_at), ("exit", exited_at)}
     assert not list(paths.triggers.glob("save")) and not list(paths.triggers.glob("exit"))
 
     # The next segment resumes there; an abort stops both ranks at one iteration, without a save.
     t = Trainer(paths, world=2, job_id="32", env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
     wait_for(lambda: last_iteration(loss_log) >= exited_at + 2, what="training after the resume", trainer=t)
-    write_trigger(paths, "abort", "test: stop now")
+    TriggerBox(paths).write("abort", "test: stop now")
     (aborted_at,) = _both_acted(t, "abort")
     assert t.wait() == [0, 0]
     out = t.outcome()

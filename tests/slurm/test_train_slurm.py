@@ -28,7 +28,7 @@ from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_do
 from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
 
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.rundir.triggers import consumed_records
+from megalaunch.rundir.triggers import TriggerBox
 from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.resume import checkpoint_iterations, is_complete
 
@@ -354,7 +354,7 @@ def test_save_then_exit_trigger_on_two_ranks(slurm_tmp: Path) -> None:
     assert paths.read_tracker() == exited_at
     assert [(d["decision"], d["iteration"], d["triggers"]) for d in _events(run, "decision")] == [
         ("save", saved_at, ["save"]), ("exit", exited_at, ["exit"])]
-    consumed = {(c["verb"], c["consumed_iteration"]) for c in consumed_records(paths)}
+    consumed = {(c["verb"], c["consumed_iteration"]) for c in TriggerBox(paths).consumed()}
     assert consumed == {("save", saved_at), ("exit", exited_at)}
     (stopped,) = _events(run, "chain_stopped")
     assert "exit trigger" in stopped["reason"] and stopped["cancelled"] == [successor]

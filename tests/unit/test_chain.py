@@ -16,7 +16,7 @@ from megalaunch.launcher.status import run_status
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome
-from megalaunch.rundir.triggers import Decision, consume_for, write_trigger
+from megalaunch.rundir.triggers import Decision, TriggerBox
 
 
 class RecordingScheduler:
@@ -119,7 +119,7 @@ def test_progress_resets_the_budget(run, monkeypatch) -> None:
 
 def test_pending_exit_trigger_stops_before_training(run) -> None:
     paths, sched, chain = run
-    write_trigger(paths, "exit", "stop please")
+    TriggerBox(paths).write("exit", "stop please")
     v = chain.begin("1")
     assert not v.proceed
     assert sched.submitted == []
@@ -175,8 +175,8 @@ def test_status_shows_the_checkpoint_actually_resumed_after_a_fallback(run, monk
 def test_stop_reason_names_who_asked_and_the_cancelled_successor_says_so(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")
-    write_trigger(paths, "exit", "eval at 10k")
-    consume_for(paths, Decision.EXIT, 40, "1")
+    TriggerBox(paths).write("exit", "eval at 10k")
+    TriggerBox(paths).consume_for(Decision.EXIT, 40, "1")
     _ckpt(paths, 40)
     _outcome(monkeypatch, paths, "1", "exited", iteration=40)
     v = chain.end("1", 0)

@@ -11,7 +11,7 @@ import pytest
 
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.rundir.triggers import Decision, consumed_records
+from megalaunch.rundir.triggers import Decision, TriggerBox
 from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
@@ -35,7 +35,7 @@ def test_acted_logs_consumes_and_records(session: Session, capsys: pytest.Captur
     (session.paths.triggers / "save").write_text("{}")
     session.acted(Decision.EXIT, 37)
     assert "[megalaunch rank 0] decision exit at iteration 37" in capsys.readouterr().out
-    assert {(r["verb"], r["consumed_iteration"], r["consumed_by_job"]) for r in consumed_records(session.paths)} == {
+    assert {(r["verb"], r["consumed_iteration"], r["consumed_by_job"]) for r in TriggerBox(session.paths).consumed()} == {
         ("exit", 37, "42"), ("save", 37, "42")}
     (rec,) = read_jsonl(session.paths.ledger)
     assert (rec["event"], rec["decision"], rec["iteration"], rec["job_id"]) == ("decision", "exit", 37, "42")
@@ -45,7 +45,7 @@ def test_acted_logs_consumes_and_records(session: Session, capsys: pytest.Captur
 def test_signal_also_satisfies_a_pending_save(session: Session) -> None:
     (session.paths.triggers / "save").write_text("{}")
     session.acted(Decision.SIGNAL, 5)
-    assert [r["verb"] for r in consumed_records(session.paths)] == ["save"]
+    assert [r["verb"] for r in TriggerBox(session.paths).consumed()] == ["save"]
 
 
 def test_other_ranks_only_log(session: Session, capsys: pytest.CaptureFixture[str]) -> None:

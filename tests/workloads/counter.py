@@ -16,7 +16,7 @@ import time
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
-from megalaunch.rundir.triggers import Decision, consume_for, decide
+from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime.dist_env import rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
@@ -64,15 +64,15 @@ def main() -> int:
             log(f"finished at iteration {it}")
             return 0
         look = it % settings.trigger_interval == 0
-        decision = decide(paths if look else None, flag.received)
+        decision = decide(TriggerBox(paths) if look else None, flag.received)
         if decision == Decision.ABORT:
-            consume_for(paths, decision, it, job)
+            TriggerBox(paths).consume_for(decision, it, job)
             write_outcome(paths, "aborted", iteration=it, reason="abort trigger")
             log(f"aborted at iteration {it}")
             return 0
         if decision in (Decision.SAVE, Decision.SIGNAL, Decision.EXIT):
             save(paths, it, total)
-            consume_for(paths, decision, it, job)
+            TriggerBox(paths).consume_for(decision, it, job)
             if decision == Decision.SIGNAL:
                 write_outcome(paths, "saved", iteration=it, reason="signal")
                 log(f"stop signal: saved and exiting at iteration {it}")

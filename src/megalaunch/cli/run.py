@@ -169,10 +169,10 @@ def trigger(
 ) -> None:
     """Ask a running job to save, exit or abort (any member of the run's group may)."""
     from megalaunch.launcher.control import find_run
-    from megalaunch.rundir.triggers import write_trigger
+    from megalaunch.rundir.triggers import TriggerBox
 
     paths = find_run(run)
-    path = write_trigger(paths, verb.value, reason)
+    path = TriggerBox(paths).write(verb.value, reason)
     say(f"trigger '{verb.value}' written: {path}")
     say(f"the job acts on it within chain.trigger_interval iterations; check: megalaunch status {paths.root}")
 

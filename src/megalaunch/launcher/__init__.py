@@ -1,1 +1,1 @@
-"""Login-node side: run directories, rendering, the Slurm client, backends, chain, status, triggers."""
+"""Login-node side: preparing and rendering runs, the Slurm client, backends, the chain, status."""

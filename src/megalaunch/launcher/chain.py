@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import abnormal_ends, failure_reason
-from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome
+from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.runtime.settings import RuntimeSettings
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
@@ -49,12 +49,13 @@ class Chain:
             self.ledger.append("skipped", job_id=job_id, reason=reason)
             return Verdict(False, f"chain already stopped: {reason}")
         iteration = self.paths.read_tracker()
-        pending = triggers.pending_triggers(self.paths)
+        box = TriggerBox(self.paths)
+        pending = box.pending()
         for verb in ("abort", "exit"):
             if verb in pending:
-                decision = triggers.VERB_DECISION[verb]
+                decision = VERB_DECISION[verb]
                 by = ""
-                for rec in triggers.consume_for(self.paths, decision, iteration, job_id):
+                for rec in box.consume_for(decision, iteration, job_id):
                     self.ledger.append("trigger", job_id=job_id, verb=rec["verb"], iteration=iteration,
                                        requested_by=rec.get("user"), reason=rec.get("reason"),
                                        when="before training")
@@ -167,7 +168,7 @@ def _who(record: dict[str, object]) -> str:
 
 def _requested_by(paths: RunPaths, verb: str, job_id: str) -> str:
     """Who asked for the exit/abort that this segment acted on, from the consumed trigger's record."""
-    records = [r for r in triggers.consumed_records(paths)
+    records = [r for r in TriggerBox(paths).consumed()
                if r.get("verb") == verb and str(r.get("consumed_by_job")) == str(job_id)]
     return _who(records[-1]) if records else ""
 

@@ -8,10 +8,10 @@ from typing import Any
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.launcher.backend import Live
 from megalaunch.launcher.backends import backend_for
-from megalaunch.rundir import triggers
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, read_progress
+from megalaunch.rundir.triggers import TriggerBox
 
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 
@@ -77,8 +77,8 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
         "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
-        "pending_triggers": triggers.pending_triggers(paths),
-        "consumed_triggers": len(triggers.consumed_records(paths)),
+        "pending_triggers": TriggerBox(paths).pending(),
+        "consumed_triggers": len(TriggerBox(paths).consumed()),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
     }
 

@@ -36,93 +36,84 @@ class Decision(enum.IntEnum):
 VERB_DECISION = {"save": Decision.SAVE, "exit": Decision.EXIT, "abort": Decision.ABORT}
 
 
-def write_trigger(paths: RunPaths, verb: str, reason: str | None) -> Path:
-    """Atomically create triggers/<verb> with who, when and why. Any member of the run's group can."""
-    if verb not in TRIGGER_VERBS:
-        raise RunDirError(f"unknown trigger '{verb}'", valid=", ".join(TRIGGER_VERBS))
-    tdir = paths.triggers
-    if not tdir.is_dir():
-        raise RunDirError(f"{paths.root} has no triggers/ directory", fix="is this a megalaunch run directory?")
-    record = {"verb": verb, "user": getpass.getuser(), "uid": os.getuid(), "host": socket.gethostname(),
-              "time": time.time(), "reason": reason}
-    try:
-        atomic_write_json(tdir / verb, record, mode=0o660)
-    except PermissionError:
-        group = group_name(tdir)
-        raise RunDirError(f"permission denied writing a trigger in {tdir}: you ({getpass.getuser()}) are not "
-                          f"a member of the run's group '{group}'",
-                          fix=f"ask the run's owner to add you to '{group}' or to trigger it") from None
-    return tdir / verb
+class TriggerBox:
+    """The trigger files of one run: the CLI writes them, the job looks, consumes and audits them."""
+
+    def __init__(self, paths: RunPaths) -> None:
+        self.paths = paths
+
+    def write(self, verb: str, reason: str | None) -> Path:
+        """Atomically create triggers/<verb> with who, when and why. Any member of the run's group can."""
+        if verb not in TRIGGER_VERBS:
+            raise RunDirError(f"unknown trigger '{verb}'", valid=", ".join(TRIGGER_VERBS))
+        tdir = self.paths.triggers
+        if not tdir.is_dir():
+            raise RunDirError(f"{self.paths.root} has no triggers/ directory", fix="is this a megalaunch run directory?")
+        record = {"verb": verb, "user": getpass.getuser(), "uid": os.getuid(), "host": socket.gethostname(),
+                  "time": time.time(), "reason": reason}
+        try:
+            atomic_write_json(tdir / verb, record, mode=0o660)
+        except PermissionError:
+            group = group_name(tdir)
+            raise RunDirError(f"permission denied writing a trigger in {tdir}: you ({getpass.getuser()}) are not "
+                              f"a member of the run's group '{group}'",
+                              fix=f"ask the run's owner to add you to '{group}' or to trigger it") from None
+        return tdir / verb
+
+    def pending(self) -> list[str]:
+        """Verbs whose trigger file exists (one listing of one directory)."""
+        try:
+            names = os.listdir(self.paths.triggers)
+        except FileNotFoundError:
+            return []
+        return [v for v in TRIGGER_VERBS if v in names]
+
+    def read(self, verb: str) -> dict[str, Any]:
+        try:
+            data = json.loads(self.paths.trigger(verb).read_text() or "{}")
+            return data if isinstance(data, dict) else {}
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+
+    def consume(self, verb: str, iteration: int | None, job_id: str | None = None) -> dict[str, Any] | None:
+        """Move the trigger to triggers/consumed/ with when it took effect; returns the audit record,
+        or None if it was already gone (consumed by someone else)."""
+        record = self.read(verb)
+        src = self.paths.trigger(verb)
+        if not src.exists():
+            return None
+        record.update({"verb": verb, "consumed_at": time.time(), "consumed_iteration": iteration,
+                       "consumed_by_job": job_id, "consumed_on": socket.gethostname()})
+        self.paths.consumed_triggers.mkdir(exist_ok=True)
+        atomic_write_json(self.paths.consumed_triggers / f"{time.strftime('%Y%m%dT%H%M%S')}-{verb}-{os.getpid()}.json",
+                          record)
+        try:
+            os.unlink(src)
+        except FileNotFoundError:
+            return None
+        return record
+
+    def consume_for(self, decision: Decision, iteration: int | None, job_id: str | None = None) -> list[dict[str, Any]]:
+        """Consume every trigger the decision acted on (an exit also satisfies a pending save)."""
+        verbs = {Decision.SAVE: ["save"], Decision.EXIT: ["save", "exit"],
+                 Decision.ABORT: ["save", "exit", "abort"]}.get(decision, [])
+        return [rec for verb in verbs if (rec := self.consume(verb, iteration, job_id)) is not None]
+
+    def consumed(self) -> list[dict[str, Any]]:
+        """The audit records, oldest first."""
+        out = []
+        for p in sorted(Path(self.paths.consumed_triggers).glob("*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (json.JSONDecodeError, OSError):
+                continue
+        return out
 
 
-def pending_triggers(paths: RunPaths) -> list[str]:
-    """Verbs whose trigger file exists (one listing of one directory)."""
-    try:
-        names = os.listdir(paths.triggers)
-    except FileNotFoundError:
-        return []
-    return [v for v in TRIGGER_VERBS if v in names]
-
-
-def decide(paths: RunPaths | None, signal_received: bool) -> Decision:
-    """Rank 0's local decision: the strongest pending trigger, or the signal."""
+def decide(box: TriggerBox | None, signal_received: bool) -> Decision:
+    """Rank 0's local decision: the strongest pending trigger, or the signal (other ranks: box None)."""
     d = Decision.SIGNAL if signal_received else Decision.CONTINUE
-    if paths is not None:
-        for verb in pending_triggers(paths):
+    if box is not None:
+        for verb in box.pending():
             d = max(d, VERB_DECISION[verb])
     return d
-
-
-def read_trigger(paths: RunPaths, verb: str) -> dict[str, Any]:
-    try:
-        data = json.loads(paths.trigger(verb).read_text() or "{}")
-        return data if isinstance(data, dict) else {}
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-
-
-def consume(paths: RunPaths, verb: str, iteration: int | None, job_id: str | None = None) -> dict[str, Any] | None:
-    """Move the trigger to triggers/consumed/ with when it took effect; returns the audit record,
-    or None if it was already gone (consumed by someone else)."""
-    record = read_trigger(paths, verb)
-    src = paths.trigger(verb)
-    if not src.exists():
-        return None
-    record.update({
-        "verb": verb,
-        "consumed_at": time.time(),
-        "consumed_iteration": iteration,
-        "consumed_by_job": job_id,
-        "consumed_on": socket.gethostname(),
-    })
-    paths.consumed_triggers.mkdir(exist_ok=True)
-    dst = paths.consumed_triggers / f"{time.strftime('%Y%m%dT%H%M%S')}-{verb}-{os.getpid()}.json"
-    atomic_write_json(dst, record)
-    try:
-        os.unlink(src)
-    except FileNotFoundError:
-        return None
-    return record
-
-
-def consume_for(paths: RunPaths, decision: Decision, iteration: int | None,
-                job_id: str | None = None) -> list[dict[str, Any]]:
-    """Consume every trigger the decision acted on (an exit also satisfies a pending save)."""
-    verbs = {Decision.SAVE: ["save"], Decision.EXIT: ["save", "exit"],
-             Decision.ABORT: ["save", "exit", "abort"]}.get(decision, [])
-    out = []
-    for verb in verbs:
-        rec = consume(paths, verb, iteration, job_id)
-        if rec is not None:
-            out.append(rec)
-    return out
-
-
-def consumed_records(paths: RunPaths) -> list[dict[str, Any]]:
-    out = []
-    for p in sorted(Path(paths.consumed_triggers).glob("*.json")):
-        try:
-            out.append(json.loads(p.read_text()))
-        except (json.JSONDecodeError, OSError):
-            continue
-    return out

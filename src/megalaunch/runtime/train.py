@@ -29,7 +29,7 @@ from typing import Any
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
-from megalaunch.rundir.triggers import Decision, consume, consume_for, decide
+from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.settings import RuntimeSettings
@@ -91,7 +91,7 @@ class Session:
 
         from megalaunch.runtime.megatron_seams import collective_device
 
-        local = decide(self.paths if self.rank == 0 else None, self.flag.received)
+        local = decide(TriggerBox(self.paths) if self.rank == 0 else None, self.flag.received)
         t = torch.tensor([int(local)], dtype=torch.int64, device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
@@ -104,9 +104,10 @@ class Session:
                 Decision.EXIT: "saved on the exit trigger, exiting", Decision.ABORT: "aborting without a save"}[d]
         self.log(f"decision {d.name.lower()} at iteration {iteration}: {what}")
         if self.rank == 0:
-            consumed = consume_for(self.paths, d, iteration, self.job_id)
+            box = TriggerBox(self.paths)
+            consumed = box.consume_for(d, iteration, self.job_id)
             if d == Decision.SIGNAL:  # the checkpoint just written also satisfies a pending `save`
-                rec = consume(self.paths, "save", iteration, self.job_id)
+                rec = box.consume("save", iteration, self.job_id)
                 consumed += [rec] if rec else []
             self.ledger("decision", decision=d.name.lower(), iteration=iteration,
                         triggers=[c.get("verb") for c in consumed], signal=self.flag.received)
