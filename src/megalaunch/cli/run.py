@@ -34,38 +34,16 @@ def submit(
     cluster: ClusterOpt = None,
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
-    from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare import prepare_run
-
-    sets = list(set_ or [])
-    if backend is not None:
-        sets.append(f"cluster.backend={backend.value}")
-    if no_auto_requeue:
-        sets.append("chain.auto_requeue=false")
-    loaded = load_recipe(recipe, sets, name=name, cluster=cluster)
-    prepared = prepare_run(loaded)
-    r = prepared.recipe
-    topo = prepared.topology
-    summary = (f"{r.name}: {r.model.num_layers} layers x {r.model.hidden_size} hidden, world {topo.world_size} "
-               f"= TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x DP {topo.dp}, "
-               f"{r.training.global_batch_size} seqs x {r.model.seq_length} tokens per step, "
-               f"{r.training.train_iters} iterations, backend {r.cluster.backend}")
-    if dry_run:
-        say(f"dry run: {summary}")
-        say(f"would create {prepared.paths.root}")
-        for rel, content in prepared.files.items():
-            if rel == "job.sbatch":
-                say(f"----- {rel} -----")
-                say(content.rstrip("\n"))
-        import shlex
-
-        say("----- megatron.args -----")
-        say(shlex.join(line for line in prepared.files["megatron.args"].splitlines() if line))
-        say("nothing written, nothing submitted")
-        return
     from megalaunch.launcher.backends import backend_for
+    from megalaunch.launcher.prepare import dry_run_text, prepare_submission, summary
 
-    say(summary)
+    prepared = prepare_submission(recipe, set_ or [], name=name, cluster=cluster,
+                                  backend=backend.value if backend else None, auto_requeue=not no_auto_requeue)
+    if dry_run:
+        say(dry_run_text(prepared))
+        return
+    r = prepared.recipe
+    say(summary(prepared))
     started = backend_for(r.cluster.backend).start(prepared, say)
     if started.job_id is None:
         say(f"done: {started.outcome}")

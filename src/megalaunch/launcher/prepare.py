@@ -257,3 +257,38 @@ def _snapshot_code(src: Path, dst: Path) -> None:
     except (OSError, shutil.Error, subprocess.TimeoutExpired) as e:
         raise RunDirError(f"code snapshot of {src} failed: {e}", field="debug.code_snapshot",
                           fix="fix the source tree or set debug.code_snapshot to null") from None
+
+
+def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cluster: str | None = None,
+                       backend: str | None = None, auto_requeue: bool = True) -> PreparedRun:
+    """What `megalaunch submit` does before anything is written: load (with the command line's
+    overrides, which win over `--set`), preflight and render."""
+    from megalaunch.config.loader import load_recipe
+
+    sets = list(sets)
+    if backend is not None:
+        sets.append(f"cluster.backend={backend}")
+    if not auto_requeue:
+        sets.append("chain.auto_requeue=false")
+    return prepare_run(load_recipe(ref, sets, name=name, cluster=cluster))
+
+
+def summary(prepared: PreparedRun) -> str:
+    r, topo = prepared.recipe, prepared.topology
+    return (f"{r.name}: {r.model.num_layers} layers x {r.model.hidden_size} hidden, world {topo.world_size} "
+            f"= TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x DP {topo.dp}, "
+            f"{r.training.global_batch_size} seqs x {r.model.seq_length} tokens per step, "
+            f"{r.training.train_iters} iterations, backend {r.cluster.backend}")
+
+
+def dry_run_text(prepared: PreparedRun) -> str:
+    """What a submit would create: the run directory, the job script, Megatron's arguments."""
+    import shlex
+
+    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}"]
+    if "job.sbatch" in prepared.files:
+        lines += ["----- job.sbatch -----", prepared.files["job.sbatch"].rstrip("\n")]
+    lines += ["----- megatron.args -----",
+              shlex.join(line for line in prepared.files["megatron.args"].splitlines() if line),
+              "nothing written, nothing submitted"]
+    return "\n".join(lines)
