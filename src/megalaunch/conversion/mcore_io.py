@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.conversion.errors import ConversionError, IncompleteCheckpointError, MissingFileError
+from megalaunch.rundir.paths import RunPaths
 
 if TYPE_CHECKING:
     import torch
@@ -61,8 +62,9 @@ def checkpoint_root(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise MissingFileError(f"{path} does not exist")
-    if (path / "checkpoints").is_dir() and not (path / TRACKER).exists():
-        return path / "checkpoints"
+    run = RunPaths(path)  # a run directory: its checkpoints/
+    if run.checkpoints.is_dir() and not (path / TRACKER).exists():
+        return run.checkpoints
     return path
 
 

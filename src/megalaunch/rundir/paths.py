@@ -143,3 +143,18 @@ class RunPaths:
             return int(text)
         except ValueError:
             return None
+
+
+@dataclass(frozen=True)
+class ConversionPaths:
+    """A conversion's output directory when it runs as a Slurm job: its script and logs."""
+
+    root: Path
+
+    @property
+    def job_script(self) -> Path:
+        return self.root / "convert.sbatch"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"

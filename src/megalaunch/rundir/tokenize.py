@@ -54,8 +54,12 @@ class TokenizeRun:
     def ledger(self) -> Path:
         return self.root / "state" / "ledger.jsonl"
 
+    @property
+    def dumps(self) -> Path:
+        return self.root / "dumps"
+
     def dump_dir(self, dump: int) -> Path:
-        return self.root / "dumps" / f"dump_{dump:04d}"
+        return self.dumps / f"dump_{dump:04d}"
 
     def datatrove_dir(self, dump: int) -> Path:
         return self.dump_dir(dump) / "datatrove"

@@ -39,7 +39,7 @@ def create_run(recipe: TokenizeRecipe, run_dir: str | os.PathLike[str]) -> tuple
             raise RunDirError(f"{run.root} already holds a different plan (inputs or n_dumps changed)",
                               fix="use a new --run-dir, or `megalaunch tokenize submit` to resume this one")
     run.root.mkdir(parents=True, exist_ok=True, mode=RUN_DIR_MODE)
-    for sub in (run.logs, run.ledger.parent, run.root / "dumps"):
+    for sub in (run.logs, run.ledger.parent, run.dumps):
         sub.mkdir(exist_ok=True)
     check_output_dir(run.output_dir(recipe.output_dir))
     atomic_write_text(run.recipe_yaml, yaml.safe_dump(to_plain(recipe), sort_keys=False))
