@@ -107,13 +107,10 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
     hf_cfg, hf, model, dims = _describe(hf_dir, model, vocab_size, tensor_parallel)
     table = TABLES[hf.family]
     report = Report(output=out, notes=list(hf.notes))
-    cast = _dtype(dtype)
-
     with safetensors_io.SafetensorsReader(hf_dir) as reader:
         check_hf_tensors(reader, table, dims, hf_dir)
         work = list(items(table, dims))
-        stored = {n: safetensors_io.torch_dtype(i.dtype) for n, i in reader.tensors.items()}
-        out_dtype = cast or stored[work[0].hf_names[0]]
+        out_dtype = _dtype(dtype) or safetensors_io.torch_dtype(reader.tensors[work[0].hf_names[0]].dtype)
         shards = _lazy_shards(reader, work, dims, out_dtype)
         report.tensors = len(shards)
         report.bytes = sum(s.nbytes for s in shards)
