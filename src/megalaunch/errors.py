@@ -20,7 +20,9 @@ class MegalaunchError(Exception):
         self.fix = fix
 
     def __str__(self) -> str:
-        parts = [f"{self.field}: {self.message}" if self.field else self.message]
+        # one prefix: a message that already starts with its field is not prefixed again
+        named = self.field and not self.message.startswith((f"{self.field}.", f"{self.field} ", f"{self.field}:"))
+        parts = [f"{self.field}: {self.message}" if named else self.message]
         if self.valid:
             parts.append(f"valid: {self.valid}")
         if self.fix:

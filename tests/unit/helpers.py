@@ -21,16 +21,16 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
 
 def counter_recipe(tmp: Path, name: str = "counter", **overrides: str) -> Path:
     """A local-backend recipe whose workload is the counter stand-in trainer."""
-    lines = [
-        "include: [tiny]",
-        f"name: {name}",
-        f'workload: ["{sys.executable}", "{WORKLOADS / "counter.py"}"]',
-        f"run: {{root: {tmp / 'runs'}}}",
-        'cluster: {time: "00:00:12"}',
-        "checkpoint: {save_time_estimate_s: 1, save_interval: 20}",
-        "chain: {step_time_estimate_s: 0.5, signal_margin_s: 1, min_train_time_s: 5}",
-    ]
-    lines += [f"{k}: {v}" for k, v in overrides.items()]
+    sections = {
+        "include": "[tiny]",
+        "name": name,
+        "workload": f'["{sys.executable}", "{WORKLOADS / "counter.py"}"]',
+        "run": f"{{root: {tmp / 'runs'}}}",
+        "cluster": '{time: "00:00:12"}',
+        "checkpoint": "{save_time_estimate_s: 1, save_interval: 20}",
+        "chain": "{step_time_estimate_s: 0.5, signal_margin_s: 1, min_train_time_s: 5}",
+    }
+    sections.update(overrides)  # a section given here replaces the default one (a key appears once)
     path = tmp / f"{name}.yaml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("".join(f"{k}: {v}\n" for k, v in sections.items()))
     return path

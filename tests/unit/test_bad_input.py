@@ -55,7 +55,7 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("name with spaces", "", ["--name", "my run"], "name"),
     ("zero nodes", "cluster: {nodes: 0}\n", [], "cluster.nodes"),
     ("local backend on two nodes", "cluster: {nodes: 2}\n", [], "cluster.nodes"),
-    ("unknown group", "run: {root: /tmp, group: no-such-group-xyz}\n", [], "run.group"),
+    ("unknown group", "", ["--set", "run.group=no-such-group-xyz"], "run.group"),
     ("sdpa with context parallel", "cluster: {tasks_per_node: 2}\nparallel: {context_parallel_size: 2}\n"
      "training: {attention: sdpa}\n", [], "training.attention"),
     ("no data at all", "data: {mock: false}\n", [], "data.blend"),
@@ -66,7 +66,7 @@ CASES: list[tuple[str, str, list[str], str]] = [
      "cluster.sbatch_extra.time"),
     ("missing local tokenizer", "data: {tokenizer_type: HuggingFaceTokenizer, tokenizer_model: /nope/tok.json}\n",
      [], "data.tokenizer_model"),
-    ("missing include", "include: [models/nope]\n", [], "not found"),
+    ("repeated top-level key", "include: [models/nope]\n", [], "'include' appears twice"),
     ("bad env var name", "cluster: {env: {'A-B': x}}\n", [], "cluster"),
     ("bad time format", 'cluster: {time: "ten hours"}\n', [], "time"),
     ("precision on CPU", "training: {precision: bf16}\n", [], "training.precision"),
@@ -119,6 +119,15 @@ def test_bad_input_fails_cleanly(case_id: str, body: str | None, args: list[str]
 
 def test_at_least_thirty_cases() -> None:
     assert len(CASES) + 2 >= 30
+
+
+def test_missing_include(tmp_path: Path, fake_slurm: tuple[Path, Path]) -> None:
+    bindir, marker = fake_slurm
+    root = tmp_path / "runs"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"include: [tiny, models/nope]\nname: x\nrun: {{root: {root}}}\n")
+    proc = cli("submit", str(recipe), env={"PATH": f"{bindir}:{os.environ['PATH']}"})
+    _assert_clean_failure(proc, "not found", root, marker)
 
 
 def test_unwritable_run_root(tmp_path: Path, fake_slurm: tuple[Path, Path]) -> None:

@@ -72,15 +72,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except Exception as e:
         if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
-            # a usage error (unknown option, missing argument, bad choice): Click's own short message.
-            # Duck-typed: typer >= 0.28 vendors Click, older typer depends on it; neither is imported here.
-            e.show()  # type: ignore[attr-defined]
-            sys.exit(e.exit_code)  # type: ignore[attr-defined]
+            # a usage error (unknown option, missing argument, bad choice). Duck-typed: typer >= 0.28
+            # vendors Click, older typer depends on it; neither is imported here.
+            _usage_error(e)
         if debug:
             raise
         print(f"megalaunch: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
               "(run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
+
+
+def _usage_error(e: Exception) -> None:
+    """Two lines: what was wrong and where the help is (a bare command still shows its help)."""
+    if type(e).__name__ == "NoArgsIsHelpError":
+        e.show()  # type: ignore[attr-defined]
+    else:
+        ctx = getattr(e, "ctx", None)
+        message = e.format_message() if callable(getattr(e, "format_message", None)) else str(e)  # type: ignore[attr-defined]
+        print(f"megalaunch: error: {' '.join(message.split())}", file=sys.stderr)
+        print(f"see: {getattr(ctx, 'command_path', 'megalaunch') or 'megalaunch'} --help", file=sys.stderr)
+    sys.exit(e.exit_code)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

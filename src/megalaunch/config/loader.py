@@ -17,7 +17,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from megalaunch.config.schema import Recipe
-from megalaunch.config.typed import build, did_you_mean, to_plain
+from megalaunch.config.typed import UnknownKeyError, build, did_you_mean, to_plain
 from megalaunch.errors import ConfigError, RunDirError
 from megalaunch.rundir.paths import RunPaths
 
@@ -68,6 +68,7 @@ def find_recipe(ref: str, relative_to: Path | None = None, group: str = "train")
     for c in candidates:
         if c.is_file():
             return c.resolve()
+
         if c.suffix == "" and c.with_suffix(".yaml").is_file():
             return c.with_suffix(".yaml").resolve()
     shipped = shipped_recipes()
@@ -75,19 +76,58 @@ def find_recipe(ref: str, relative_to: Path | None = None, group: str = "train")
     for key in (name, f"{group}/{name}"):
         if key in shipped:
             return shipped[key]
+    if any(c.is_dir() for c in candidates):
+        raise ConfigError(f"{ref} is a directory, not a recipe file", fix="name a .yaml file in it")
     raise ConfigError(f"recipe '{ref}' not found{did_you_mean(name, shipped)}",
                       valid="a YAML file path or a shipped recipe (see `megalaunch recipes list`)")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key repeated in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "the second would silently replace the first", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML with duplicate keys refused; errors name `where` and the line."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        line = f" line {mark.line + 1}:" if mark is not None else ""
+        problem = getattr(e, "problem", None) or e
+        if isinstance(e, yaml.constructor.ConstructorError):  # a repeated key
+            raise ConfigError(f"{where}:{line} {problem}") from None
+        raise ConfigError(f"{where}:{line} is not valid YAML ({problem})") from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a recipe file", fix="name a .yaml file in it")
+    try:
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read recipe {path}: {e.strerror}") from None
+    if not raw.strip():
+        raise ConfigError(f"{path} is empty: a recipe needs at least `name:` and an `include:` or sections",
+                          fix="see `megalaunch recipes show tiny` for a complete one")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): not a recipe file") from None
+    if "\0" in text:
+        raise ConfigError(f"{path} holds NUL bytes: not a recipe file")
+    data = parse_yaml(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -169,7 +209,9 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {expr!r}: empty key", fix="e.g. --set training.lr=3e-4")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError(f"--set {key}: {e.problem}") from None
     except yaml.YAMLError:
         value = text  # not YAML: take it as a plain string
     return key.split("."), value
@@ -185,8 +227,7 @@ def _check_path(parts: list[str], schema: Any = Recipe) -> None:
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
             dotted = ".".join(parts[: i + 1])
-            raise ConfigError(f"unknown key{did_you_mean(part, names)}", field=f"--set {dotted}",
-                              valid=", ".join(sorted(names)))
+            raise UnknownKeyError(part, f"--set {dotted}", names, root=schema)
         tp = hints[part]
         cls = tp if dataclasses.is_dataclass(tp) else None
 

@@ -3,6 +3,7 @@ naming the field, what is valid and the fix (the README lists the checks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -77,6 +78,51 @@ def topology(recipe: Recipe) -> Topology:
 def _require(ok: bool, field: str, message: str, valid: str, fix: str) -> None:
     if not ok:
         raise PreflightError(message, field=field, valid=valid, fix=fix)
+
+
+_ARGS_SECTIONS = ("model", "parallel", "training", "checkpoint", "data", "megatron_args")
+
+
+def check_single_tokens(recipe: Recipe) -> None:
+    """Every value that goes into RUN/megatron.args (one token per line) must stay one token: a line
+    break or NUL would turn it into extra Megatron arguments."""
+    for section in _ARGS_SECTIONS:
+        for field, value in _leaves(getattr(recipe, section), section):
+            if isinstance(value, str) and any(c in value for c in "\n\r\0"):
+                raise PreflightError(f"{value!r} holds a line break or NUL: it would become extra Megatron arguments",
+                                     field=field, valid="a value on one line", fix="remove the line break")
+
+
+def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _leaves(getattr(value, f.name), f"{prefix}.{f.name}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{prefix}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, value
+
+
+def check_schedule(recipe: Recipe) -> None:
+    """The learning-rate schedule's arithmetic, which Megatron only asserts when it builds the
+    scheduler inside the job (`AssertionError` with no text)."""
+    t = recipe.training
+    decay = t.lr_decay_iters or t.train_iters
+    decay_field = "training.lr_decay_iters" if t.lr_decay_iters else "training.train_iters"
+    _require(t.lr_warmup_iters >= 0, "training.lr_warmup_iters", f"is {t.lr_warmup_iters}", ">= 0",
+             "--set training.lr_warmup_iters=0")
+    _require(t.lr_warmup_iters < decay, "training.lr_warmup_iters",
+             f"{t.lr_warmup_iters} warm-up iterations are not fewer than the {decay} decay iterations ({decay_field})",
+             f"< {decay}", f"lower lr_warmup_iters or raise {decay_field}")
+    _require(decay <= t.train_iters, "training.lr_decay_iters",
+             f"{decay} decay iterations exceed train_iters {t.train_iters}: the schedule would not finish",
+             f"<= {t.train_iters}", "--set training.lr_decay_iters=null (decay over train_iters)")
+    _require(0 <= t.min_lr <= t.lr, "training.min_lr", f"{t.min_lr} is not between 0 and lr {t.lr}",
+             f"0 <= min_lr <= {t.lr}", "lower training.min_lr")
 
 
 def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
@@ -291,6 +337,8 @@ def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     the resolved data blend."""
     check_no_secrets(recipe)
     check_cluster(recipe)
+    check_single_tokens(recipe)
+    check_schedule(recipe)
     topo = topology(recipe)
     check_model_parallel(recipe, topo)
     check_files(recipe)

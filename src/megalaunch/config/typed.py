@@ -30,8 +30,47 @@ def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 
 
 def did_you_mean(name: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    close = difflib.get_close_matches(name, list(options), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd")
+
+
+def looks_like_megatron_flag(name: str) -> bool:
+    """A snake_case name that is not secret-like: worth suggesting `megatron_args` for."""
+    return bool(re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)+", name)) and not any(w in name for w in _SECRET_WORDS)
+
+
+def fields_named(cls: Any, name: str, prefix: str = "") -> list[str]:
+    """Dotted paths of every field called `name` in dataclass `cls` and the dataclasses inside it."""
+    out = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if f.name == name and prefix:
+            out.append(path)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += fields_named(hints[f.name], name, path + ".")
+    return out
+
+
+class UnknownKeyError(ConfigError):
+    """A key the schema does not have: the closest names, the section that has it, or megatron_args."""
+
+    def __init__(self, key: str, field: str, names: typing.Iterable[str], root: Any = None) -> None:
+        close = difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
+        elsewhere = [p for p in fields_named(root, key) if p != field.removeprefix("--set ")] if root else []
+        message = f"unknown key{did_you_mean(key, close)}"
+        if elsewhere:
+            message += f"; '{key}' is a field of {' and '.join(p.rsplit('.', 1)[0] for p in elsewhere)}"
+            fix = f"move it: {elsewhere[0]}"
+        elif not close and looks_like_megatron_flag(key):
+            fix = f"remove it, or pass a Megatron flag the schema lacks as megatron_args.{key}"
+        else:
+            fix = "remove it"
+        super().__init__(message, field=field, fix=fix)
+        self.key, self.names, self.has_root = key, list(names), root is not None
 
 
 def _type_name(tp: Any) -> str:
@@ -113,6 +152,17 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
 
 def build(cls: Any, data: Any, path: str = "") -> Any:
     """Construct dataclass `cls` from mapping `data`, rejecting unknown keys and missing required ones."""
+    if path:
+        return _build(cls, data, path)
+    try:
+        return _build(cls, data, path)
+    except UnknownKeyError as e:  # from a section: now the whole schema is known, say where the key lives
+        if e.has_root:
+            raise
+        raise UnknownKeyError(e.key, str(e.field), e.names, root=cls) from None
+
+
+def _build(cls: Any, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -123,9 +173,7 @@ def build(cls: Any, data: Any, path: str = "") -> Any:
     for key, value in data.items():
         sub = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            raise ConfigError(f"unknown key{did_you_mean(str(key), fields)}", field=sub,
-                              valid=", ".join(sorted(fields)),
-                              fix="remove it, or pass Megatron flags the schema lacks under megatron_args")
+            raise UnknownKeyError(str(key), sub, fields, root=None if path else cls)
         kwargs[key] = coerce(value, hints[key], sub)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

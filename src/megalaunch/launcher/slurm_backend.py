@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING
 
@@ -36,13 +37,12 @@ class SlurmBackend:
                                  fix=f"export {missing[0]}=... before submitting (its value is never written to disk)")
         self.client.check_available()  # fail before writing anything if Slurm is absent
         paths = write_run(prepared)
-        ledger = Ledger(paths)
         try:
             job_id = self.client.sbatch(paths.job_script, cwd=paths.root)
-        except Exception as e:
-            ledger.append("submit_failed", reason=str(e))
+        except BaseException:
+            shutil.rmtree(paths.root, ignore_errors=True)  # nothing written unless submitted
             raise
-        ledger.append("submitted", job_id=job_id, by="megalaunch submit")
+        Ledger(paths).append("submitted", job_id=job_id, by="megalaunch submit")
         register(paths.root)
         return Started(paths, job_id)
 
