@@ -115,3 +115,21 @@ def test_usage_errors_are_at_most_three_lines(argv: list[str]) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert 1 <= len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("megalaunch: error:"), lines
+
+
+@pytest.mark.parametrize(("name", "value", "refused"), [
+    ("GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567", False),  # a revision, by its name
+    ("MODEL_SHA", "0123456789abcdef0123456789abcdef01234567", False),
+    ("MY_SETTING", "0123456789abcdef0123456789abcdef01234567", True),  # 40 hex: a W&B key, whatever its name
+    ("WANDB_KEY_COPY", "local-0123456789abcdef0123456789abcdef01234567", True),
+    ("HF_HOME", "/scratch/hf", False),
+])
+def test_secrets_are_judged_by_name_and_value_together(tmp_path: Path, name: str, value: str, refused: bool) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"include: [tiny]\nname: s\nrun: {{root: {tmp_path / 'runs'}}}\n"
+                      f"cluster: {{env: {{{name}: '{value}'}}}}\n")
+    proc = cli("submit", str(recipe), "--dry-run")
+    if refused:
+        _one_line(proc, f"cluster.env.{name}", "secret")
+    else:
+        assert proc.returncode == 0, proc.stderr

@@ -3,7 +3,6 @@ naming the field, what is valid and the fix (the README lists the checks)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -23,9 +22,12 @@ _SECRET_VALUE_RES = [
     re.compile(r"^gh[pousr]_[A-Za-z0-9]{20,}$"),  # GitHub tokens
     re.compile(r"^xox[abprs]-[A-Za-z0-9-]{10,}$"),  # Slack
     re.compile(r"^AKIA[0-9A-Z]{16}$"),  # AWS access key id
-    re.compile(r"^[0-9a-f]{40}$"),  # W&B API key (40 hex)
-    re.compile(r"^(local|wandb)-[0-9a-f]{40}$"),
+    re.compile(r"^(local|wandb)-[0-9a-f]{40}$"),  # W&B API key (prefixed)
 ]
+# 40 hex digits: a W&B API key, or a git commit. Name and value decide together: a key is refused
+# whatever it is called, unless the name says it is a revision (GIT_COMMIT, MODEL_SHA, ...).
+_HEX40_RE = re.compile(r"^[0-9a-f]{40}$")
+_REVISION_NAME_RE = re.compile(r"(COMMIT|SHA|REV|HASH|DIGEST|CHECKSUM)", re.I)
 _SECRET_NAME_RE = re.compile(r"(API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
 
 
@@ -86,25 +88,11 @@ _ARGS_SECTIONS = ("model", "parallel", "training", "checkpoint", "data", "megatr
 def check_single_tokens(recipe: Recipe) -> None:
     """Every value that goes into RUN/megatron.args (one token per line) must stay one token: a line
     break or NUL would turn it into extra Megatron arguments."""
-    for section in _ARGS_SECTIONS:
-        for field, value in _leaves(getattr(recipe, section), section):
-            if isinstance(value, str) and any(c in value for c in "\n\r\0"):
-                raise PreflightError(f"{value!r} holds a line break or NUL: it would become extra Megatron arguments",
-                                     field=field, valid="a value on one line", fix="remove the line break")
-
-
-def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from _leaves(getattr(value, f.name), f"{prefix}.{f.name}")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _leaves(v, f"{prefix}.{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _leaves(v, f"{prefix}[{i}]")
-    else:
-        yield prefix, value
+    for field, value in _walk(to_plain(recipe)):
+        section = field.split(".")[0].split("[")[0]
+        if section in _ARGS_SECTIONS and isinstance(value, str) and any(c in value for c in "\n\r\0"):
+            raise PreflightError(f"{value!r} holds a line break or NUL: it would become extra Megatron arguments",
+                                 field=field, valid="a value on one line", fix="remove the line break")
 
 
 def check_schedule(recipe: Recipe) -> None:
@@ -263,7 +251,9 @@ def check_no_secrets(recipe: Recipe) -> None:
         if not isinstance(value, str):
             continue
         leaf = path.rsplit(".", 1)[-1]
-        looks_secret = any(r.match(value.strip()) for r in _SECRET_VALUE_RES)
+        text = value.strip()
+        looks_secret = any(r.match(text) for r in _SECRET_VALUE_RES) or (
+            _HEX40_RE.match(text) is not None and _REVISION_NAME_RE.search(leaf) is None)
         named_secret = _SECRET_NAME_RE.search(leaf) is not None and path.startswith(("cluster.env", "megatron_args"))
         if looks_secret or (named_secret and value):
             raise PreflightError("holds what looks like a secret value; recipes are copied into the run directory",
