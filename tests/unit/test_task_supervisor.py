@@ -129,3 +129,24 @@ def test_exit_status_passes_through(tmp_path: Path, code: int) -> None:
     proc = subprocess.run([sys.executable, "-m", "megalaunch.runtime.task", "--",
                            sys.executable, "-c", f"import sys; sys.exit({code})"], timeout=30)
     assert proc.returncode == code
+
+
+def test_the_sweep_also_finds_what_left_the_tree_but_not_the_group() -> None:
+    """A process re-parented to init in a race is no longer below the supervisor, but still in the
+    task's process group: `descendants(..., group=)` lists it."""
+    group = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                              "time.sleep(60)"], start_new_session=True)
+    loner = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(group.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (grandchild,) = descendants(group.pid)
+        assert descendants(loner.pid) == []  # nothing below the loner ...
+        assert sorted(descendants(loner.pid, group=group.pid)) == sorted([group.pid, grandchild])  # ... the group
+    finally:
+        os.killpg(group.pid, signal.SIGKILL)
+        loner.kill()
+        group.wait()
+        loner.wait()

@@ -54,9 +54,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from one walk of /proc."""
+def descendants(pid: int, *, group: int | None = None) -> list[int]:
+    """Every live process below `pid`, and every other one in process group `group`, from one walk of
+    /proc. The group catches a process that left the tree in a race (re-parented to init while its
+    parent died) but not the task's process group."""
     children: dict[int, list[int]] = {}
+    members: list[int] = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -67,15 +70,23 @@ def descendants(pid: int) -> list[int]:
             continue
         # the command name is in parentheses and may hold spaces: the fields after it are fixed
         fields = stat[stat.rfind(b")") + 2:].split()
-        if fields and fields[0] != b"Z":
+        if len(fields) > 2 and fields[0] != b"Z":
             children.setdefault(int(fields[1]), []).append(int(entry.name))
+            if group is not None and int(fields[2]) == group and int(entry.name) != pid:
+                members.append(int(entry.name))
     out: list[int] = []
     todo = [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
-    return out
+    return out + [m for m in members if m not in out]
+
+
+def _own_group() -> int | None:
+    """This process's group when it leads it (srun and the local backend start each task so); never a
+    group shared with a caller's shell."""
+    return os.getpid() if os.getpgid(0) == os.getpid() else None
 
 
 def _reap() -> None:
@@ -87,14 +98,14 @@ def _reap() -> None:
 def kill_leftovers(grace_s: float = LEFTOVER_GRACE_S, timeout_s: float = KILL_TIMEOUT_S) -> int:
     """Give left-over descendants `grace_s` to end on their own, then SIGKILL them; returns how many
     had to be killed."""
-    me = os.getpid()
+    me, group = os.getpid(), _own_group()
     deadline = time.monotonic() + grace_s
-    while (left := descendants(me)) and time.monotonic() < deadline:
+    while (left := descendants(me, group=group)) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    while (left := descendants(me)) and time.monotonic() < deadline:
+    while (left := descendants(me, group=group)) and time.monotonic() < deadline:
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
