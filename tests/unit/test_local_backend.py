@@ -145,3 +145,32 @@ def test_crash_loop_stops_after_k_segments(tmp_path: Path) -> None:
     st = json.loads(cli("status", str(paths.root), "--json").stdout)
     assert "3 consecutive segments without a new checkpoint" in st["stop_reason"]
     assert st["last_guard"]["decision"] == "stop"
+
+
+def test_cancel_from_another_shell_stops_a_local_chain(tmp_path: Path) -> None:
+    """`megalaunch cancel` on a local run: the chain's process kills its running segment (every process
+    of each task) and starts no other; the ledger says who cancelled."""
+    recipe = counter_recipe(tmp_path, training="{train_iters: 100000}", cluster='{time: "00:05:00"}')
+    proc = _start(recipe)
+    holder: list[RunPaths] = []
+    try:
+        _wait_for(lambda: _iteration(holder, tmp_path) >= 10, 60, "training to start")
+        paths = holder[0]
+        (seg,) = Ledger(paths).segments()
+        t0 = time.monotonic()
+        cancel = cli("cancel", str(paths.root), timeout=90)
+        took = time.monotonic() - t0
+        assert cancel.returncode == 0, cancel.stderr
+        assert f"cancelled {seg.job_id}" in cancel.stdout, cancel.stdout
+        assert took < 15, took  # the segment stopped promptly, not after cancel's 60 s wait
+        proc.wait(timeout=30)  # the chain's process ended: it started no other segment
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, proc.stderr
+    segs = Ledger(paths).segments()
+    assert [s.job_id for s in segs] == [seg.job_id]
+    assert Ledger(paths).stopped()["reason"].startswith("cancelled by")
+    record = json.loads(paths.task_record(seg.job_id, 0).read_text())
+    assert record["signal"] == "SIGTERM"  # the segment's task was stopped as scancel stops it, not left running
+    assert paths.read_tracker() is None or json.loads(paths.outcome.read_text())["status"] != "saved"  # no save

@@ -33,14 +33,20 @@ POLL_S = 0.2
 
 
 def pid_alive(pid: int) -> bool:
-    """A process with this id exists on this host (signal 0 checks without sending anything)."""
+    """A process with this id runs on this host (signal 0 checks without sending anything); a zombie,
+    ended but not yet reaped by its parent, does not count."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # it exists, under another user
-    return True
+        pass  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc here: trust the signal check
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
 
 
 
@@ -70,7 +76,8 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     lead = signal_lead_s(recipe)
     stop_sig = resolve_signal(recipe.chain.stop_signal)
     start = time.monotonic()
-    signalled = terminated = killed = False
+    signalled = killed = False
+    kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
     echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
     while any(p.poll() is None for p in procs):
         elapsed = time.monotonic() - start
@@ -80,19 +87,19 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
             _send(procs, signal.SIGKILL)
             killed = True
             echo(f"segment {job_id}: task {bad} exited with status {procs[bad].returncode}; killed the others")
-        if not killed and paths.cancel_requested.exists():  # `megalaunch cancel` from another shell
-            _send(procs, signal.SIGKILL)
-            killed = True
-            echo(f"segment {job_id}: cancel requested, killed its tasks")
+        if kill_at is None and paths.cancel_requested.exists():  # `megalaunch cancel` from another shell
+            _send(procs, signal.SIGTERM)  # as scancel: SIGTERM now, SIGKILL a grace period later, no save
+            kill_at, signalled = elapsed + KILL_WAIT_S, True
+            echo(f"segment {job_id}: cancel requested, sent SIGTERM")
         if not signalled and elapsed >= limit - lead:
             _send(procs, stop_sig)
             signalled = True
             echo(f"segment {job_id}: time-limit warning, sent {stop_sig.name}")
-        if not terminated and elapsed >= limit:
+        if kill_at is None and elapsed >= limit:
             _send(procs, signal.SIGTERM)
-            terminated = True
+            kill_at = limit + KILL_WAIT_S
             echo(f"segment {job_id}: time limit reached, sent SIGTERM")
-        if terminated and elapsed >= limit + KILL_WAIT_S:
+        if kill_at is not None and elapsed >= kill_at:
             _send(procs, signal.SIGKILL)
         time.sleep(POLL_S)
     codes = [p.returncode for p in procs]

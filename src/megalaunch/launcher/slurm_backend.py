@@ -22,10 +22,11 @@ if TYPE_CHECKING:  # pragma: no cover
 class SlurmBackend:
     name = "slurm"
 
-    def __init__(self, timeout_s: float | None = None) -> None:
+    def __init__(self) -> None:
         from megalaunch.launcher.slurm import SlurmClient
 
-        self.client = SlurmClient() if timeout_s is None else SlurmClient(timeout_s=timeout_s)
+        self.client = SlurmClient()  # submissions: Slurm's default patience
+        self.query = SlurmClient(timeout_s=QUERY_TIMEOUT_S)  # what a person waits for: status, cancel
 
     def start(self, prepared: PreparedRun, echo: Echo) -> Started:
         """Write the run directory and queue the first segment."""
@@ -60,9 +61,7 @@ class SlurmBackend:
         """Cancel every queued or running job of the chain and wait until none is left. The jobs are
         found with one query (the chain's unique job name) and cancelled by id. If Slurm does not
         answer, nothing is written and nothing is cancelled: the error says so."""
-        from megalaunch.launcher.slurm import SlurmClient
-
-        client = SlurmClient(timeout_s=QUERY_TIMEOUT_S)
+        client = self.query
         targets = sorted(client.squeue(name=paths.root.name))
         paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
         client.scancel(targets)
@@ -77,13 +76,12 @@ class SlurmBackend:
     def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]:
         """One `squeue` for every unfinished segment given, or ({}, why) when Slurm did not answer."""
         from megalaunch.errors import SlurmError
-        from megalaunch.launcher.slurm import SlurmClient
 
         ids = [s.job_id for s in unfinished(segments)]
         if not ids:
             return {}, None
         try:
-            jobs = SlurmClient(timeout_s=QUERY_TIMEOUT_S).squeue(ids)
+            jobs = self.query.squeue(ids)
         except SlurmError as e:
             return {}, str(e)
         return {j: Live(i.state, i.reason if i.reason not in ("None", "") else None) for j, i in jobs.items()}, None

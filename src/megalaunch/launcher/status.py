@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from megalaunch.config.loader import load_run_recipe
-from megalaunch.launcher.backend import Live
+from megalaunch.launcher.backend import Live, unfinished
 from megalaunch.launcher.backends import backend_for
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
@@ -128,14 +128,14 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
     out = []
     for paths, recipe, ledger in loaded:
         error = errors[recipe.cluster.backend]
-        unfinished = [s for s in segments[paths.root] if s.ended is None and not s.skipped]
-        jobs = [s.job_id for s in unfinished if s.job_id in live]
+        waiting = unfinished(segments[paths.root])
+        jobs = [s.job_id for s in waiting if s.job_id in live]
         stopped = ledger.stopped()
         if any(live[j].state == "RUNNING" for j in jobs):
             state = "running"
         elif jobs:
             state = "queued"
-        elif error is not None and unfinished and not stopped:
+        elif error is not None and waiting and not stopped:
             state = "unknown"
         else:
             state = "stopped" if stopped else "idle"
