@@ -149,6 +149,56 @@ def test_config_error_stops_at_once(run, monkeypatch) -> None:
     assert not v.proceed and "configuration error" in v.reason
 
 
+def test_config_error_outcome_stops_with_its_fix_in_status(run, monkeypatch) -> None:
+    paths, sched, chain = run
+    chain.begin("1")
+    assert sched.submitted == ["100"]
+    _outcome(monkeypatch, paths, "1", "config_error", reason="AssertionError: x (megatron/a.py:3)",
+             fix="--set training.attention=sdpa")
+    v = chain.end("1", 1)
+    assert not v.proceed and "no retry can fix it" in v.reason and "megatron/a.py:3" in v.reason
+    assert sched.cancelled == ["100"]  # the queued successor does not run the same error again
+    stopped = chain.ledger.stopped()
+    assert stopped is not None and stopped["fix"] == "--set training.attention=sdpa"
+    ended = chain.ledger.segments()[0].ended
+    assert ended is not None and ended["outcome"] == "config_error"
+    from megalaunch.launcher.status import format_run_status
+
+    text = format_run_status(run_status(paths))
+    assert "fix: --set training.attention=sdpa" in text and "CONFIG_ERROR" in text
+
+
+def test_a_rank_that_failed_on_the_config_stops_the_chain_though_rank_0_said_failed(run, monkeypatch) -> None:
+    """Rank 1's assertion got the step killed; rank 0 only saw a broken collective."""
+    paths, sched, chain = run
+    chain.begin("1")
+    _outcome(monkeypatch, paths, "1", "failed", reason="RuntimeError: Connection reset by peer")
+    paths.tasks("1").mkdir(parents=True)
+    from megalaunch.rundir.files import atomic_write_json
+
+    atomic_write_json(paths.task_error("1", 1), {"rank": 1, "config": True, "reason": "ValueError: bad shape",
+                                                "fix": None, "time": 5.0})
+    atomic_write_json(paths.task_error("1", 0), {"rank": 0, "config": False,
+                                                "reason": "RuntimeError: Connection reset by peer", "time": 6.0})
+    v = chain.end("1", 1)
+    assert not v.proceed and "rank 1: ValueError: bad shape" in v.reason
+    assert chain.ledger.stopped()["fix"]  # a generic one when none is known
+
+
+def test_transient_failures_still_count_against_the_budget(run, monkeypatch) -> None:
+    paths, sched, chain = run
+    for i, job in enumerate(("1", "2")):
+        chain.begin(job)
+        _outcome(monkeypatch, paths, job, "failed", reason="RuntimeError: NCCL error: unhandled system error")
+        paths.tasks(job).mkdir(parents=True)
+        from megalaunch.rundir.files import atomic_write_json
+
+        atomic_write_json(paths.task_error(job, 0), {"rank": 0, "config": False, "reason": "NCCL", "time": 1.0})
+        v = chain.end(job, 1)
+        assert v.proceed == (i == 0), v.reason
+    assert "2 consecutive segments without a new checkpoint" in v.reason
+
+
 def test_stopped_chain_skips_a_late_segment(run, monkeypatch) -> None:
     paths, sched, chain = run
     chain.begin("1")

@@ -22,6 +22,25 @@ def test_every_training_recipe_loads_and_passes_preflight(ref: str) -> None:
     assert topo.world_size == topo.tp * topo.pp * topo.cp * topo.dp
 
 
+@pytest.mark.parametrize("ref", TRAIN)
+def test_no_shipped_recipe_needs_a_library_beyond_the_train_install(ref: str, tmp_path: Path, monkeypatch) -> None:
+    """Shipped recipes run as shipped on a node without transformer-engine, apex or flash-attn: the
+    job's kernel check (runtime/failures.py) passes with none of them importable, and sequence
+    parallelism, where a recipe asks for it, uses megalaunch's torch norm on the local layers."""
+    from megalaunch.config.megatron_args import megatron_args
+    from megalaunch.rundir.paths import RunPaths
+    from megalaunch.runtime import failures
+
+    monkeypatch.setattr(failures, "installed", lambda module: False)
+    recipe = load_recipe(ref).recipe
+    argv = megatron_args(recipe, RunPaths(tmp_path))
+    notes = failures.check_kernels(argv, recipe.training.attention)
+    assert recipe.training.transformer_impl == "local"
+    assert recipe.training.attention != "local" or recipe.model.seq_length <= 2048, \
+        "Megatron's local attention materialises seq x seq scores: use sdpa for long sequences"
+    assert bool(notes) == recipe.parallel.sequence_parallel
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_shape_composes_into_a_valid_recipe(model: str, tmp_path: Path) -> None:
     r = tmp_path / "r.yaml"

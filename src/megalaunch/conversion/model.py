@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.conversion.dims import padded_vocab_size
-from megalaunch.runtime.model import layer_spec
+from megalaunch.runtime.model import decoder_spec, layer_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -89,10 +89,10 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
     tp = parallel_state.get_tensor_model_parallel_world_size()
     divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
     impl = "transformer_engine" if attention == "te" else "local"
+    spec = layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, attention=attention, transformer_impl=impl,
-                                          normalization=model.normalization),
+        transformer_layer_spec=decoder_spec(config, spec),
         vocab_size=padded_vocab_size(vocab_size, divisible, tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from megalaunch.launcher.backend import JobControl
-from megalaunch.launcher.evidence import abnormal_ends, failure_reason
+from megalaunch.launcher.evidence import abnormal_ends, config_error, failure_reason
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome
@@ -102,11 +102,18 @@ class Chain:
         outcome = read_outcome(self.paths, job_id)
         status = outcome["status"] if outcome else "failed"
         reason = (outcome or {}).get("reason")
+        fix = (outcome or {}).get("fix")
+        if status == "failed" and (outcome or {}).get("kind") == "config":
+            status = "config_error"  # an outcome written before the config_error status existed
         ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
-        if status == "failed":
+        if status == "failed" and (err := config_error(self.paths, job_id)) is not None:
+            # a rank failed on the configuration and took the segment down before rank 0 could say so
+            status, fix = "config_error", err.get("fix")
+            reason = f"rank {err.get('rank')}: {err.get('reason')}"
+        elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
-        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
+        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, fix=fix, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
                            first_failure=ends[0].__dict__ if ends else None)
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
@@ -117,8 +124,9 @@ class Chain:
             verb = "exit" if status == "exited" else "abort"
             what = "saved and stopped" if verb == "exit" else "stopped without saving"
             return self.stop(job_id, f"{verb} trigger{_requested_by(self.paths, verb, job_id)}: {what}")
-        if outcome and outcome.get("kind") == "config":
-            return self.stop(job_id, f"configuration error: {reason}")
+        if status == "config_error":
+            return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
+                             fix=str(fix) if fix else "correct the recipe, then submit it again")
         if self.paths.cancel_requested.exists():
             return self.stop(job_id, "cancel requested")
         if now is not None and now >= self.settings.train_iters:
@@ -147,7 +155,7 @@ class Chain:
         return [s.job_id for s in self.ledger.segments()
                 if s.started is None and s.ended is None and not s.skipped and s.job_id != current]
 
-    def stop(self, job_id: str | None, reason: str) -> Verdict:
+    def stop(self, job_id: str | None, reason: str, *, fix: str | None = None) -> Verdict:
         """End the chain: cancel the queued successor by job id and record why."""
         successors = self.pending_successors(job_id)
         if successors:
@@ -155,8 +163,10 @@ class Chain:
                 self.scheduler.cancel_jobs(successors)
             except Exception as e:  # a failed cancel must not lose the record of the decision
                 log(f"could not cancel successor(s) {successors}: {e}")
-        self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors)
-        log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else ""))
+        self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors,
+                           **({"fix": fix} if fix else {}))
+        log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
+            + (f"\n  fix: {fix}" if fix else ""))
         return Verdict(False, reason)
 
 

@@ -34,6 +34,21 @@ def task_records(paths: RunPaths, job_id: str) -> list[dict[str, object]]:
     return [r for f in sorted(d.glob("rank-*.json")) if isinstance(r := read_json(f), dict)]
 
 
+def rank_errors(paths: RunPaths, job_id: str) -> list[dict[str, object]]:
+    """The trainers' own accounts of their failures (RUN/state/tasks/<job>/error-rank-*.json),
+    earliest first."""
+    d = paths.tasks(job_id)
+    if not d.is_dir():
+        return []
+    records = [r for f in d.glob("error-rank-*.json") if isinstance(r := read_json(f), dict)]
+    return sorted(records, key=lambda r: float(str(r.get("time") or 0)))
+
+
+def config_error(paths: RunPaths, job_id: str) -> dict[str, object] | None:
+    """The first configuration error any rank of the segment recorded, if one did."""
+    return next((r for r in rank_errors(paths, job_id) if r.get("config")), None)
+
+
 def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list[TaskEnd]:
     """Ranks that were killed or exited non-zero, the first to end first: supervisor records by
     time, then ranks known only from Slurm's lines, in log order."""

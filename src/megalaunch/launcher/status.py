@@ -74,6 +74,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
         "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
+        "stop_fix": stopped.get("fix") if stopped else None,
         "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
         "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
@@ -86,6 +87,8 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
 def format_run_status(st: dict[str, Any]) -> str:
     lines = [f"run {st['chain_name']}  ({st['backend']})  {st['run_dir']}",
              f"  chain: {st['chain_state']}" + (f" - {st['stop_reason']}" if st["stop_reason"] else "")]
+    if st.get("stop_fix"):
+        lines.append(f"  fix: {st['stop_fix']}")
     it = st["iteration"]
     lines.append(f"  iteration: {it if it is not None else '-'} / {st['target']}   last checkpoint: "
                  f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"

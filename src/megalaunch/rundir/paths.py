@@ -105,6 +105,10 @@ class RunPaths:
     def task_record(self, job_id: str, rank: int) -> Path:
         return self.tasks(job_id) / f"rank-{rank:05d}.json"
 
+    def task_error(self, job_id: str, rank: int) -> Path:
+        """The trainer's own account of its failure on this rank (runtime/train.py)."""
+        return self.tasks(job_id) / f"error-rank-{rank:05d}.json"
+
     @property
     def cancel_requested(self) -> Path:
         return self.state / "cancel_requested"

@@ -9,7 +9,7 @@ from typing import Any
 from megalaunch.rundir.files import atomic_write_json, read_json
 from megalaunch.rundir.paths import RunPaths
 
-OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "hung")
+OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "config_error", "hung")
 
 
 def current_job_id() -> str | None:
@@ -32,7 +32,7 @@ def read_progress(paths: RunPaths) -> dict[str, Any] | None:
 
 def write_outcome(paths: RunPaths, status: str, *, iteration: int | None = None,
                   reason: str | None = None, kind: str | None = None, **extra: Any) -> None:
-    """The trainer's verdict at exit. `kind="config"` marks a failure that no retry can fix."""
+    """The trainer's verdict at exit. `config_error` (also `kind="config"`): no retry can fix it."""
     if status not in OUTCOMES:
         raise ValueError(f"outcome {status!r} is not one of {OUTCOMES}")
     atomic_write_json(paths.outcome, {

@@ -110,7 +110,110 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
     if attention == "sdpa":
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    if getattr(config, "sequence_parallel", False):
+        spec = _with_norm(copy.deepcopy(spec), sequence_parallel_norm_class())
     return spec
+
+
+def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | None = None) -> Any:
+    """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or, with sequence
+    parallelism on Megatron's local layers, the block's submodules with the sequence-parallel torch
+    norm as its final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
+    if not getattr(config, "sequence_parallel", False) or not _uses(layer, sequence_parallel_norm_class()):
+        return layer
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=sequence_parallel_norm_class())
+
+
+_SP_NORM: list[type] = []
+
+
+def sequence_parallel_norm_class() -> type:
+    """Torch LayerNorm/RMSNorm for Megatron's local layers that works with sequence parallelism.
+
+    Megatron's `WrappedTorchNorm` refuses sequence parallelism, and its local spec always uses it for
+    RMSNorm (apex has none), so without transformer-engine a Llama with `sequence_parallel: true`
+    could not be built. What sequence parallelism needs from a norm is what TE's and apex's norms do:
+    mark the weights `sequence_parallel`, so that Megatron all-reduces their gradients over the
+    tensor-parallel group (each rank saw only its slice of the sequence; finalize_model_grads.py).
+    The forward is the same torch module either way."""
+    if _SP_NORM:
+        return _SP_NORM[0]
+    import torch
+
+    class SequenceParallelTorchNorm:
+        def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                    zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> Any:
+            if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+                raise ValueError("zero-centred gamma, persist_layer_norm and memory_efficient_layer_norm need "
+                                 "transformer-engine or apex; the torch norm has none of them")
+            if config.normalization == "LayerNorm":
+                norm: torch.nn.Module = torch.nn.LayerNorm(hidden_size, eps=eps)
+            elif config.normalization == "RMSNorm":
+                norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            else:
+                raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm")
+            for param in norm.parameters():
+                param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+            return norm
+
+    _SP_NORM.append(SequenceParallelTorchNorm)
+    return SequenceParallelTorchNorm
+
+
+def _torch_norm() -> type:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+def _with_norm(spec: Any, norm: type) -> Any:
+    """The spec with Megatron's torch norm replaced by `norm` wherever it appears (layer norms, the
+    q/k norms), in place on a copy the caller made."""
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    old = _torch_norm()
+
+    def swap(obj: Any) -> Any:
+        if obj is old:
+            return norm
+        if isinstance(obj, ModuleSpec):
+            obj.module, obj.submodules = swap(obj.module), swap(obj.submodules)
+            return obj
+        if isinstance(obj, functools.partial):
+            return functools.partial(swap(obj.func), *map(swap, obj.args),
+                                     **{k: swap(v) for k, v in obj.keywords.items()})
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                object.__setattr__(obj, f.name, swap(getattr(obj, f.name)))
+            return obj
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(x) for x in obj)
+        return obj
+
+    return swap(spec)
+
+
+def _uses(spec: Any, norm: type) -> bool:
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is norm:
+        return True
+    if isinstance(spec, ModuleSpec):
+        return _uses(spec.module, norm) or _uses(spec.submodules, norm)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return any(_uses(getattr(spec, f.name), norm) for f in dataclasses.fields(spec))
+    return False
 
 
 @contextlib.contextmanager
@@ -164,7 +267,7 @@ def model_provider(attention: str) -> Any:
                           normalization=args.normalization, qk_layernorm=args.qk_layernorm)
         return GPTModel(
             config=cfg,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=decoder_spec(cfg, spec, vp_stage),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,

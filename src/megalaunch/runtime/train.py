@@ -32,6 +32,14 @@ from megalaunch.rundir.state import current_job_id, write_outcome, write_progres
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import export_rank_env
+from megalaunch.runtime.failures import (
+    ConfigFailure,
+    Failure,
+    check_kernels,
+    classify,
+    exit_failure,
+    recipe_field_fix,
+)
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.step import megatron_argv, run_pretrain
@@ -39,10 +47,6 @@ from megalaunch.runtime.step import megatron_argv, run_pretrain
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
-
-
-class ConfigFailure(Exception):
-    """A failure no retry can fix (outcome `failed`, kind `config`)."""
 
 
 class Session:
@@ -58,6 +62,7 @@ class Session:
         self.job_id = current_job_id()
         self.resume_from = resume_from
         self.iteration = 0
+        self.steps = 0  # iterations run in this segment: a failure before the first is judged for config
         self.decision = Decision.CONTINUE
         self.decision_iteration: int | None = None
         self.resumed_from: int | None = None
@@ -144,6 +149,7 @@ class Session:
 
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         self.iteration = iteration
+        self.steps += 1
         if self._step_sleep_s > 0:  # test hook: pace iterations (before the decision, like a slow step)
             time.sleep(self._step_sleep_s)
         if self.watchdog:
@@ -289,12 +295,16 @@ def _setup(session: Session) -> tuple[list[str], str]:
 
         cpu_compat.enable()
         session.log("no GPU: running on the CPU (gloo, cpu_compat)")
+    argv = megatron_argv(paths)
+    for note in check_kernels(argv, settings.attention):  # a missing library: config_error, now
+        session.log(note)
+        session.ledger("kernel", note=note)
     from megalaunch.runtime import megatron_seams
 
     megatron_seams.install(session)
     if rank == 0 and settings.wandb_project:
         _open_wandb(session)
-    return megatron_argv(paths), settings.attention
+    return argv, settings.attention
 
 
 def _open_wandb(session: Session) -> None:
@@ -348,7 +358,7 @@ def run_session(session: Session) -> int:
                                 timeout_s=session.settings.hang_timeout_s, on_hang=on_hang).start()
     status, code = "failed", 1
     reason: str | None = "did not start"
-    kind: str | None = None
+    failure: Failure | None = None
     try:
         argv, attention = _setup(session)
         run_pretrain(argv, attention=attention, session=session)
@@ -357,31 +367,67 @@ def run_session(session: Session) -> int:
         if e.code in (0, None):
             (status, reason), code = session.verdict(exited_early=True), 0
         else:
-            status, reason, kind, code = "failed", f"Megatron exited with status {e.code}", "config", 1
-    except ConfigFailure as e:
-        status, reason, kind, code = "failed", str(e), "config", 1
+            failure = exit_failure(e.code, started=session.steps > 0)
     except BaseException as e:
-        import traceback
+        if not isinstance(e, ConfigFailure):
+            import traceback
 
-        traceback.print_exc()
-        status, reason, code = "failed", resume.one_line(e), 1
+            traceback.print_exc()
+        failure = classify(e, started=session.steps > 0)
     finally:
         session.watchdog.stop()
+    fix: str | None = None
+    if failure is not None:
+        status, reason, fix, code = ("config_error" if failure.config else "failed"), failure.reason, failure.fix, 1
+        if failure.config and fix is None:
+            fix = _fix_from_recipe(paths, reason)
+            failure = Failure(True, reason, fix)
+        _record_rank_error(session, failure)
     if status == "failed" and code == 0:
         code = 1
     if status == "failed" and (hang := session.watchdog.hang_reported()):
         # Another rank's watchdog fired and exited; this rank's collective then failed.
         from megalaunch.runtime.watchdog import EXIT_HUNG
 
-        status, reason, kind, code = "hung", hang, None, EXIT_HUNG
+        status, reason, code = "hung", hang, EXIT_HUNG
+    if status == "config_error":
+        session.log(f"configuration error: no retry can fix this: {reason}" + (f"; fix: {fix}" if fix else ""))
     session.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
     if session.rank == 0:
-        write_outcome(paths, status, iteration=session.iteration, reason=reason, kind=kind,
-                      resumed_from=session.resumed_from, save_times_s=[round(t, 3) for t in session.save_times])
+        write_outcome(paths, status, iteration=session.iteration, reason=reason, fix=fix,
+                      kind="config" if status == "config_error" else None, resumed_from=session.resumed_from,
+                      save_times_s=[round(t, 3) for t in session.save_times])
     if session.wandb is not None:
         session.wandb.finish(exit_code=code)
     _shutdown()
     return code
+
+
+def _fix_from_recipe(paths: RunPaths, reason: str) -> str | None:
+    import yaml
+
+    try:
+        recipe = yaml.safe_load(paths.run_yaml.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return recipe_field_fix(reason, recipe) if isinstance(recipe, dict) else None
+
+
+def _record_rank_error(session: Session, failure: Failure) -> None:
+    """Every failing rank leaves its error next to its task record: when another rank's exit gets
+    this one killed (srun --kill-on-bad-exit), rank 0's outcome may never be written."""
+    from megalaunch.rundir.files import atomic_write_json
+
+    if session.job_id is None:
+        return
+    try:
+        path = session.paths.task_error(session.job_id, session.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"rank": session.rank, "config": failure.config, "reason": failure.reason,
+                                 "fix": failure.fix, "iteration": session.iteration, "steps": session.steps,
+                                 "time": time.time()})
+    except OSError as e:
+        session.log(f"could not record this rank's error: {e}")
 
 
 def _shutdown() -> None:
