@@ -35,7 +35,7 @@ TP2 = ("cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "parallel.tensor_m
 def _train(root: Path, sp: bool) -> tuple[dict[int, float], str]:
     paths = make_run(root, *TP2, f"parallel.sequence_parallel={str(sp).lower()}", name=f"sp-{sp}")
     log = root / "loss.jsonl"
-    t = Trainer(paths, world=2, job_id="1", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    t = Trainer(paths, world=2, job_id="1", env={"MEGALAUNCH_LOSS_LOG": str(log), "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert t.wait(timeout=600) == [0, 0], t.log()[-4000:]
     assert t.outcome()["status"] == "finished"
     return losses(log), t.log()
@@ -50,4 +50,4 @@ def test_sequence_parallel_trains_like_plain_tensor_parallel(tmp_path: Path) -> 
     print(f"\n[TP2 sequence parallel vs not, fp32, {torch.cuda.get_device_name()}] loss {plain[1]:.4f} -> "
           f"{plain[40]:.4f}; max relative loss difference {worst:.2e}")
     assert plain[40] < plain[1] - 0.5  # it learns
-    assert worst < 1e-4
+    assert worst < 1e-5  # measured 1.0e-07 on an H100; 2.7e-04 with the norm weights left unmarked

@@ -113,9 +113,9 @@ class Chain:
         elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
-        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, fix=fix, exit_code=exit_code,
+        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
-                           first_failure=ends[0].__dict__ if ends else None)
+                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}))
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
         if status == "finished":
