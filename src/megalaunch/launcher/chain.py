@@ -14,6 +14,7 @@ from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import abnormal_ends, failure_reason
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.resume_request import requested_iteration
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.runtime.settings import RuntimeSettings
@@ -49,6 +50,8 @@ class Chain:
             self.ledger.append("skipped", job_id=job_id, reason=reason)
             return Verdict(False, f"chain already stopped: {reason}")
         iteration = self.paths.read_tracker()
+        if (requested := requested_iteration(self.paths)) is not None:
+            iteration = requested  # `megalaunch resume --from`: the trainer will start there
         box = TriggerBox(self.paths)
         pending = box.pending()
         for verb in ("abort", "exit"):
