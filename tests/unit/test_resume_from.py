@@ -260,7 +260,8 @@ def test_job_begin_starts_at_the_requested_iteration(run: RunPaths) -> None:
     Ledger(run).append("chain_resumed", from_iteration=20)
     write_resume_request(run, 20)
     assert Chain(run, Scheduler()).begin("local-2").proceed
-    assert Ledger(run).last("started")["checkpoint_iteration"] == 20
+    started = Ledger(run).last("started")
+    assert started["resume_from"] == 20 and started["checkpoint_iteration"] == TRAIN_ITERS
 
 
 def test_status_shows_the_resume(run: RunPaths) -> None:
