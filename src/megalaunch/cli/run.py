@@ -167,14 +167,22 @@ def cancel(run: RunArg) -> None:
     say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
 
 
-def resume(run: RunArg) -> None:
-    """Restart a stopped chain from its last checkpoint."""
+def resume(
+    run: RunArg,
+    from_iteration: Annotated[int | None, typer.Option(
+        "--from", metavar="ITER", help="Resume from this checkpoint instead of the newest; newer checkpoints are "
+        "moved aside (kept as iter_N.abandoned-JOB) and recorded in the ledger.")] = None,
+) -> None:
+    """Restart a stopped chain from its last checkpoint (or from an older one with --from)."""
     from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.control import find_run
+    from megalaunch.launcher.resume_from import resume_chain
 
     paths = find_run(run)
-    started = backend_for(load_run_recipe(paths).cluster.backend).resume(paths, say)
+    recipe = load_run_recipe(paths)
+    started = resume_chain(paths, backend_for(recipe.cluster.backend), say, from_iteration=from_iteration,
+                           train_iters=recipe.training.train_iters)
     if started.job_id is None:
         say(f"done: {started.outcome}")
     else:

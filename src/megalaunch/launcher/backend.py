@@ -47,13 +47,19 @@ class Backend(JobControl, Protocol):
     name: str
 
     def start(self, prepared: PreparedRun, echo: Echo) -> Started: ...
-    def resume(self, paths: RunPaths, echo: Echo) -> Started: ...
+    def resume(self, paths: RunPaths, echo: Echo, from_iteration: int | None = None) -> Started: ...
     def cancel(self, paths: RunPaths) -> list[str]: ...
     def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]: ...
 
 
 def unfinished(segments: list[Segment]) -> list[Segment]:
     return [s for s in segments if s.ended is None and not s.skipped]
+
+
+def resumed_event(from_iteration: int | None) -> dict[str, int]:
+    """The `chain_resumed` ledger fields: the iteration `megalaunch resume --from` asked for (the
+    ledger adds who asked)."""
+    return {} if from_iteration is None else {"from_iteration": from_iteration}
 
 
 def record_cancel(paths: RunPaths, targets: list[str]) -> None:

@@ -14,6 +14,7 @@ from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import abnormal_ends, config_error, failure_reason
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.resume_request import requested_iteration
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.runtime.settings import RuntimeSettings
@@ -49,6 +50,7 @@ class Chain:
             self.ledger.append("skipped", job_id=job_id, reason=reason)
             return Verdict(False, f"chain already stopped: {reason}")
         iteration = self.paths.read_tracker()
+        requested = requested_iteration(self.paths)  # a pending `megalaunch resume --from`: training starts there
         box = TriggerBox(self.paths)
         pending = box.pending()
         for verb in ("abort", "exit"):
@@ -65,10 +67,12 @@ class Chain:
         if stopped_by_guard is not None:
             return stopped_by_guard
         target = self.settings.train_iters
-        if iteration is not None and iteration >= target:
-            return self.stop(job_id, f"training already reached its target (iteration {iteration})")
+        start = iteration if requested is None else requested
+        if start is not None and start >= target:
+            return self.stop(job_id, f"training already reached its target (iteration {start})")
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
-                           nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart)
+                           nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
+                           **({} if requested is None else {"resume_from": requested}))
         if self.settings.auto_requeue:
             successor = self.scheduler.submit_successor(self.paths)
             if successor is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
-from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, unfinished
+from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain import Chain, Verdict
 from megalaunch.launcher.prepare import PreparedRun, job_command, task_supervisor, write_run
 from megalaunch.rundir.ledger import Ledger, Segment
@@ -147,10 +147,10 @@ class LocalBackend:
         verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo)
         return Started(paths, None, verdict.reason)
 
-    def resume(self, paths: RunPaths, echo: Echo) -> Started:
+    def resume(self, paths: RunPaths, echo: Echo, from_iteration: int | None = None) -> Started:
         with contextlib.suppress(FileNotFoundError):
             paths.cancel_requested.unlink()
-        Ledger(paths).append("chain_resumed")
+        Ledger(paths).append("chain_resumed", **resumed_event(from_iteration))
         verdict = run_local_chain(paths, load_run_recipe(paths), paths.root.name, echo=echo)
         return Started(paths, None, verdict.reason)
 

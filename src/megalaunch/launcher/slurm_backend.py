@@ -10,7 +10,15 @@ import time
 from typing import TYPE_CHECKING
 
 from megalaunch.errors import PreflightError
-from megalaunch.launcher.backend import QUERY_TIMEOUT_S, Echo, Live, Started, record_cancel, unfinished
+from megalaunch.launcher.backend import (
+    QUERY_TIMEOUT_S,
+    Echo,
+    Live,
+    Started,
+    record_cancel,
+    resumed_event,
+    unfinished,
+)
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
@@ -47,12 +55,13 @@ class SlurmBackend:
         register(paths.root)
         return Started(paths, job_id)
 
-    def resume(self, paths: RunPaths, echo: Echo) -> Started:
-        """Restart a stopped chain from its last checkpoint (a new epoch in the ledger)."""
+    def resume(self, paths: RunPaths, echo: Echo, from_iteration: int | None = None) -> Started:
+        """Restart a stopped chain from its last checkpoint, or from the one of a pending
+        `resume --from` request (a new epoch in the ledger)."""
         with contextlib.suppress(FileNotFoundError):
             paths.cancel_requested.unlink()
         ledger = Ledger(paths)
-        ledger.append("chain_resumed")
+        ledger.append("chain_resumed", **resumed_event(from_iteration))
         job_id = self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
         ledger.append("submitted", job_id=job_id, by="megalaunch resume")
         return Started(paths, job_id)

@@ -10,6 +10,7 @@ from megalaunch.launcher.backend import Live, unfinished
 from megalaunch.launcher.backends import backend_for
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.resume_request import read_resume_request
 from megalaunch.rundir.state import read_outcome, read_progress
 from megalaunch.rundir.triggers import TriggerBox
 
@@ -81,6 +82,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "pending_triggers": TriggerBox(paths).pending(),
         "consumed_triggers": len(TriggerBox(paths).consumed()),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
+        "resume": resume_summary(paths, events),
     }
 
 
@@ -101,6 +103,7 @@ def format_run_status(st: dict[str, Any]) -> str:
                      "a new checkpoint)")
     if st["slurm_error"]:
         lines.append(f"  slurm: {st['slurm_error']}")
+    lines += format_resume(st.get("resume"))
     lines.append("  segments:")
     for r in st["segments"]:
         span = ""
@@ -109,6 +112,39 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"    {r['segment']:>3}  {r['job_id']:<12} {r['state']:<10}{span}"
                      + (f"  ({r['reason']})" if r["reason"] else ""))
     return "\n".join(lines)
+
+
+def resume_summary(paths: RunPaths, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest `resume --from` (or `--resume-from`) the job acted on: its `resume_from` ledger record
+    (iteration, the checkpoints moved aside) or `resume_refused` record; and a request still pending."""
+    last = next((e for e in reversed(events) if e["event"] in ("resume_from", "resume_refused")), None)
+    try:
+        pending = read_resume_request(paths)
+    except ValueError as e:
+        pending = {"iteration": None, "error": str(e)}
+    return None if last is None and pending is None else {"last": last, "pending": pending}
+
+
+def format_resume(summary: dict[str, Any] | None) -> list[str]:
+    """`megalaunch status` lines for `resume_summary`."""
+    if not summary:
+        return []
+    lines = []
+    last, pending = summary["last"], summary["pending"]
+    if last is not None and last["event"] == "resume_from":
+        who = f" (asked by {last['requested_by']})" if last.get("requested_by") else ""
+        moved = ", ".join(map(str, last.get("abandoned") or []))
+        lines.append(f"  resumed from iteration {last['iteration']}{who} by job {last['job_id']}"
+                     + (f"; moved aside: {moved} (checkpoints/iter_NNNNNNN.abandoned-{last['job_id']})"
+                        if moved else ""))
+    elif last is not None:
+        lines.append(f"  resume from iteration {last.get('iteration')} refused by job {last['job_id']}: "
+                     f"{last.get('reason')}")
+    if pending is not None:
+        lines.append(f"  resume request pending: iteration {pending.get('iteration')}"
+                     + (f" (by {pending['user']})" if pending.get("user") else "")
+                     + (f" - {pending['error']}" if pending.get("error") else "; the next segment starts there"))
+    return lines
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import grp
+import os
 from pathlib import Path
 
 from megalaunch.errors import RunDirError
@@ -27,3 +28,11 @@ def group_name(path: Path) -> str:
 def not_in_group(p: Path) -> RunDirError:
     return RunDirError(f"you ({getpass.getuser()}) cannot read {p}: only members of the run's group "
                        f"'{group_name(p)}' can", fix="ask the run's owner to add you to that group")
+
+
+def require_writable(*directories: Path) -> None:
+    """Refuse, naming the run's group, when this user may not create files in one of `directories`."""
+    for d in directories:
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise RunDirError(f"you ({getpass.getuser()}) cannot write {d}: only members of the run's group "
+                              f"'{group_name(d)}' can", fix="ask the run's owner to add you to that group")

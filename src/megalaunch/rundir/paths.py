@@ -114,6 +114,15 @@ class RunPaths:
         return self.state / "cancel_requested"
 
     @property
+    def resume_request(self) -> Path:
+        """`megalaunch resume RUN --from ITER`'s one-shot request, applied by the next segment that trains."""
+        return self.state / "resume_request.json"
+
+    def settled_resume_request(self, how: str, job_id: str | None) -> Path:
+        """Where a request goes once settled: `how` is done (applied), refused or withdrawn."""
+        return self.state / f"resume_request.{how}-{job_id}.json"
+
+    @property
     def debug(self) -> Path:
         return self.root / "debug"
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.resume_request import read_resume_request, settle_resume_request
 
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 
@@ -55,12 +56,16 @@ def read_tracker(paths: RunPaths) -> int | str | None:
     return "garbled"
 
 
-def incomplete_reason(directory: Path) -> str | None:
-    """None when the checkpoint in `directory` is complete, else why not (one line)."""
+def incomplete_reason(directory: Path, *, full: bool = True) -> str | None:
+    """None when the checkpoint in `directory` is complete, else why not (one line).
+
+    `full=False` is the login node's check, without torch (`megalaunch resume --from`): it reads
+    `.metadata` as a pickle stream without loading it, so it sees which shard files it names and that
+    they are there and not empty, but not how many bytes each must hold; the job checks that."""
     if not directory.is_dir():
         return "missing"
     if (directory / "metadata.json").exists() or (directory / ".metadata").exists():
-        return _torch_dist_incomplete(directory)
+        return _torch_dist_incomplete(directory, full=full)
     shards = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
     if shards:
         empty = [s for s in shards if s.stat().st_size == 0]
@@ -68,7 +73,7 @@ def incomplete_reason(directory: Path) -> str | None:
     return "no metadata.json, .metadata or mp_rank_*/model_optim_rng.pt"
 
 
-def _torch_dist_incomplete(directory: Path) -> str | None:
+def _torch_dist_incomplete(directory: Path, *, full: bool = True) -> str | None:
     for name in ("metadata.json", ".metadata", "common.pt"):
         path = directory / name
         if not path.exists():
@@ -83,6 +88,8 @@ def _torch_dist_incomplete(directory: Path) -> str | None:
         json.loads((directory / "metadata.json").read_text())
     except (ValueError, OSError) as e:
         return f"unreadable metadata.json ({e})"
+    if not full:
+        return _shards_missing(directory)
     try:
         needed = _dcp_extents(directory / ".metadata")
     except Exception as e:  # a pickle that fails to load is the same as a missing one
@@ -96,6 +103,38 @@ def _torch_dist_incomplete(directory: Path) -> str | None:
         if size < end:
             return f"truncated shard {rel} ({size} < {end} bytes)"
     return None
+
+
+def _shards_missing(directory: Path) -> str | None:
+    """Without torch: the shard files `.metadata` names exist and are not empty."""
+    try:
+        names = _dcp_shard_names(directory / ".metadata")
+    except Exception as e:  # a truncated or garbled pickle stream
+        return f"unreadable .metadata ({type(e).__name__}: {e})"
+    if not names:  # a layout this reader does not know: at least the shard files must be there
+        names = {p.name for p in directory.glob("*.distcp")}
+        if not names:
+            return "no shard file (*.distcp)"
+    for rel in sorted(names):
+        try:
+            size = (directory / rel).stat().st_size
+        except FileNotFoundError:
+            return f"missing shard {rel}"
+        if size == 0:
+            return f"empty shard {rel}"
+    return None
+
+
+def _dcp_shard_names(metadata_file: Path) -> set[str]:
+    """The shard files (`*.distcp`) torch.distributed.checkpoint's `.metadata` names, read from the
+    pickle's opcodes without running it (no torch needed; nothing in the file is executed)."""
+    import pickletools
+
+    with open(metadata_file, "rb") as f:
+        data = f.read()
+    return {arg for _, arg, _ in pickletools.genops(data)
+            if isinstance(arg, str) and arg.endswith(".distcp") and not arg.startswith("/")
+            and ".." not in arg.split("/")}
 
 
 def _dcp_extents(metadata_file: Path) -> dict[str, int]:
@@ -126,7 +165,11 @@ class ResumePlan:
 def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = None,
                 skip: set[int] | frozenset[int] = frozenset()) -> ResumePlan:
     """Choose the newest complete checkpoint (or `requested`), move unusable newer ones aside, make
-    the tracker name the choice, and return the plan with its ledger events (already appended)."""
+    the tracker name the choice, and return the plan with its ledger events (already appended).
+
+    Without `requested`, a pending `megalaunch resume --from` request (state/resume_request.json) is
+    applied and then renamed (`.done-<job>`), or, when its checkpoint is unusable, renamed
+    (`.refused-<job>`) and refused with ValueError: either way only this segment acts on it."""
     tracker = read_tracker(paths)
     iterations = [i for i in checkpoint_iterations(paths) if i not in skip]
     plan = ResumePlan(None)
@@ -136,15 +179,35 @@ def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = 
         plan.events.append(record)
         append_jsonl(paths.ledger, record)
 
+    request: dict[str, Any] | None = None
+    if requested is None:
+        try:
+            request = read_resume_request(paths)
+        except ValueError as e:
+            settle_resume_request(paths, "refused", job_id)
+            event("resume_refused", iteration=None, reason=str(e))
+            raise
+        if request is not None:
+            requested = int(request["iteration"])
     if requested is not None:
+        asked = (f"megalaunch resume --from {requested} (by {request.get('user', '?')})" if request is not None
+                 else f"--resume-from {requested}")
         reason = incomplete_reason(iter_dir(paths, requested))
         if reason is not None:
-            raise ValueError(f"--resume-from {requested}: checkpoint is not usable ({reason}); "
-                             f"complete ones: {[i for i in iterations if is_complete(paths, i)]}")
+            complete = [i for i in iterations if is_complete(paths, i)]
+            if request is not None:
+                settle_resume_request(paths, "refused", job_id)
+                event("resume_refused", iteration=requested, reason=reason, complete=complete,
+                      requested_by=request.get("user"))
+            raise ValueError(f"{asked}: checkpoint {requested} is not usable ({reason}); "
+                             f"complete ones: {complete or 'none'}")
         for newer in (i for i in iterations if i > requested):
             _move_aside(paths, newer, "abandoned", job_id)
         plan.iteration = requested
-        event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested])
+        event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested],
+              **({"requested_by": request.get("user"), "requested_at": request.get("time")} if request else {}))
+        if request is not None:
+            settle_resume_request(paths, "done", job_id)
     else:
         rejected: list[dict[str, Any]] = []
         for candidate in reversed(iterations):
