@@ -180,7 +180,8 @@ class Session:
         chosen = int(t.item())
         if chosen == -2:
             if error is not None and isinstance(error, ValueError):
-                raise ConfigFailure(str(error))
+                raise ConfigFailure(str(error), "megalaunch resume RUN --from one of the complete checkpoints, "
+                                                "or plain megalaunch resume (the newest complete one)")
             raise RuntimeError(f"rank 0 could not choose a checkpoint: {error}" if error else
                                "rank 0 could not choose a checkpoint")
         self.resumed_from = chosen if chosen >= 0 else None
@@ -339,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     env = export_rank_env()  # Megatron reads RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address
     rank, world = env.rank, env.world_size
     os.environ["MEGALAUNCH_RUN_DIR"] = str(paths.root)
-    resume_from = opts.resume_from if opts.resume_from is not None else int(os.environ.get("MEGALAUNCH_RESUME_FROM") or -1)
+    # No environment variable for this: a successor submitted from inside the job would inherit it
+    # and resume from the same iteration again. `megalaunch resume RUN --from ITER` writes a
+    # one-shot request instead (rundir/resume_request.py).
+    resume_from = opts.resume_from if opts.resume_from is not None else -1
     session = Session(paths, settings, flag, rank=rank, world=world, resume_from=None if resume_from < 0 else resume_from)
     return run_session(session)
 
