@@ -77,7 +77,7 @@ def test_mcore_to_hf_submit_takes_the_run_recipe(tmp_path: Path, fake_slurm: typ
     assert res.exit_code == 0, res.output
     text = check_script(tmp_path / "hf" / "convert.sbatch")
     assert "#SBATCH --gpus-per-node=1" in text and "#SBATCH --partition=gpu" in text
-    assert "source /opt/venv/bin/activate" in text
+    assert "source -- /opt/venv/bin/activate" in text
     assert f"megalaunch convert mcore-to-hf {run} --out {tmp_path / 'hf'} --iteration 50" in text
 
 

@@ -4,6 +4,7 @@ inside the commands only."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -77,10 +78,10 @@ def _recipe_vocab(recipe: Recipe | None) -> int | None:
     data = recipe.data
     if data.tokenizer_type == "NullTokenizer":
         return data.vocab_size
-    if data.tokenizer_model and Path(data.tokenizer_model).expanduser().exists():
+    if data.tokenizer_model and Path(os.path.expanduser(data.tokenizer_model)).exists():
         from transformers import AutoTokenizer
 
-        return len(AutoTokenizer.from_pretrained(str(Path(data.tokenizer_model).expanduser())))
+        return len(AutoTokenizer.from_pretrained(str(Path(os.path.expanduser(data.tokenizer_model)))))
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -61,7 +62,7 @@ def find_recipe(ref: str, relative_to: Path | None = None, group: str = "train")
     """A file path (absolute, or relative to the including file / cwd) or a shipped name
     ('train/tiny', or just 'tiny' for a recipe of `group`)."""
     candidates = []
-    p = Path(ref).expanduser()
+    p = Path(os.path.expanduser(ref))  # Path.expanduser raises for an unknown ~user
     if relative_to is not None and not p.is_absolute():
         candidates.append(relative_to / p)
     candidates.append(p)
@@ -98,10 +99,38 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _load_yaml(text: str, where: str) -> Any:
+    """`yaml.load` that refuses what it would build but Python cannot handle: an alias inside itself
+    (`&a [*a]`, endless recursion later). A scalar Python cannot build (the date 2024-13-45, an integer
+    of 5000 digits) raises ValueError for the caller to report."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply", fix="write the value with fewer nested brackets") from None
+    except (AttributeError, TypeError) as e:  # PyYAML's own constructors, e.g. `!!timestamp x`
+        raise ValueError(str(e)) from None
+    stack: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, (dict, list)):
+            if id(node) in stack:
+                raise ConfigError(f"{where}: a YAML alias refers to a mapping or list that contains it",
+                                  fix="write the value out instead of the alias")
+            stack.add(id(node))
+            for child in (node.values() if isinstance(node, dict) else node):
+                walk(child)
+            stack.discard(id(node))
+
+    walk(data)
+    return data
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """YAML with duplicate keys refused; errors name `where` and the line."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+        return _load_yaml(text, where)
+    except ValueError as e:  # a scalar YAML recognises but Python cannot build
+        raise ConfigError(f"{where}: a value cannot be read ({e})", fix="quote it to make it a string") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}:" if mark is not None else ""
@@ -209,10 +238,10 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {expr!r}: empty key", fix="e.g. --set training.lr=3e-4")
     try:
-        value = yaml.load(text, Loader=_StrictLoader) if text.strip() else ""
+        value = _load_yaml(text, f"--set {key}") if text.strip() else ""
     except yaml.constructor.ConstructorError as e:
         raise ConfigError(f"--set {key}: {e.problem}") from None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: a date or number Python cannot build
         value = text  # not YAML: take it as a plain string
     return key.split("."), value
 
@@ -286,9 +315,7 @@ def load_resolved(data: dict[str, Any]) -> Recipe:
 
 def load_run_recipe(paths: RunPaths) -> Recipe:
     """The typed recipe of a run directory (its run.yaml)."""
-    try:
-        data = yaml.safe_load(paths.run_yaml.read_text())
-    except FileNotFoundError:
+    if not paths.run_yaml.is_file():
         raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
-                          fix="pass the directory that `megalaunch submit` printed") from None
-    return load_resolved(data)
+                          fix="pass the directory that `megalaunch submit` printed")
+    return load_resolved(_read_yaml(paths.run_yaml))  # a damaged run.yaml is a ConfigError naming it

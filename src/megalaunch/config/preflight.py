@@ -56,6 +56,10 @@ def check_period_s(recipe: Recipe) -> int:
 
 def topology(recipe: Recipe) -> Topology:
     p, t, cl = recipe.parallel, recipe.training, recipe.cluster
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}", f"is {getattr(p, name)}", ">= 1",
+                 f"--set parallel.{name}=1")
     world = cl.world_size
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if world % mp:
@@ -88,11 +92,15 @@ _ARGS_SECTIONS = ("model", "parallel", "training", "checkpoint", "data", "megatr
 def check_single_tokens(recipe: Recipe) -> None:
     """Every value that goes into RUN/megatron.args (one token per line) must stay one token: a line
     break or NUL would turn it into extra Megatron arguments."""
-    for field, value in _walk(to_plain(recipe)):
+    flags = [(f"megatron_args.{name}", name) for name in recipe.megatron_args]  # each key becomes a flag
+    for field, value in [*_walk(to_plain(recipe)), *flags]:
         section = field.split(".")[0].split("[")[0]
         if section in _ARGS_SECTIONS and isinstance(value, str) and any(c in value for c in "\n\r\0"):
             raise PreflightError(f"{value!r} holds a line break or NUL: it would become extra Megatron arguments",
                                  field=field, valid="a value on one line", fix="remove the line break")
+        if isinstance(value, str) and "\0" in value:  # no argument, variable, path or script line can hold one
+            raise PreflightError(f"{value!r} holds a NUL byte", field=field, valid="text without NUL bytes",
+                                 fix="remove the NUL byte")
 
 
 def check_schedule(recipe: Recipe) -> None:
@@ -116,10 +124,6 @@ def check_schedule(recipe: Recipe) -> None:
 def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
     m, p = recipe.model, recipe.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size"):
-        _require(getattr(p, name) >= 1, f"parallel.{name}", f"is {getattr(p, name)}", ">= 1",
-                 f"--set parallel.{name}=1")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
              f"{m.hidden_size} is not divisible by num_attention_heads {m.num_attention_heads}",
              "a multiple of the head count", "fix the model shape")
@@ -185,7 +189,7 @@ def _check_sequence(recipe: Recipe, topo: Topology) -> None:
                  "--set training.attention=local")
 
 
-SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+$")  # #SBATCH lines are parsed by sbatch, not a shell
+SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+\Z")  # parsed by sbatch, not a shell; \Z: no final newline
 
 
 def check_sbatch_values(recipe: Recipe) -> None:
@@ -265,11 +269,11 @@ def check_no_secrets(recipe: Recipe) -> None:
 def check_files(recipe: Recipe) -> None:
     d = recipe.data
     if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
-        _require(Path(d.tokenizer_model).expanduser().exists(), "data.tokenizer_model",
+        _require(Path(os.path.expanduser(d.tokenizer_model)).exists(), "data.tokenizer_model",
                  f"{d.tokenizer_model} does not exist (model hubs are not reachable from compute nodes)",
                  "a local tokenizer directory or tokenizer.json", "point it at a local copy")
     if recipe.checkpoint.load:
-        _require(Path(recipe.checkpoint.load).expanduser().is_dir(), "checkpoint.load",
+        _require(Path(os.path.expanduser(recipe.checkpoint.load)).is_dir(), "checkpoint.load",
                  f"{recipe.checkpoint.load} is not a directory", "a Megatron checkpoint directory",
                  "fix the path or remove checkpoint.load")
 
@@ -292,7 +296,7 @@ def tokenizer_vocab_size(recipe: Recipe) -> int | None:
         return d.vocab_size
     if not d.tokenizer_model:
         return None
-    path = Path(d.tokenizer_model).expanduser()
+    path = Path(os.path.expanduser(d.tokenizer_model))  # ~unknown stays as written
     if path.is_dir():
         path = path / "tokenizer.json"
     try:

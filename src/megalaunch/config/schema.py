@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from megalaunch.config.typed import doc
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$|^(\d+)$")
 
 

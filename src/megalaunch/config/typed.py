@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -136,11 +137,14 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
             return int(float(value))
         raise ConfigError(f"expected an integer, got {value!r}", field=path, valid="integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return float(value)
-        raise ConfigError(f"expected a number, got {value!r}", field=path, valid="number (e.g. 3e-4)")
+            number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
+        elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            number = float(value)
+        if number is not None and math.isfinite(number):
+            return number
+        raise ConfigError(f"expected a number, got {value!r}", field=path, valid="a finite number (e.g. 3e-4)")
     if tp is str:
         if isinstance(value, str):
             return value

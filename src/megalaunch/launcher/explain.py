@@ -7,12 +7,22 @@ from typing import Any
 import yaml
 
 
-def _scalar(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=10**9, allow_unicode=True).strip()
+def _dump(value: Any, **style: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9, **style).strip()
     if text.endswith("\n..."):
         text = text[: -len("\n...")]
     elif text.endswith("..."):
         text = text[:-3].strip()
+    return text
+
+
+def _scalar(value: Any) -> str:
+    """`value` as YAML on one line that reads back as `value`. PyYAML's readable style can break a
+    string over lines (not allowed for a key) or write U+0085 raw, which reads back as a line break:
+    then every character is escaped inside double quotes."""
+    text = _dump(value, allow_unicode=True)
+    if "\n" in text or yaml.safe_load(text) != value:
+        text = _dump(value, allow_unicode=False, default_style='"')
     return text
 
 
@@ -23,10 +33,10 @@ def yaml_with_origins(data: dict[str, Any], origin: Any, prefix: str = "", inden
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            lines.append(f"{pad}{key}:")
+            lines.append(f"{pad}{_scalar(key)}:")
             lines.append(yaml_with_origins(value, origin, dotted + ".", indent + 1).rstrip("\n"))
             continue
         src = origin(dotted)
         note = f"  # {src}" if src != "default" else ""
-        lines.append(f"{pad}{key}: {_scalar(value)}{note}")
+        lines.append(f"{pad}{_scalar(key)}: {_scalar(value)}{note}")
     return "\n".join(lines) + "\n"

@@ -15,7 +15,11 @@ from megalaunch.errors import ConfigError
 
 
 def shell_quote(value: Any) -> str:
-    return shlex.quote(str(value))
+    text = str(value)
+    if "\0" in text:  # no shell word, argument or environment variable can hold one: bash drops it
+        raise ConfigError(f"{text!r} holds a NUL byte and cannot reach a job script", valid="text without NUL bytes",
+                          fix="remove the NUL byte from the recipe value")
+    return shlex.quote(text)
 
 
 def sbatch_value(value: Any) -> str:

@@ -89,5 +89,9 @@ def args_file_text(args: list[str]) -> str:
 
 
 def read_args_file(path: str | os.PathLike[str]) -> list[str]:
-    with open(path) as f:
-        return [line for line in f.read().splitlines() if line != ""]
+    """The inverse of `args_file_text`: lines are split at "\n" only (not at the other characters
+    `str.splitlines` breaks on, such as U+2028 or form feed, which a value may hold), and an empty
+    line is an empty value, not nothing (`--split ""` must not swallow the next flag)."""
+    with open(path, newline="") as f:
+        text = f.read()
+    return text.removesuffix("\n").split("\n") if text else []

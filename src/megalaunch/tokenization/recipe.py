@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megalaunch.config.typed import build, doc
+from megalaunch.errors import ConfigError
 from megalaunch.rundir.tokenize import TokenizeRun
 
 # Extensions the datatrove readers take (see tokenization/pipeline.py for the mapping).
@@ -101,22 +102,24 @@ def load_tokenize_recipe(ref: str, sets: list[str] | tuple[str, ...] = ()) -> tu
 def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
     """Relative paths in a recipe file are relative to the file, so a recipe works from any cwd."""
 
-    def anchor(p: Any) -> Any:
+    def anchor(p: Any, field: str) -> Any:
+        if isinstance(p, str) and "\0" in p:  # no file name holds one (Path.resolve would raise ValueError)
+            raise ConfigError(f"{p!r} holds a NUL byte", field=field, valid="a path", fix="remove the NUL byte")
         if isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)) and "://" not in p:
             return str((base / p).resolve())
         return p
 
     inputs = tree.get("inputs")
     if isinstance(inputs, dict) and isinstance(inputs.get("roots"), list):
-        inputs["roots"] = [anchor(r) for r in inputs["roots"]]
+        inputs["roots"] = [anchor(r, f"inputs.roots[{i}]") for i, r in enumerate(inputs["roots"])]
     tok = tree.get("tokenizer")
     if isinstance(tok, dict) and "path" in tok:
-        anchored = anchor(tok["path"])
+        anchored = anchor(tok["path"], "tokenizer.path")
         # keep what looks like a hub id ("org/name") as written, so the error can say what it is
         looks_like_hub = isinstance(tok["path"], str) and re.fullmatch(r"[\w.-]+/[\w.-]+", tok["path"])
         tok["path"] = tok["path"] if looks_like_hub and not os.path.exists(anchored) else anchored
     if tree.get("output_dir"):
-        tree["output_dir"] = anchor(tree["output_dir"])
+        tree["output_dir"] = anchor(tree["output_dir"], "output_dir")
 
 
 def load_run_recipe(run: TokenizeRun) -> TokenizeRecipe:
