@@ -148,3 +148,17 @@ hostile_text = st.one_of(
     st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.sampled_from(PAYLOADS), st.text(max_size=4)),
              min_size=1, max_size=6).map("".join),
 )
+
+
+def expected_text(field: StringField, text: str) -> str:
+    """What the loader keeps of `text`: as written, except in path fields, where ~ and $VAR are
+    expanded once with this environment (config/paths.py; container-side DSTs stay as written)."""
+    from megalaunch.config.paths import _expand_mount, expand_path, path_fields
+    from megalaunch.config.schema import Recipe
+
+    name = field.path.replace("[0]", "[]")
+    if field.kind not in ("str", "list") or name not in path_fields(Recipe):
+        return text
+    if name == "cluster.container.mounts":
+        return _expand_mount(text, field.path, None)
+    return expand_path(text, field.path)

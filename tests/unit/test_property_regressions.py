@@ -51,8 +51,8 @@ def test_nul_never_reaches_a_conversion_script(tmp_path: Path) -> None:
 
 
 def test_unknown_user_in_a_path_is_a_megalaunch_error() -> None:
-    with pytest.raises(PreflightError, match=r"checkpoint\.load"):
-        prepare_run(load_recipe("tiny", ["checkpoint.load=~nosuchuser0/ckpt"]))
+    with pytest.raises(ConfigError, match=r"checkpoint\.load.*~nosuchuser0 names no user"):
+        load_recipe("tiny", ["checkpoint.load=~nosuchuser0/ckpt"])
     with pytest.raises(ConfigError, match="not found"):
         load_recipe("~nosuchuser0/recipe")
 
@@ -129,3 +129,17 @@ def test_nul_in_a_tokenization_path_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="output_dir"):
         load_tokenize_recipe("tokenize/jsonl", ['output_dir="a\\0"'])
+
+
+def test_a_number_with_a_control_character_is_a_megalaunch_error() -> None:
+    """str.strip() removes U+001F but float() does not: '0\\x1f' matched the number pattern, then crashed."""
+    with pytest.raises(ConfigError, match="training.lr"):
+        load_recipe("tiny", ['training.lr="0\x1f"'])
+    assert load_recipe("tiny", ['training.train_iters=" 12 "']).recipe.training.train_iters == 12
+
+
+def test_a_line_break_in_run_root_never_reaches_megatron_args(tmp_path: Path) -> None:
+    """The run directory is in --save/--load: a line break in run.root would split those arguments."""
+    with pytest.raises(PreflightError) as e:
+        prepare_run(load_recipe("tiny", [f'run.root="{tmp_path}/a\\nb"']))
+    assert e.value.field == "run.root"

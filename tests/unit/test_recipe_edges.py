@@ -133,3 +133,34 @@ def test_secrets_are_judged_by_name_and_value_together(tmp_path: Path, name: str
         _one_line(proc, f"cluster.env.{name}", "secret")
     else:
         assert proc.returncode == 0, proc.stderr
+
+
+def test_a_section_of_the_wrong_shape_is_refused_though_a_profile_replaces_it(tmp_path: Path) -> None:
+    recipe = tmp_path / "shape.yaml"
+    recipe.write_text("include: [tiny]\nname: shape\ncluster: [1, 2]\n")
+    _one_line(cli("submit", str(recipe), "--cluster", "local", "--dry-run"), "cluster:", str(recipe),
+              "where a mapping belongs")
+    recipe.write_text("include: [tiny]\nname: shape\ndata: {blend: {path: /x}}\n")
+    _one_line(cli("submit", str(recipe), "--dry-run"), "data.blend:", "not a list of mappings")
+
+
+@pytest.mark.parametrize(("sets", "must", "must_not"), [
+    (["training.micro_batch_size=0"], "error: training.micro_batch_size must be >= 1", "training: "),
+    (["cluster.nodes=0"], "error: cluster.nodes must be >= 1", "cluster: "),
+    (["name=a%b"], "error: name 'a%b' must be", "<recipe>"),
+    (["training.nodes=2"], "'nodes' is a field of cluster", "megatron_args"),
+    (["logging.wandb_api_key=x"], "did you mean", "megatron_args"),
+    (["training.recompute_granularity=full"], "megatron_args.recompute_granularity", "did you mean"),
+    (["run.root=/tmp/my runs"], "run.root: '/tmp/my runs'", "%x"),
+])
+def test_one_prefix_and_a_pointed_message(sets: list[str], must: str, must_not: str) -> None:
+    line = _one_line(cli("submit", "train/llama3-8b", *[a for s in sets for a in ("--set", s)], "--dry-run"), must)
+    assert must_not not in line and line.count("megalaunch: error:") == 1
+    assert line.count("(did you mean") <= 1 and len(line) < 400
+    if "did you mean" in line:  # at most the three closest names
+        assert line.split("(did you mean", 1)[1].split(")")[0].count("'") <= 6
+
+
+def test_an_unknown_recipe_name_offers_every_close_name() -> None:
+    line = _one_line(cli("submit", "train/llama3-9b", "--dry-run"), "not found")
+    assert "'train/llama3-8b'" in line and "'train/llama3-1b'" in line

@@ -58,8 +58,22 @@ def show(
     from megalaunch.launcher.explain import yaml_with_origins
 
     loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
-    origin = loaded.origin if explain else (lambda _: "default")
-    say(yaml_with_origins(loaded.resolved(), origin).rstrip())
+    resolved = loaded.resolved()
+
+    def explained(dotted: str) -> str:
+        """Where the value came from, and what was written when a path was expanded (~, $VAR)."""
+        where = loaded.origin(dotted)
+        written: object = loaded.raw
+        for part in dotted.split("."):
+            written = written.get(part) if isinstance(written, dict) else None
+        value: object = resolved
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(written, (str, list)) and written != value and where != "default":
+            return f"{where}; written {written!r}"
+        return where
+
+    say(yaml_with_origins(resolved, explained if explain else (lambda _: "default")).rstrip())
 
 
 @app.command()

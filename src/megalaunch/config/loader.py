@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from megalaunch.config.paths import expand_paths
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import UnknownKeyError, build, did_you_mean, to_plain
 from megalaunch.errors import ConfigError, RunDirError
@@ -203,8 +204,45 @@ def _base_dir(path: Path) -> Path:
     return Path.cwd() if path.resolve().is_relative_to(recipes_root().resolve()) else path.parent
 
 
+def _section_type(tp: Any) -> Any:
+    """The dataclass a field holds (Optional stripped), or list[dataclass] as ("list", cls), or None."""
+    import types
+    import typing
+
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0] if len(args) == 1 else tp
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (list, tuple) and typing.get_args(tp) and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return ("list", typing.get_args(tp)[0])
+    return None
+
+
+def _check_shapes(data: Any, schema: Any, where: str, prefix: str = "") -> None:
+    """Each file on its own: a section must be a mapping (a list of mappings where the schema says so),
+    even when a later file or a --cluster profile would replace it."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(schema):
+        return
+    hints = get_type_hints(schema)
+    for key, value in data.items():
+        if key not in hints or value is None:
+            continue
+        kind = _section_type(hints[key])
+        field = f"{prefix}{key}"
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{type(value).__name__} {value!r} in {where} where a mapping belongs",
+                                  field=field, valid="a mapping (key: value lines under it)",
+                                  fix=f"write {field} as a mapping, or remove it")
+            _check_shapes(value, kind, where, field + ".")
+        elif isinstance(kind, tuple) and (not isinstance(value, list) or not all(isinstance(v, dict) for v in value)):
+            raise ConfigError(f"{value!r} in {where} is not a list of mappings", field=field,
+                                  valid="a list of mappings", fix=f"write {field} as a list of mappings")
+
+
 def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor: Anchor | None = None,
-               group: str = "train") -> dict[str, Any]:
+               group: str = "train", schema: Any = None) -> dict[str, Any]:
     """The composed tree of `path`; fills `prov` with the origin of each of its leaves."""
     if path in stack:
         chain = " -> ".join(_display(p) for p in (*stack, path))
@@ -217,13 +255,15 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{_display(path)}: include")
+    if schema is not None:
+        _check_shapes(data, schema, _display(path))
     if anchor is not None:
         anchor(data, _base_dir(path))
     merged: dict[str, Any] = {}
     for inc in includes:
         inc_path = find_recipe(inc, path.parent, group)
         sub_prov: dict[str, str] = {}
-        sub = _load_tree(inc_path, sub_prov, (*stack, path), anchor, group)
+        sub = _load_tree(inc_path, sub_prov, (*stack, path), anchor, group, schema)
         _merge(merged, sub, _display(inc_path), prov, src_prov=sub_prov)
     _merge(merged, data, _display(path), prov)
     return merged
@@ -288,12 +328,12 @@ def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any =
     """The composed, overridden mapping of a recipe of `schema` and where each leaf came from."""
     path = find_recipe(ref, group=group)
     prov: dict[str, str] = {}
-    tree = _load_tree(path, prov, (), anchor, group)
+    tree = _load_tree(path, prov, (), anchor, group, schema)
     if cluster is not None:
         ref_c = cluster if "/" in cluster or cluster.endswith(".yaml") else f"clusters/{cluster}"
         cpath = find_recipe(ref_c)
         sub_prov: dict[str, str] = {}
-        _merge(tree, _load_tree(cpath, sub_prov, ()), _display(cpath), prov, src_prov=sub_prov)
+        _merge(tree, _load_tree(cpath, sub_prov, (), schema=schema), _display(cpath), prov, src_prov=sub_prov)
     apply_sets(tree, list(sets), prov, schema, anchor)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)
@@ -305,7 +345,8 @@ def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str |
     """Load, compose, override and type-check a training recipe. Raises ConfigError (one line) on any
     problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`)."""
     tree, prov = load_tree(ref, sets, cluster=cluster, name=name)
-    return LoadedRecipe(recipe=build(Recipe, tree), raw=tree, provenance=prov, source=ref)
+    recipe = expand_paths(build(Recipe, tree))  # ~ and $VAR in path fields, once, here (config/paths.py)
+    return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref)
 
 
 def load_resolved(data: dict[str, Any]) -> Recipe:

@@ -95,7 +95,8 @@ def check_single_tokens(recipe: Recipe) -> None:
     flags = [(f"megatron_args.{name}", name) for name in recipe.megatron_args]  # each key becomes a flag
     for field, value in [*_walk(to_plain(recipe)), *flags]:
         section = field.split(".")[0].split("[")[0]
-        if section in _ARGS_SECTIONS and isinstance(value, str) and any(c in value for c in "\n\r\0"):
+        bound = section in _ARGS_SECTIONS or field == "run.root"  # the run directory is in --save/--load
+        if bound and isinstance(value, str) and any(c in value for c in "\n\r\0"):
             raise PreflightError(f"{value!r} holds a line break or NUL: it would become extra Megatron arguments",
                                  field=field, valid="a value on one line", fix="remove the line break")
         if isinstance(value, str) and "\0" in value:  # no argument, variable, path or script line can hold one
@@ -203,6 +204,13 @@ def check_sbatch_values(recipe: Recipe) -> None:
             raise PreflightError(f"{value!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
                                  field=field, valid="letters, digits and . _ , : = @ / + % - [ ]",
                                  fix="fix the value in the recipe")
+    # Derived: the segment logs' path (RUN_ROOT/NAME-HASH/logs/%x-%j.out) is an #SBATCH --output line,
+    # so the run root must be safe there too; the error names the field the user set, not the log path.
+    if cl.traits.job_script and not SBATCH_SAFE.match(recipe.run.root):
+        raise PreflightError(f"{recipe.run.root!r}: the segment logs under it are named in #SBATCH --output, "
+                             "which cannot hold spaces, quotes, $, ; or newlines",
+                             field="run.root", valid="a directory path of letters, digits and . _ , : = @ / + % - [ ]",
+                             fix="choose a run.root without those characters (e.g. a symlink to the directory)")
 
 
 def check_cluster(recipe: Recipe) -> None:

@@ -117,13 +117,13 @@ class CheckpointConfig:
     keep_last: int = doc("regular checkpoints kept", 2)
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
     save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
-    load: str | None = doc("start from this checkpoint directory (first segment only)", None)
+    load: str | None = doc("start from this checkpoint directory (first segment only)", None, path="path")
     allow_blend_change: bool = doc("resume even if the data blend changed", False)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlendEntry:
-    path: str = doc("a dataset prefix (without .bin/.idx) or a directory of them")
+    path: str = doc("a dataset prefix (without .bin/.idx) or a directory of them", path="path")
     weight: float | None = doc("sampling weight; default: token count", None)
 
 
@@ -135,7 +135,8 @@ class DataConfig:
     blend: list[BlendEntry] = doc("dataset prefixes or directories with optional weights", [])
     split: str = doc("train/valid/test split", "100,0,0")
     tokenizer_type: Literal["NullTokenizer", "HuggingFaceTokenizer"] = doc("tokenizer kind", "NullTokenizer")
-    tokenizer_model: str | None = doc("local tokenizer directory or tokenizer.json (HuggingFaceTokenizer)", None)
+    tokenizer_model: str | None = doc("local tokenizer directory or tokenizer.json (HuggingFaceTokenizer)", None,
+                                       path="path")
     vocab_size: int | None = doc("vocabulary size (NullTokenizer)", None)
     num_workers: int = doc("data-loader workers per rank", 2)
 
@@ -153,10 +154,10 @@ class ContainerConfig:
     """A container for the job's tasks (pyxis/enroot or a CSCS environment file)."""
 
     kind: Literal["none", "pyxis", "cscs"] = doc("none, pyxis (--container-image) or cscs (--environment)", "none")
-    image: str | None = doc("pyxis: image (squashfs path or registry reference)", None)
-    mounts: list[str] = doc("pyxis: SRC:DST mounts", [])
+    image: str | None = doc("pyxis: image (squashfs path or registry reference)", None, path="path")
+    mounts: list[str] = doc("pyxis: SRC:DST mounts (SRC on the host is expanded, DST is not)", [], path="mount")
     workdir: str | None = doc("pyxis: working directory inside the container", None)
-    environment: str | None = doc("cscs: environment definition file (.toml) or name", None)
+    environment: str | None = doc("cscs: environment definition file (.toml) or name", None, path="path")
 
     def __post_init__(self) -> None:
         if self.kind == "pyxis" and not self.image:
@@ -197,13 +198,13 @@ class ClusterConfig:
     exclusive: bool = doc("whole nodes (--exclusive)", False)
     sbatch_extra: dict[str, str] = doc("extra #SBATCH options, name -> value (quoted)", {})
     modules: list[str] = doc("environment modules to load", [])
-    venv: str | None = doc("Python virtual environment to activate", None)
+    venv: str | None = doc("Python virtual environment to activate", None, path="path")
     env: dict[str, str] = doc("environment variables to export (values, never secrets)", {})
     secret_env: list[str] = doc("names of variables that must be set in the submitting shell (W&B key...); "
                                 "sbatch passes them on, no file holds them", [])
     container: ContainerConfig = doc("container settings", ContainerConfig())
-    python: str = doc("Python interpreter inside the job", "python3")
-    megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch")
+    python: str = doc("Python interpreter inside the job", "python3", path="path")
+    megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch", path="path")
     master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "
                                   "node do not collide)", None)
 
@@ -259,7 +260,7 @@ class DebugConfig:
     nsys: bool = doc("profile with Nsight Systems", False)
     nsys_start_offset: int = doc("nsys window: first iteration after the resume point", 10)
     nsys_iters: int = doc("nsys window length in iterations", 5)
-    code_snapshot: str | None = doc("copy this source tree into RUN/code (fails loudly)", None)
+    code_snapshot: str | None = doc("copy this source tree into RUN/code (fails loudly)", None, path="path")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,7 +273,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSection:
-    root: str = doc("directory under which run directories are created", "~/megalaunch-runs")
+    root: str = doc("directory under which run directories are created", "~/megalaunch-runs", path="path")
     group: str | None = doc("Unix group that owns the run directory (team triggers)", None)
 
 

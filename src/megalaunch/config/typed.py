@@ -20,14 +20,17 @@ from megalaunch.errors import ConfigError
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def doc(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """A dataclass field with a docstring (shown by `recipes show --explain` and in errors)."""
+def doc(text: str, default: Any = dataclasses.MISSING, *, path: str | None = None, **kw: Any) -> Any:
+    """A dataclass field with a docstring (shown by `recipes show --explain` and in errors).
+    `path="path"` (or "mount") marks a field naming a file or directory: config/paths.py expands
+    its ~ and $VAR when the recipe is loaded."""
+    meta = {"doc": text, **({"path": path} if path else {})}
     if isinstance(default, list):  # lists are stored as tuples: the dataclasses are frozen
-        return dataclasses.field(default=tuple(default), metadata={"doc": text}, **kw)
+        return dataclasses.field(default=tuple(default), metadata=meta, **kw)
     if isinstance(default, dict):
         value = default
-        return dataclasses.field(default_factory=lambda: dict(value), metadata={"doc": text}, **kw)
-    return dataclasses.field(default=default, metadata={"doc": text}, **kw)
+        return dataclasses.field(default_factory=lambda: dict(value), metadata=meta, **kw)
+    return dataclasses.field(default=default, metadata=meta, **kw)
 
 
 def did_you_mean(name: str, options: typing.Iterable[str]) -> str:
@@ -89,6 +92,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _float(text: str) -> float:
+    """float() of text _FLOAT_RE matched once stripped: str.strip() also strips what float() does
+    not (U+001F, ...), so strip first; nan for what still does not parse (refused as not finite)."""
+    try:
+        return float(text.strip())
+    except (ValueError, OverflowError):
+        return math.nan
+
+
 def coerce(value: Any, tp: Any, path: str) -> Any:
     """Check/convert `value` to type `tp`; raise ConfigError naming `path` otherwise."""
     origin = get_origin(tp)
@@ -133,15 +145,15 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
             return int(value)
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and float(value).is_integer():
-            return int(float(value))
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and _float(value).is_integer():
+            return int(_float(value))
         raise ConfigError(f"expected an integer, got {value!r}", field=path, valid="integer")
     if tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
         elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            number = float(value)
+            number = _float(value)
         if number is not None and math.isfinite(number):
             return number
         raise ConfigError(f"expected a number, got {value!r}", field=path, valid="a finite number (e.g. 3e-4)")
@@ -170,7 +182,8 @@ def _build(cls: Any, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"expected a mapping, got {data!r}", field=path or "<recipe>", valid="mapping")
+        raise ConfigError(f"expected a mapping, got {data!r}", field=path or None,
+                          valid="a mapping of sections (name, model, training, ...)")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
@@ -187,7 +200,7 @@ def _build(cls: Any, data: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except ValueError as e:  # invariants checked in __post_init__
-        raise ConfigError(str(e), field=path or "<recipe>") from None
+        raise ConfigError(str(e), field=path or None) from None
 
 
 def to_plain(obj: Any) -> Any:

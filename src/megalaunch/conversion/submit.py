@@ -29,7 +29,8 @@ def render_script(recipe: Recipe, command: list[str], out: Path, *, gpus: int | 
     cl = recipe.cluster
     # Conversion needs no GPU; GPU clusters often refuse jobs without one, so take one there.
     default_gpus = 1 if cl.gpus_per_node > 0 else 0
-    job = JobHeader(name=f"convert-{recipe.name}", log=str(ConversionPaths(out).logs / "%x-%j.out"), time=time_limit or cl.time,
+    job = JobHeader(name=f"convert-{recipe.name}", log=str(ConversionPaths(out).logs / "%x-%j.out"),
+                    log_from="the output directory (OUT)", time=time_limit or cl.time,
                     cpus_per_task=cl.cpus_per_task, gpus_per_node=default_gpus if gpus is None else gpus, mem=cl.mem,
                     options=cluster_options(cl))
     return render(

@@ -53,7 +53,7 @@ def chain_name_for(recipe: Recipe, root: Path) -> str:
 
 
 def run_root(recipe: Recipe) -> Path:
-    return Path(os.path.expanduser(os.path.expandvars(recipe.run.root))).absolute()
+    return Path(recipe.run.root).absolute()  # expanded when the recipe was loaded (config/paths.py)
 
 
 def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
@@ -86,7 +86,7 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
 
 def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:
     cl = recipe.cluster
-    job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), time=cl.time, cpus_per_task=cl.cpus_per_task,
+    job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), log_from="run.root", time=cl.time, cpus_per_task=cl.cpus_per_task,
                     nodes=cl.nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
                     options=cluster_options(cl), exclusive=cl.exclusive,
                     signal=f"{recipe.chain.stop_signal.removeprefix('SIG')}@{signal_lead_s(recipe)}", append=True)

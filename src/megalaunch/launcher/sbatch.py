@@ -33,6 +33,17 @@ class JobHeader:
     exclusive: bool = False
     signal: str | None = None  # e.g. USR2@61
     append: bool = False  # --open-mode=append (every segment of a chain appends to its own log)
+    log_from: str = "the run directory"  # what the user set that the log path derives from (for errors)
+
+    def __post_init__(self) -> None:
+        from megalaunch.config.preflight import SBATCH_SAFE
+
+        if not SBATCH_SAFE.match(self.log):
+            directory = self.log.rsplit("/logs/", 1)[0]
+            raise ConfigError(f"{directory!r}: the job's log under it goes into #SBATCH --output, which cannot hold "
+                              "spaces, quotes, $, ; or newlines", field=self.log_from,
+                              valid="a directory path of letters, digits and . _ , : = @ / + % - [ ]",
+                              fix=f"choose {self.log_from} without those characters (e.g. a symlink to the directory)")
 
 
 def home(path: str | None) -> str:

@@ -20,7 +20,7 @@ INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".nd
 
 @dataclass(frozen=True, kw_only=True)
 class InputsConfig:
-    roots: list[str] = doc("Directories (or single files) searched recursively for input files.")
+    roots: list[str] = doc("Directories (or single files) searched recursively for input files.", path="path")
     filter_in: list[str] = doc("Glob patterns (on the path relative to its root; `**` crosses directories); "
                                "a file must match one. Empty: every supported extension.", [])
     filter_out: list[str] = doc("Glob patterns; a matching file is left out.", [])
@@ -34,7 +34,7 @@ class InputsConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:
-    path: str = doc("Local tokenizer.json (hubs are unreachable from compute nodes).")
+    path: str = doc("Local tokenizer.json (hubs are unreachable from compute nodes).", path="path")
     bos: str | None = doc("Token prepended to every document, or null for none.", None)
     eos: str | None = doc("Token appended to every document (Megatron's document separator), or null.",
                           "<|endoftext|>")
@@ -72,7 +72,7 @@ class TokenizeRecipe:
     n_dumps: int = doc("Number of dumps (one Slurm array task each), balanced by input bytes.", 1)
     tasks: int = doc("datatrove tasks per dump (each writes one .bin/.idx pair; the unit of resume).", 1)
     workers: int = doc("Tasks run at once per dump = CPUs per job (-1: as many as tasks).", -1)
-    output_dir: str = doc("Where the .bin/.idx files go (empty: RUN/output).", "")
+    output_dir: str = doc("Where the .bin/.idx files go (empty: RUN/output).", "", path="path")
     backend: Literal["slurm", "local"] = doc("Where `tokenize submit` runs the dumps.", "slurm")
     slurm: TokenizeSlurm = doc("CPU-only resources of each dump job.", TokenizeSlurm())
 
@@ -102,10 +102,14 @@ def load_tokenize_recipe(ref: str, sets: list[str] | tuple[str, ...] = ()) -> tu
 def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
     """Relative paths in a recipe file are relative to the file, so a recipe works from any cwd."""
 
+    from megalaunch.config.paths import expand_path
+
     def anchor(p: Any, field: str) -> Any:
         if isinstance(p, str) and "\0" in p:  # no file name holds one (Path.resolve would raise ValueError)
             raise ConfigError(f"{p!r} holds a NUL byte", field=field, valid="a path", fix="remove the NUL byte")
-        if isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)) and "://" not in p:
+        if isinstance(p, str) and "://" not in p:
+            p = expand_path(p, field)  # ~ and $VAR, once (config/paths.py), before anchoring
+        if isinstance(p, str) and p and not os.path.isabs(p) and "://" not in p:
             return str((base / p).resolve())
         return p
 
@@ -120,6 +124,9 @@ def _anchor_paths(tree: dict[str, Any], base: Path) -> None:
         tok["path"] = tok["path"] if looks_like_hub and not os.path.exists(anchored) else anchored
     if tree.get("output_dir"):
         tree["output_dir"] = anchor(tree["output_dir"], "output_dir")
+    slurm = tree.get("slurm")
+    if isinstance(slurm, dict) and isinstance(slurm.get("python"), str):
+        slurm["python"] = expand_path(slurm["python"], "slurm.python")  # a command name stays as it is
 
 
 def load_run_recipe(run: TokenizeRun) -> TokenizeRecipe:

@@ -131,7 +131,8 @@ def render_job_script(run: TokenizeRun, recipe: TokenizeRecipe) -> str:
     slurm = recipe.slurm
     options = sbatch_options(slurm.partition, slurm.account, slurm.qos, extra=slurm.options, field_prefix="slurm.options",
                              reserved={"reservation", "constraint"})  # no fields of their own here
-    job = JobHeader(name=f"tok-{recipe.name}", log=str(run.logs / "%x-%A_%a.out"), time=slurm.time,
+    job = JobHeader(name=f"tok-{recipe.name}", log=str(run.logs / "%x-%A_%a.out"),
+                    log_from="the run directory (tokenize plan --run-dir)", time=slurm.time,
                     cpus_per_task=recipe.concurrent_workers, mem=slurm.mem, options=options)
     return render("tokenize.sbatch.j2", version=__version__, run_dir=str(run.root), job=job,
                   setup=list(slurm.setup), python=slurm.python or sys.executable)
