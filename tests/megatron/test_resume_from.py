@@ -134,10 +134,11 @@ def test_resume_from_an_older_checkpoint_then_a_refused_one(tmp_path: Path) -> N
     assert refused.returncode == 0, refused.stderr
     assert f"resuming from iteration {target}; checkpoint" in refused.stdout, refused.stdout
     four = Ledger(paths).segments()[3]
-    assert four.job_id == "local-4" and four.outcome == "failed", four.ended
+    assert four.job_id == "local-4" and four.outcome == "config_error", four.ended
     assert four.start_iteration == tracker and not four.ended["new_checkpoint"], four.ended  # it trained nothing
     reason = Ledger(paths).stopped()["reason"]
-    assert reason.startswith(f"configuration error: megalaunch resume --from {target} (by "), reason
+    assert reason.startswith(f"configuration error, no retry can fix it: megalaunch resume --from {target} (by "), reason
+    assert "megalaunch resume RUN --from one of the complete checkpoints" in Ledger(paths).stopped()["fix"]
     assert f"checkpoint {target} is not usable (truncated shard {shard.name}" in reason, reason
     assert "complete ones: [" in reason and str(tracker) in reason.split("complete ones:")[1], reason
     assert not paths.resume_request.exists() and paths.settled_resume_request("refused", "local-4").exists()

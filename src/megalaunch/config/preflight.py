@@ -157,6 +157,14 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
     _require(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
              "sequence parallelism needs tensor_model_parallel_size > 1", "false when TP = 1",
              "--set parallel.sequence_parallel=false")
+    if p.sequence_parallel:  # each TP rank holds seq_length / TP positions (Megatron asserts it in the forward)
+        _require(m.seq_length % tp == 0, "model.seq_length",
+                 f"{m.seq_length} is not divisible by TP {tp}, as sequence parallelism needs", f"a multiple of {tp}",
+                 "choose another seq_length or --set parallel.sequence_parallel=false")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    _require(ffn % tp == 0, "model.ffn_hidden_size",
+             f"{ffn} is not divisible by TP {tp} (the MLP's column-parallel layer splits it)",
+             f"a multiple of {tp}", "choose another TP or ffn_hidden_size")
     _check_experts(recipe, topo)
     _check_sequence(recipe, topo)
 
