@@ -133,7 +133,7 @@ def test_nul_in_a_tokenization_path_is_a_config_error() -> None:
 
 def test_a_number_with_a_control_character_is_a_megalaunch_error() -> None:
     """str.strip() removes U+001F but float() does not: '0\\x1f' matched the number pattern, then crashed."""
-    with pytest.raises(ConfigError, match="training.lr"):
+    with pytest.raises(ConfigError, match=r"training\.lr"):
         load_recipe("tiny", ['training.lr="0\x1f"'])
     assert load_recipe("tiny", ['training.train_iters=" 12 "']).recipe.training.train_iters == 12
 
