@@ -98,6 +98,15 @@ class RunPaths:
     def outcome(self) -> Path:
         return self.state / "outcome.json"
 
+    def timeline(self, job_id: str) -> Path:
+        """Rank 0's phase times of one segment (runtime/timeline.py)."""
+        return self.state / "timeline" / f"{job_id}.json"
+
+    @property
+    def metrics(self) -> Path:
+        """One line per log interval of every segment: iteration, time, loss, tokens/s, TFLOP/s."""
+        return self.state / "metrics.jsonl"
+
     def tasks(self, job_id: str) -> Path:
         """One exit record per rank of a segment, written by runtime/task.py."""
         return self.state / "tasks" / str(job_id)

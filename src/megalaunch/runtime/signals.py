@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 
 SIGNAL_NAMES = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT")
@@ -50,14 +51,21 @@ class SignalFlag:
         self._waiter = threading.Thread(target=self._wait, name=f"megalaunch-{sig.name}", daemon=True)
         self._waiter.start()
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    received_at: float | None = None  # when it first arrived (time.time())
+
+    def _set(self) -> None:
+        if self.received_at is None:
+            self.received_at = time.time()
         self._event.set()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._set()
 
     def _wait(self) -> None:
         while not self._closing:
             signal.sigwait({self.sig})
             if not self._closing:
-                self._event.set()
+                self._set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the signal has arrived (waits up to `timeout` seconds)."""

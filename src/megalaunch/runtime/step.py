@@ -114,5 +114,24 @@ def run_pretrain(argv: list[str], *, attention: str, session: Session | None) ->
         cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
     finally:
         sys.argv = saved_argv
-    pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, make_forward_step(session),
-             model_provider=model_provider(attention))
+    provide_model, provide_data = model_provider(attention), dataset_provider
+    if session is not None:
+        provide_model = _timed(provide_model, session, "model_build")
+        provide_data = _timed(dataset_provider, session, "data")
+    pretrain(cfg, provide_data, ModelType.encoder_or_decoder, make_forward_step(session),
+             model_provider=provide_model)
+
+
+def _timed(fn: Any, session: Session, phase: str) -> Any:
+    """`fn` marking `<phase>_start` / `<phase>_end` on the segment's timeline (the first call's)."""
+    import functools
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        session.timeline.mark(f"{phase}_start")
+        result = fn(*args, **kwargs)
+        session.timeline.mark(f"{phase}_end")
+        return result
+
+    timed.__dict__.update(getattr(fn, "__dict__", {}))  # e.g. dataset_provider.is_distributed
+    return timed

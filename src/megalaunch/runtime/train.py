@@ -43,6 +43,7 @@ from megalaunch.runtime.failures import (
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.step import megatron_argv, run_pretrain
+from megalaunch.runtime.timeline import Timeline
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
@@ -71,6 +72,7 @@ class Session:
         self.grad_norm: float | None = None
         self.save_times: list[float] = []
         self._save_started = 0.0
+        self._save_started_at = 0.0
         self._window: tuple[float, int, float] | None = None  # (time, consumed samples, flops)
         self._saving_in_window = 0.0
         self._loss_log = os.environ.get(LOSS_LOG_ENV) if rank == 0 else None
@@ -78,6 +80,8 @@ class Session:
         self._step_sleep_s = float(os.environ.get(STEP_SLEEP_ENV) or 0)
         self.watchdog: Any = None
         self.wandb: Any = None
+        self.timeline = Timeline(paths, self.job_id, write=rank == 0)
+        self.timeline.mark("runtime_start", world=world)
 
     # --- logging -------------------------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -105,6 +109,10 @@ class Session:
         d = Decision(decision)
         self.decision = max(self.decision, d)
         self.decision_iteration = iteration
+        if self.flag.received_at is not None:
+            self.timeline.mark("signal_received", self.flag.received_at)
+        if d != Decision.SAVE:
+            self.timeline.mark("decision", decision=d.name.lower(), decision_iteration=iteration)
         what = {Decision.SAVE: "saved a checkpoint and continues", Decision.SIGNAL: "saved on the stop signal, exiting",
                 Decision.EXIT: "saved on the exit trigger, exiting", Decision.ABORT: "aborting without a save"}[d]
         self.log(f"decision {d.name.lower()} at iteration {iteration}: {what}")
@@ -119,12 +127,14 @@ class Session:
 
     def before_save(self, iteration: int) -> None:
         self._save_started = time.monotonic()
+        self._save_started_at = time.time()
         if self.watchdog:
             self.watchdog.beat(f"save at iteration {iteration} started")
 
     def after_save(self, iteration: int) -> None:
         elapsed = time.monotonic() - self._save_started
         self.save_times.append(elapsed)
+        self.timeline.save(iteration, self._save_started_at, self._save_started_at + elapsed)
         self._saving_in_window += elapsed
         if self.watchdog:
             self.watchdog.beat(f"save at iteration {iteration} done")
@@ -150,6 +160,7 @@ class Session:
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         self.iteration = iteration
         self.steps += 1
+        self.timeline.iteration(iteration, flush=iteration % self.settings.log_interval == 0)
         if self._step_sleep_s > 0:  # test hook: pace iterations (before the decision, like a slow step)
             time.sleep(self._step_sleep_s)
         if self.watchdog:
@@ -164,6 +175,7 @@ class Session:
 
         from megalaunch.runtime.megatron_seams import collective_device
 
+        self.timeline.mark("load_start")
         chosen, error = -1, None
         if self.rank == 0:
             try:
@@ -214,6 +226,7 @@ class Session:
 
     def loaded(self, iteration: int, consumed_samples: int) -> None:
         self.iteration = iteration
+        self.timeline.mark("load_end", start_iteration=iteration)
         if self.settings.profile_window and iteration > 0:
             from megatron.training import get_args
 
@@ -245,6 +258,13 @@ class Session:
         write_progress(self.paths, iteration=iteration, consumed_samples=samples, loss=self.loss,
                        tokens_per_s=tokens_per_s, tflops_per_gpu=tflops, lr=self.lr, grad_norm=self.grad_norm,
                        train_iters=self.settings.train_iters)
+        try:
+            append_jsonl(self.paths.metrics, {
+                "job_id": self.job_id, "iteration": iteration, "time": time.time(), "loss": self.loss,
+                "lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s,
+                "tflops_per_gpu": tflops, "consumed_samples": samples})
+        except OSError as e:
+            self.log(f"could not append to {self.paths.metrics}: {e}")
         if self.wandb is not None:
             self.wandb.log(iteration, {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                                        "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
@@ -305,6 +325,8 @@ def _setup(session: Session) -> tuple[list[str], str]:
     megatron_seams.install(session)
     if rank == 0 and settings.wandb_project:
         _open_wandb(session)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
+    session.timeline.mark("setup_done", gpu=gpu)
     return argv, settings.attention
 
 
@@ -396,6 +418,9 @@ def run_session(session: Session) -> int:
         status, reason, code = "hung", hang, EXIT_HUNG
     if status == "config_error":
         session.log(f"configuration error: no retry can fix this: {reason}" + (f"; fix: {fix}" if fix else ""))
+    if session.flag.received_at is not None:
+        session.timeline.mark("signal_received", session.flag.received_at)
+    session.timeline.mark("exit", outcome=status)
     session.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
     if session.rank == 0:
         write_outcome(paths, status, iteration=session.iteration, reason=reason, fix=fix,

@@ -1,0 +1,240 @@
+"""Goodput: where every second of a chain went (docs/goodput.md).
+
+Each segment's wall time, from `job begin` to `job end` (the ledger's `started` and `ended`), is cut
+into consecutive intervals at the phases its trainer reached (runtime/timeline.py), so the parts
+always add up to the wall time:
+
+  launch           job begin -> the trainer process exists (srun, the task supervisor)
+  imports          -> torch and Megatron imported, seams installed (setup_done)
+  init             -> Megatron initialised: rendezvous, process groups (model_build_start)
+  model_build      -> the model and optimizer are built (load_start)
+  checkpoint_load  -> the checkpoint is loaded (load_end)
+  data_setup       -> the datasets are built (data_end)
+  training         -> the last iteration or save; split into
+      productive       iterations whose result a checkpoint kept
+      checkpoint_save  blocking time of every save
+      lost_work        iterations after the last checkpoint this segment wrote (redone later)
+  exit             -> the outcome is written (the save on the signal is in checkpoint_save)
+  teardown         -> job end (process-group teardown, interpreter exit, srun, the chain's bookkeeping)
+  failed           a segment that failed, hung or was killed: from its last sign of life to job end
+
+Queue wait between segments (`wait`: from the previous segment's end, or the submission, to this
+one's start) is shown separately: it is not allocated GPU time. Goodput = productive / wall.
+Standard library only: `status` and `report` run on login nodes."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megalaunch.rundir.files import read_json, read_jsonl
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
+
+STARTUP = ("launch", "imports", "init", "model_build", "checkpoint_load", "data_setup")
+COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed")
+FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
+
+# Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins).
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+    ("H800", 989.0), ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+)
+
+
+def peak_tflops(gpu: str | None, override: float | None = None) -> float | None:
+    """The dense bf16 peak of `gpu` (a device name), or `override` (cluster.gpu_peak_tflops)."""
+    if override:
+        return float(override)
+    if not gpu:
+        return None
+    for key, peak in PEAK_TFLOPS:
+        if re.search(re.escape(key), gpu, re.I):
+            return peak
+    return None
+
+
+@dataclass
+class SegmentTime:
+    job_id: str
+    outcome: str | None
+    start: float | None
+    end: float | None
+    wait: float | None = None  # queue wait before this segment (not GPU time)
+    parts: dict[str, float] = field(default_factory=dict)
+    start_iteration: int | None = None
+    last_iteration: int | None = None
+    last_checkpoint: int | None = None
+    saves: list[list[float]] = field(default_factory=list)  # [iteration, begin, end]
+    gpu: str | None = None
+    world: int | None = None
+    tflops_per_gpu: float | None = None
+    tokens_per_s: float | None = None
+    reason: str | None = None
+    running: bool = False  # no `job end` yet: the parts so far, up to now
+
+    @property
+    def wall(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def startup(self) -> float:
+        return sum(self.parts.get(k, 0.0) for k in STARTUP)
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | None,
+                 timeline: dict[str, Any] | None, metrics: list[dict[str, Any]], now: float) -> SegmentTime:
+    """Cut one segment's wall time into the components (their sum is the wall time exactly)."""
+    start = float(started["time"])
+    end = float(ended["time"]) if ended else now
+    outcome = (ended or {}).get("outcome")
+    tl = timeline or {}
+    ph: dict[str, float] = {k: float(v) for k, v in (tl.get("phases") or {}).items() if isinstance(v, (int, float))}
+    saves = [s for s in (tl.get("saves") or []) if isinstance(s, list) and len(s) == 3]
+    seg = SegmentTime(job_id=job_id, outcome=outcome, start=start, end=end if ended else None,
+                      reason=(ended or {}).get("reason"), running=ended is None, saves=saves,
+                      gpu=tl.get("gpu"), world=tl.get("world"))
+    iters = tl.get("iterations") or {}
+    seg.start_iteration = tl.get("start_iteration")
+    seg.last_iteration = iters.get("last")
+    mine = [m for m in metrics if str(m.get("job_id")) == str(job_id)]
+    seg.tflops_per_gpu = _median([m.get("tflops_per_gpu") for m in mine])  # type: ignore[misc]
+    seg.tokens_per_s = _median([m.get("tokens_per_s") for m in mine])  # type: ignore[misc]
+    if mine and (seg.last_iteration is None or mine[-1]["iteration"] > seg.last_iteration):
+        seg.last_iteration = mine[-1]["iteration"]  # a timeline flushed less often than the metrics
+        ph["last_iteration_end"] = max(ph.get("last_iteration_end", 0.0), float(mine[-1]["time"]))
+
+    def clamp(t: float | None, lo: float) -> float:
+        return min(max(t if t is not None else lo, lo), end)
+
+    # consecutive boundaries; a phase not reached takes the previous boundary (zero length)
+    order = [("launch", "process_start"), ("imports", "setup_done"), ("init", "model_build_start"),
+             ("model_build", "load_start"), ("checkpoint_load", "load_end"), ("data_setup", "data_end")]
+    t = start
+    reached = start
+    parts: dict[str, float] = {k: 0.0 for k in COMPONENTS}
+    for name, phase in order:
+        nxt = clamp(ph.get(phase), t)
+        if phase in ph and name == "launch" and ph[phase] < start:
+            nxt = t  # the process started before `job begin` (a local test harness): no launch time
+        parts[name] = nxt - t
+        t = nxt
+        if phase in ph:
+            reached = t
+    train_start = t
+    save_ends = [float(s[2]) for s in saves]
+    train_end = clamp(max([ph.get("last_iteration_end", 0.0), *save_ends, ph.get("decision", 0.0)]) or None,
+                      train_start)
+    if train_end > train_start:
+        reached = train_end
+    window = train_end - train_start
+    blocking = sum(max(0.0, min(float(e), train_end) - max(float(b), train_start)) for _, b, e in saves)
+    # lost work: iterations after the last save this segment made (or after its start, if none)
+    last_save = max(saves, key=lambda s: s[0]) if saves else None
+    seg.last_checkpoint = int(last_save[0]) if last_save else None
+    last_iter_end = clamp(ph.get("last_iteration_end"), train_start)
+    lost = 0.0
+    if seg.last_iteration is not None:
+        kept_to = int(last_save[0]) if last_save else (seg.start_iteration or 0)
+        if seg.last_iteration > kept_to:
+            lost = max(0.0, last_iter_end - (float(last_save[2]) if last_save else train_start))
+    failed = outcome in FAILED_OUTCOMES or (ended is not None and outcome is None)
+    if failed and not last_save:
+        lost = max(0.0, last_iter_end - train_start)
+    lost = min(lost, max(0.0, window - blocking))
+    parts["checkpoint_save"] = blocking
+    parts["lost_work"] = lost
+    parts["productive"] = max(0.0, window - blocking - lost)
+    t = train_end
+    if failed:
+        parts["failed"] = end - t
+    else:
+        exit_at = clamp(ph.get("exit"), t)
+        parts["exit"] = exit_at - t
+        parts["teardown"] = end - exit_at
+    if seg.running:
+        parts["productive"] += 0.0
+    seg.parts = parts
+    _ = reached
+    return seg
+
+
+def chain_goodput(paths: RunPaths, now: float) -> dict[str, Any]:
+    """Every segment's time and the chain's totals (goodput, badput by cause, wait)."""
+    events = Ledger(paths).events()
+    metrics = read_jsonl(paths.metrics)
+    submitted: dict[str, float] = {}
+    started: dict[str, dict[str, Any]] = {}
+    ended: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+    for e in events:
+        jid = e.get("job_id")
+        if jid is None:
+            continue
+        jid = str(jid)
+        if e["event"] == "submitted":
+            submitted.setdefault(jid, float(e["time"]))
+        elif e["event"] == "started" and jid not in started:
+            started[jid] = e
+            order.append(jid)
+        elif e["event"] == "ended" and jid not in ended:
+            ended[jid] = e
+    segments: list[SegmentTime] = []
+    previous_end: float | None = None
+    for jid in order:
+        tl = read_json(paths.timeline(jid))
+        seg = segment_time(jid, started[jid], ended.get(jid), tl if isinstance(tl, dict) else None, metrics, now)
+        since = max(x for x in (submitted.get(jid), previous_end) if x is not None) \
+            if (submitted.get(jid) is not None or previous_end is not None) else None
+        seg.wait = max(0.0, seg.start - since) if since is not None and seg.start is not None else None
+        previous_end = seg.end if seg.end is not None else now
+        segments.append(seg)
+    totals = {k: sum(s.parts.get(k, 0.0) for s in segments) for k in COMPONENTS}
+    wall = sum(totals.values())
+    gpus = [s.world for s in segments if s.world]
+    return {
+        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup} for s in segments],
+        "totals": totals, "wall": wall, "wait": sum(s.wait or 0.0 for s in segments),
+        "goodput": (totals["productive"] / wall) if wall > 0 else None,
+        "gpu_hours": sum(s.wall * (s.world or 1) for s in segments) / 3600.0,
+        "world": gpus[-1] if gpus else None,
+    }
+
+
+def mfu(tflops_per_gpu: float | None, gpu: str | None, override: float | None = None) -> float | None:
+    peak = peak_tflops(gpu, override)
+    if tflops_per_gpu is None or not peak:
+        return None
+    return tflops_per_gpu / peak
+
+
+def checkpoint_interval_hint(chain: dict[str, Any], step_s: float | None) -> dict[str, Any]:
+    """Young/Daly: the checkpoint interval that minimises expected loss, sqrt(2 x MTBF x save time),
+    from the measured blocking save time and the chain's observed failure rate."""
+    segs = chain["segments"]
+    saves = [float(e) - float(b) for s in segs for _, b, e in s["saves"]]
+    save_s = _median(saves)
+    failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES)
+    wall = chain["wall"]
+    out: dict[str, Any] = {"save_s": save_s, "failures": failures, "wall_s": wall, "interval_s": None,
+                           "interval_iters": None, "mtbf_s": None}
+    if save_s is None or wall <= 0:
+        return out
+    mtbf = wall / failures if failures else None
+    out["mtbf_s"] = mtbf
+    if mtbf is not None:
+        interval = math.sqrt(2.0 * mtbf * save_s)
+        out["interval_s"] = interval
+        if step_s:
+            out["interval_iters"] = max(1, int(interval / step_s))
+    return out
