@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-HEAVY = ["torch", "megatron", "transformers", "datatrove", "wandb", "numpy", "tokenizers", "safetensors"]
+HEAVY = ["torch", "megatron", "transformers", "datatrove", "wandb", "numpy", "tokenizers", "safetensors",
+         "matplotlib"]
 
 
 def test_cli_import_pulls_in_no_heavy_library() -> None:
@@ -20,7 +21,7 @@ def test_cli_import_pulls_in_no_heavy_library() -> None:
 def test_help_of_every_subcommand_is_light() -> None:
     code = ("import sys\nfrom megalaunch.cli.main import app\nimport typer.testing\n"
             "r = typer.testing.CliRunner()\n"
-            "for args in (['--help'], ['submit','--help'], ['status','--help'], ['recipes','list'],"
+            "for args in (['--help'], ['submit','--help'], ['status','--help'], ['report','--help'], ['recipes','list'],"
             " ['tokenize','--help'], ['data','--help'], ['convert','--help']):\n"
             "    res = r.invoke(app, args)\n    assert res.exit_code == 0, (args, res.output)\n"
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")

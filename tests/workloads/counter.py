@@ -3,8 +3,13 @@ progress, outcome, atomic writes); its "checkpoint" is a step counter saved atom
 checkpoints/iter_NNNNNNN/ with Megatron's tracker file, so the chain logic sees what it sees with
 Megatron. Each step sleeps COUNTER_STEP_S seconds to stand in for compute.
 
-Env: MEGALAUNCH_RUN_DIR (set by the launcher); COUNTER_STEP_S (default 0.1);
-COUNTER_FAIL=start makes it crash before training (crash-loop tests)."""
+It keeps the segment's timeline (runtime.timeline.Timeline: the phases, every iteration, every save)
+and appends state/metrics.jsonl every log interval as the real trainer does, so goodput and the
+report can be tested without Megatron.
+
+Env: MEGALAUNCH_RUN_DIR (set by the launcher); COUNTER_STEP_S (default 0.1); COUNTER_SAVE_S (a save's
+blocking time, default 0); COUNTER_FAIL=start makes it crash before training (crash-loop tests);
+COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written)."""
 
 from __future__ import annotations
 
@@ -13,24 +18,29 @@ import os
 import sys
 import time
 
-from megalaunch.rundir.files import atomic_write_json, atomic_write_text
+from megalaunch.rundir.files import append_jsonl, atomic_write_json, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime.dist_env import rank_env
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
+from megalaunch.runtime.timeline import Timeline
 
 
 def log(msg: str) -> None:
     print(f"[counter rank {rank_env().rank}] {msg}", flush=True)
 
 
-def save(paths: RunPaths, iteration: int, total: int) -> None:
+def save(paths: RunPaths, iteration: int, total: int, timeline: Timeline | None = None) -> None:
+    begin = time.time()
+    time.sleep(float(os.environ.get("COUNTER_SAVE_S", "0")))
     d = paths.checkpoints / f"iter_{iteration:07d}"
     d.mkdir(parents=True, exist_ok=True)
     atomic_write_json(d / "state.json", {"iteration": iteration, "total": total})
     atomic_write_text(paths.tracker, f"{iteration}\n")
+    if timeline is not None:
+        timeline.save(iteration, begin, time.time())
     log(f"saved checkpoint at iteration {iteration}")
 
 
@@ -49,46 +59,68 @@ def main() -> int:
     flag = SignalFlag(resolve_signal(settings.stop_signal))
     paths = settings_paths
     job = current_job_id()
+    env = rank_env()
+    tl = Timeline(paths, job, write=env.rank == 0)
+    tl.mark("runtime_start", world=env.world_size)
     if os.environ.get("COUNTER_FAIL") == "start":
         write_outcome(paths, "failed", reason="COUNTER_FAIL=start: crashing before training")
         log("failing at start on purpose")
         return 1
     step_s = float(os.environ.get("COUNTER_STEP_S", "0.1"))
+    crash_at = int(os.environ.get("COUNTER_CRASH_ONCE") or 0)
+    crashed_marker = paths.state / "counter-crashed"
+    for phase in ("setup_done", "model_build_start", "model_build_end", "load_start"):
+        tl.mark(phase)
     it, total = load(paths)
+    tl.mark("load_end", start_iteration=it)
+    tl.mark("data_start")
+    tl.mark("data_end")
     log(f"job {job} resumes at iteration {it}")
+
+    def finish(status: str, reason: str | None = None) -> int:
+        write_outcome(paths, status, iteration=it, reason=reason)
+        tl.mark("exit", outcome=status)
+        return 0
+
     while True:
         if it >= settings.train_iters:
             if paths.read_tracker() != it:
-                save(paths, it, total)
-            write_outcome(paths, "finished", iteration=it)
+                save(paths, it, total, tl)
             log(f"finished at iteration {it}")
-            return 0
+            return finish("finished")
         look = it % settings.trigger_interval == 0
         decision = decide(TriggerBox(paths) if look else None, flag.received)
+        if decision != Decision.CONTINUE:
+            tl.mark("decision", decision=decision.name.lower(), decision_iteration=it)
         if decision == Decision.ABORT:
             TriggerBox(paths).consume_for(decision, it, job)
-            write_outcome(paths, "aborted", iteration=it, reason="abort trigger")
             log(f"aborted at iteration {it}")
-            return 0
+            return finish("aborted", "abort trigger")
         if decision in (Decision.SAVE, Decision.SIGNAL, Decision.EXIT):
-            save(paths, it, total)
+            save(paths, it, total, tl)
             TriggerBox(paths).consume_for(decision, it, job)
             if decision == Decision.SIGNAL:
-                write_outcome(paths, "saved", iteration=it, reason="signal")
                 log(f"stop signal: saved and exiting at iteration {it}")
-                return 0
+                return finish("saved", "signal")
             if decision == Decision.EXIT:
-                write_outcome(paths, "exited", iteration=it, reason="exit trigger")
                 log(f"exit trigger: saved and exiting at iteration {it}")
-                return 0
+                return finish("exited", "exit trigger")
             log(f"save trigger: saved at iteration {it}, continuing")
         time.sleep(step_s)
         it += 1
         total += it
+        tl.iteration(it, flush=it % settings.log_interval == 0)
+        if crash_at and it >= crash_at and not crashed_marker.exists():
+            crashed_marker.touch()
+            log(f"crashing at iteration {it} on purpose (COUNTER_CRASH_ONCE)")
+            os._exit(1)
         if it % settings.save_interval == 0:
-            save(paths, it, total)
+            save(paths, it, total, tl)
         if it % settings.log_interval == 0:
             write_progress(paths, iteration=it, consumed_samples=it, loss=1.0 / it, tokens_per_s=1.0 / step_s)
+            append_jsonl(paths.metrics, {"job_id": job, "iteration": it, "time": time.time(), "loss": 1.0 / it,
+                                         "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0 / step_s,
+                                         "tflops_per_gpu": None, "consumed_samples": it})
 
 
 if __name__ == "__main__":

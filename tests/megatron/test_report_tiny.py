@@ -1,0 +1,68 @@
+"""`megalaunch report` on the real trainer: the tiny recipe on 2 CPU ranks as a local chain of at least
+two segments (each stopped by the local timer's signal, then finished), reported through the CLI
+as a user runs it. Every segment's components, measured by the trainer's timeline, add up to its wall
+time (job begin -> job end in the ledger) within 1 s; one timeline bar per segment; valid figures.
+
+Timing (as /tmp/tl/r.yaml): limit 45 s, signal lead 5 + 1 + 9 = 15 s, so each segment trains from its
+start-up (~10 s) to 30 s at ~0.3 s per iteration: 40..60 iterations; TRAIN_ITERS = 90 makes 2 (or 3)
+segments, ~70 s."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.unit.test_report import FIGURES, assert_png, parse
+
+from megalaunch.launcher.goodput import COMPONENTS
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+TRAIN_ITERS = 90
+
+
+@pytest.mark.timeout(300)
+def test_report_of_a_tiny_chain(tmp_path: Path) -> None:
+    recipe = {
+        "include": ["tiny"], "name": "reptiny", "run": {"root": str(tmp_path / "runs")},
+        "cluster": {"tasks_per_node": 2, "time": "00:00:45", "python": sys.executable,
+                    "env": {"OMP_NUM_THREADS": "1", "MEGALAUNCH_TEST_STEP_SLEEP_S": "0.2"}},
+        "training": {"train_iters": TRAIN_ITERS, "log_interval": 5},
+        "checkpoint": {"save_interval": 20, "save_time_estimate_s": 5},
+        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 9, "min_train_time_s": 15},
+    }
+    path = tmp_path / "reptiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    chain = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "submit", str(path)], capture_output=True,
+                           text=True, timeout=280, stdin=subprocess.DEVNULL)
+    assert chain.returncode == 0, chain.stdout[-3000:] + chain.stderr[-3000:]
+    (root,) = (tmp_path / "runs").glob("reptiny-*")
+    paths = RunPaths(root)
+    segments = Ledger(paths).segments()
+    assert len(segments) >= 2 and segments[-1].outcome == "finished", [s.ended for s in segments]
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "report", str(root), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == str(out / "report.html")
+    assert proc.stdout.splitlines()[1].startswith("goodput ")
+    for name in FIGURES:
+        assert_png(out / name)
+    page = parse(out / "report.html")
+    assert len(page.bars) == len(segments)
+    assert [row["job"] for row in page.goodput] == [s.job_id for s in segments]
+    for row, seg in zip(page.goodput, segments, strict=True):
+        parts: dict[str, float] = row["parts"]  # type: ignore[assignment]
+        assert set(parts) == set(COMPONENTS)
+        assert seg.started and seg.ended
+        wall = seg.ended["time"] - seg.started["time"]
+        assert abs(sum(parts.values()) - wall) < 1.0, (seg.job_id, parts, wall)
+        # the trainer's phases were all seen: start-up, training and saves, no untracked time
+        assert parts["imports"] > 0 and parts["productive"] > 0 and parts["checkpoint_save"] > 0, parts
+        assert parts.get("untracked", 0.0) == 0.0 and parts["failed"] == 0.0, parts
