@@ -87,9 +87,20 @@ def _check_wandb(paths, stops: list[int]) -> None:
     steps = [s for r in runs for s in _history_steps(r)]
     assert steps == sorted(steps) and len(steps) == len(set(steps)), steps
     assert steps[-1] == ITERS and state["last_step"] == ITERS
+    for r in runs:  # every segment logs its start-up phases once, with its first metrics
+        keys = _history_keys(r)
+        assert {"segment/startup_s", "segment/imports_s", "segment/checkpoint_load_s", "loss"} <= keys, keys
+
+
+def _history_keys(run_dir: Path) -> set[str]:
+    return {k for keys in _records(run_dir, "keys") for k in keys}
 
 
 def _history_steps(run_dir: Path) -> list[int]:
+    return list(_records(run_dir, "step"))
+
+
+def _records(run_dir: Path, what: str) -> list:
     """The step of every history record in an offline run's .wandb file (a leveldb-style log of
     protobuf records after a 7-byte header; wandb 0.31 has no Python reader for it any more)."""
     from wandb.proto import wandb_internal_pb2
@@ -112,5 +123,6 @@ def _history_steps(run_dir: Path) -> list[int]:
             rec = wandb_internal_pb2.Record()
             rec.ParseFromString(pending)
             if rec.WhichOneof("record_type") == "history":
-                steps.append(int(rec.history.step.num))
+                steps.append(int(rec.history.step.num) if what == "step" else
+                             {item.key or "/".join(item.nested_key) for item in rec.history.item})
     return steps

@@ -281,6 +281,18 @@ def test_tiny_chain_with_periodic_saves_stops_on_time_limit_signal_and_resumes_e
         assert (slurm_states.get(job) or wait_job_done(job, 60)) in {"COMPLETED", "CANCELLED"}, job
     assert set(stopped["cancelled"]) == set(submitted_ids(run)) - set(jobs)
 
+    # goodput: each segment's components add up to its wall time, with the trainer's phases on Slurm
+    from megalaunch.launcher.goodput import chain_goodput
+
+    g = chain_goodput(paths, time.time())
+    assert [seg["job_id"] for seg in g["segments"]] == jobs
+    for seg in g["segments"]:
+        parts = seg["parts"]
+        assert abs(sum(parts.values()) - (seg["end"] - seg["start"])) < 1.0, seg
+        assert parts["imports"] > 0 and parts["productive"] > 0 and parts["checkpoint_save"] > 0, seg
+        assert parts["lost_work"] == 0 and parts["failed"] == 0, seg  # every stop saved where it stopped
+    print(f"goodput {g['goodput']:.1%} of {g['wall']:.0f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in g["totals"].items()))
+
 
 # --- triggers on 2 processes ------------------------------------------------------------------------
 

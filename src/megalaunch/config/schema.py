@@ -207,6 +207,8 @@ class ClusterConfig:
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch", path="path")
     master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "
                                   "node do not collide)", None)
+    gpu_peak_tflops: float | None = doc("dense bf16 peak TFLOP/s per GPU for MFU (default: from the GPU's name, "
+                                        "docs/goodput.md)", None)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

@@ -122,6 +122,7 @@ class Chain:
                            first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}))
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
+        self._write_goodput()
         if status == "finished":
             return self.stop(job_id, f"training reached its target (iteration {now})")
         if status in ("exited", "aborted"):
@@ -141,6 +142,21 @@ class Chain:
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
         return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _write_goodput(self) -> None:
+        """The chain's goodput so far, for `status`, the report and the next segment's W&B run."""
+        import time
+
+        from megalaunch.launcher.goodput import chain_goodput
+        from megalaunch.rundir.files import atomic_write_json
+
+        try:
+            g = chain_goodput(self.paths, time.time())
+            atomic_write_json(self.paths.goodput, {"time": time.time(), "goodput": g["goodput"], "wall_s": g["wall"],
+                                                   "wait_s": g["wait"], "segments": len(g["segments"]),
+                                                   "totals_s": g["totals"]})
+        except Exception as e:  # accounting must never change what the chain does
+            log(f"could not write {self.paths.goodput}: {e}")
 
     def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
         """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""

@@ -17,6 +17,7 @@ always add up to the wall time:
   exit             -> the outcome is written (the save on the signal is in checkpoint_save)
   teardown         -> job end (process-group teardown, interpreter exit, srun, the chain's bookkeeping)
   failed           a segment that failed, hung or was killed: from its last sign of life to job end
+  untracked        a segment without a trainer timeline (a `workload` instead of Megatron's loop)
 
 Queue wait between segments (`wait`: from the previous segment's end, or the submission, to this
 one's start) is shown separately: it is not allocated GPU time. Goodput = productive / wall.
@@ -34,7 +35,7 @@ from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 
 STARTUP = ("launch", "imports", "init", "model_build", "checkpoint_load", "data_setup")
-COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed")
+COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
 FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
 
 # Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins).
@@ -101,6 +102,12 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     tl = timeline or {}
     ph: dict[str, float] = {k: float(v) for k, v in (tl.get("phases") or {}).items() if isinstance(v, (int, float))}
     saves = [s for s in (tl.get("saves") or []) if isinstance(s, list) and len(s) == 3]
+    if ended is not None and ended.get("accounted_by"):
+        # it vanished (node failure, scancel) and the next segment's `job begin` recorded its end: that
+        # time includes the queue wait before the next segment. End it at its last sign of life.
+        alive = [v for v in ph.values()] + [float(x[2]) for x in saves] + \
+            [float(m["time"]) for m in metrics if str(m.get("job_id")) == str(job_id) and "time" in m]
+        end = min(end, max([start, *alive])) if alive else start
     seg = SegmentTime(job_id=job_id, outcome=outcome, start=start, end=end if ended else None,
                       reason=(ended or {}).get("reason"), running=ended is None, saves=saves,
                       gpu=tl.get("gpu"), world=tl.get("world"))
@@ -121,7 +128,6 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     order = [("launch", "process_start"), ("imports", "setup_done"), ("init", "model_build_start"),
              ("model_build", "load_start"), ("checkpoint_load", "load_end"), ("data_setup", "data_end")]
     t = start
-    reached = start
     parts: dict[str, float] = {k: 0.0 for k in COMPONENTS}
     for name, phase in order:
         nxt = clamp(ph.get(phase), t)
@@ -129,14 +135,10 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
             nxt = t  # the process started before `job begin` (a local test harness): no launch time
         parts[name] = nxt - t
         t = nxt
-        if phase in ph:
-            reached = t
     train_start = t
     save_ends = [float(s[2]) for s in saves]
     train_end = clamp(max([ph.get("last_iteration_end", 0.0), *save_ends, ph.get("decision", 0.0)]) or None,
                       train_start)
-    if train_end > train_start:
-        reached = train_end
     window = train_end - train_start
     blocking = sum(max(0.0, min(float(e), train_end) - max(float(b), train_start)) for _, b, e in saves)
     # lost work: iterations after the last save this segment made (or after its start, if none)
@@ -158,14 +160,16 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     t = train_end
     if failed:
         parts["failed"] = end - t
+    elif ended is None and "exit" not in ph and train_end > train_start:
+        parts["productive"] += end - t  # still training: the time since the last record is training in flight
     else:
         exit_at = clamp(ph.get("exit"), t)
         parts["exit"] = exit_at - t
         parts["teardown"] = end - exit_at
-    if seg.running:
-        parts["productive"] += 0.0
+    if not ph:  # no trainer timeline (a `workload` instead of Megatron, or it never started): no phases
+        parts = {k: 0.0 for k in COMPONENTS}
+        parts["failed" if failed else "untracked"] = end - start
     seg.parts = parts
-    _ = reached
     return seg
 
 
@@ -224,7 +228,8 @@ def checkpoint_interval_hint(chain: dict[str, Any], step_s: float | None) -> dic
     segs = chain["segments"]
     saves = [float(e) - float(b) for s in segs for _, b, e in s["saves"]]
     save_s = _median(saves)
-    failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES)
+    # a configuration error is not a failure rate of the machines: it does not count towards the MTBF
+    failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES - {"config_error"})
     wall = chain["wall"]
     out: dict[str, Any] = {"save_s": save_s, "failures": failures, "wall_s": wall, "interval_s": None,
                            "interval_iters": None, "mtbf_s": None}

@@ -71,7 +71,9 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         chain_state = "stopped"
     else:
         chain_state = "idle"
+    efficiency = _efficiency(paths, recipe, progress)
     return {
+        **efficiency,
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
         "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
@@ -96,6 +98,12 @@ def format_run_status(st: dict[str, Any]) -> str:
                  f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"
                  + (f"   tokens/s: {st['tokens_per_s']:.0f}" if st["tokens_per_s"] else "")
                  + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
+    if st.get("goodput") is not None:
+        mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
+        eta = f"   ETA: {_duration(st['eta_s'])} of training" if st.get("eta_s") else ""
+        lines.append(f"  goodput so far: {st['goodput']:.1%} of {st['wall_h']:.2f} h allocated "
+                     f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
+                     f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
     lines.append(f"  triggers pending: {', '.join(st['pending_triggers']) or 'none'}   consumed: {st['consumed_triggers']}")
     g = st["last_guard"]
     if g:
@@ -145,6 +153,52 @@ def format_resume(summary: dict[str, Any] | None) -> list[str]:
                      + (f" (by {pending['user']})" if pending.get("user") else "")
                      + (f" - {pending['error']}" if pending.get("error") else "; the next segment starts there"))
     return lines
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 86400:
+        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 60} min {seconds % 60} s"
+
+
+def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[str, Any]:
+    """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
+    from megalaunch.launcher.goodput import STARTUP, chain_goodput, mfu
+
+    try:
+        chain = chain_goodput(paths, time.time())
+    except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
+        return {"goodput": None}
+    wall = chain["wall"]
+    if not chain["segments"] or wall <= 0:
+        return {"goodput": None}
+    totals = chain["totals"]
+    latest = chain["segments"][-1]
+    rate = _iterations_per_s(paths)
+    left = None
+    it = progress.get("iteration")
+    if rate and it is not None:
+        left = max(0, recipe.training.train_iters - int(it)) / rate
+    return {"goodput": chain["goodput"], "wall_h": wall / 3600.0,
+            "startup_share": sum(totals[k] for k in STARTUP) / wall, "save_share": totals["checkpoint_save"] / wall,
+            "lost_share": totals["lost_work"] / wall,
+            "mfu": mfu(latest["tflops_per_gpu"], latest["gpu"], recipe.cluster.gpu_peak_tflops), "eta_s": left}
+
+
+def _iterations_per_s(paths: RunPaths) -> float | None:
+    """Iterations per second of training over the last (up to) 20 log intervals of one segment."""
+    from megalaunch.rundir.files import read_jsonl
+
+    rows = read_jsonl(paths.metrics)[-20:]
+    if rows:
+        rows = [r for r in rows if r.get("job_id") == rows[-1].get("job_id")]
+    if len(rows) < 2:
+        return None
+    di, dt = rows[-1]["iteration"] - rows[0]["iteration"], rows[-1]["time"] - rows[0]["time"]
+    return di / dt if di > 0 and dt > 0 else None
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:

@@ -103,6 +103,11 @@ class RunPaths:
         return self.state / "timeline" / f"{job_id}.json"
 
     @property
+    def goodput(self) -> Path:
+        """The chain's goodput as of the last `job end` (launcher/goodput.py), for the next segment's W&B."""
+        return self.state / "goodput.json"
+
+    @property
     def metrics(self) -> Path:
         """One line per log interval of every segment: iteration, time, loss, tokens/s, TFLOP/s."""
         return self.state / "metrics.jsonl"

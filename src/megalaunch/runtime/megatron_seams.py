@@ -57,12 +57,37 @@ def install(hooks: Hooks) -> None:
     """Install every seam for this process (call once, before `pretrain`)."""
     check_version()
     skip_helper_compilation()
+    skip_unused_fusion_warmup()
     fix_optimizer_step()
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
     _wrap_save(hooks)
     _wrap_training_log(hooks)
     _wrap_load_checkpoint(hooks)
+
+
+# --- start-up: Megatron warms up fused kernels that the local layers never call ----------------
+
+def skip_unused_fusion_warmup() -> None:
+    """`pretrain` calls `set_jit_fusion_options`, which runs the fused bias+SwiGLU/GELU and
+    bias+dropout+add functions five times each: with torch >= 2.2 they are `torch.compile`d, so this
+    compiles kernels (seconds per segment, more on a cold cache) that a model built with the fusions
+    off (the local implementation: --no-bias-swiglu-fusion --no-bias-dropout-fusion) never calls.
+    Skipped exactly when every fusion it warms up is off; otherwise Megatron's own function runs."""
+    from megatron.training import get_args
+    from megatron.training import training as mtraining
+
+    original = mtraining.set_jit_fusion_options
+
+    @functools.wraps(original)
+    def set_jit_fusion_options(*args: Any, **kwargs: Any) -> Any:
+        a = get_args()
+        if not (getattr(a, "bias_swiglu_fusion", True) or getattr(a, "bias_gelu_fusion", True)
+                or getattr(a, "bias_dropout_fusion", True)):
+            return None
+        return original(*args, **kwargs)
+
+    mtraining.set_jit_fusion_options = set_jit_fusion_options
 
 
 # --- bug 1: rank 0 runs `make` for a helper the wheel ships compiled --------------------------

@@ -19,6 +19,7 @@ MEGALAUNCH_TEST_STEP_SLEEP_S."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ from megalaunch.runtime.timeline import Timeline
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
+FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
 
 
 class Session:
@@ -81,6 +83,7 @@ class Session:
         self.watchdog: Any = None
         self.wandb: Any = None
         self.timeline = Timeline(paths, self.job_id, write=rank == 0)
+        self._wandb_started = False
         self.timeline.mark("runtime_start", world=world)
 
     # --- logging -------------------------------------------------------------------------------
@@ -134,7 +137,6 @@ class Session:
     def after_save(self, iteration: int) -> None:
         elapsed = time.monotonic() - self._save_started
         self.save_times.append(elapsed)
-        self.timeline.save(iteration, self._save_started_at, self._save_started_at + elapsed)
         self._saving_in_window += elapsed
         if self.watchdog:
             self.watchdog.beat(f"save at iteration {iteration} done")
@@ -145,6 +147,9 @@ class Session:
                                    protect={self.resumed_from} if self.resumed_from else set(), job_id=self.job_id)
             if deleted:
                 self.log(f"retention: deleted checkpoints {deleted}")
+        # the save's interval on the timeline includes retention: deleting an old checkpoint blocks too
+        self.timeline.save(iteration, self._save_started_at,
+                           self._save_started_at + time.monotonic() - self._save_started)
 
     def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
         """Every iteration; values are converted (a device sync for the loss) only when used."""
@@ -266,9 +271,43 @@ class Session:
         except OSError as e:
             self.log(f"could not append to {self.paths.metrics}: {e}")
         if self.wandb is not None:
+            extra: dict[str, Any] = {}
+            if not self._wandb_started:
+                self._wandb_started = True
+                try:
+                    extra = self._wandb_segment_start()
+                except Exception as e:  # accounting must never take training down
+                    self.log(f"W&B: no segment summary ({resume.one_line(e)})")
             self.wandb.log(iteration, {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
                                        "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-                                       "consumed_samples": samples})
+                                       "consumed_samples": samples, **extra})
+
+    def _wandb_segment_start(self) -> dict[str, Any]:
+        """At a segment's first log step: its start-up phases, and the chain's goodput up to the
+        previous segment (state/goodput.json, written by `job end`)."""
+        from megalaunch.rundir.files import read_json
+
+        ph = self.timeline.data["phases"]
+        order = ["process_start", "setup_done", "model_build_start", "load_start", "load_end", "data_end",
+                 "first_iteration_end"]
+        names = ["imports", "init", "model_build", "checkpoint_load", "data_setup", "first_iteration"]
+        out: dict[str, Any] = {"segment/index": self._segment_index()}
+        for name, a, b in zip(names, order[:-1], order[1:], strict=True):
+            if a in ph and b in ph:
+                out[f"segment/{name}_s"] = ph[b] - ph[a]
+        if "process_start" in ph and "first_iteration_end" in ph:
+            out["segment/startup_s"] = ph["first_iteration_end"] - ph["process_start"]
+        chain = read_json(self.paths.goodput)
+        if isinstance(chain, dict) and chain.get("goodput") is not None:
+            out["chain/goodput"] = chain["goodput"]
+            out["chain/wall_s"] = chain.get("wall_s")
+            out.update({f"chain/{k}_s": v for k, v in (chain.get("totals_s") or {}).items()})
+        return out
+
+    def _segment_index(self) -> int:
+        from megalaunch.rundir.files import read_jsonl
+
+        return sum(1 for e in read_jsonl(self.paths.ledger) if e.get("event") == "started")
 
     def maybe_hang(self) -> None:
         """Test hook: stop making progress inside iteration MEGALAUNCH_TEST_HANG."""
@@ -427,9 +466,31 @@ def run_session(session: Session) -> int:
                       kind="config" if status == "config_error" else None, resumed_from=session.resumed_from,
                       save_times_s=[round(t, 3) for t in session.save_times])
     if session.wandb is not None:
+        session.wandb.summarize({"segment/outcome": status, "segment/job_id": session.job_id,
+                                 "segment/save_blocking_s": round(sum(session.save_times), 3),
+                                 "segment/last_iteration": session.iteration})
         session.wandb.finish(exit_code=code)
-    _shutdown()
+    if not fast_exit():
+        _shutdown()
     return code
+
+
+def fast_exit() -> bool:
+    """Leave as soon as the outcome is written (on by default; MEGALAUNCH_FAST_EXIT=0: Python's
+    own teardown, for the before/after benchmark). Nothing is lost by skipping the teardown: the
+    checkpoint is complete (an asynchronous save is finalised before Megatron returns), the outcome,
+    timeline and W&B are written, and the task supervisor reaps whatever is left (data-loader workers,
+    the checkpoint writer). What is skipped is the process-group teardown, data-loader joins and
+    the interpreter's shutdown, which cost seconds of allocated GPU time per segment (docs/goodput.md)."""
+    return os.environ.get(FAST_EXIT_ENV, "1") != "0"
+
+
+def leave(code: int) -> None:
+    """Flush what this process printed and exit at once (os._exit skips atexit and finalizers)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _fix_from_recipe(paths: RunPaths, reason: str) -> str | None:
@@ -470,4 +531,7 @@ def _shutdown() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if fast_exit():
+        leave(exit_code)
+    sys.exit(exit_code)

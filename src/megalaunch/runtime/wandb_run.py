@@ -75,6 +75,14 @@ class WandbRun:
         atomic_write_json(state_file(self.paths), self.state)
         return True
 
+    def summarize(self, values: dict[str, Any]) -> None:
+        """Set summary values (the latest segment's outcome...), never failing the segment."""
+        try:
+            for k, v in values.items():
+                self.run.summary[k] = v
+        except Exception as e:
+            print(f"[megalaunch] W&B summary failed: {e}", flush=True)
+
     def finish(self, exit_code: int = 0) -> None:
         try:
             self.run.finish(exit_code=exit_code)
