@@ -143,3 +143,12 @@ def test_a_line_break_in_run_root_never_reaches_megatron_args(tmp_path: Path) ->
     with pytest.raises(PreflightError) as e:
         prepare_run(load_recipe("tiny", [f'run.root="{tmp_path}/a\\nb"']))
     assert e.value.field == "run.root"
+
+
+@pytest.mark.parametrize("tag", ["!!float", "!!int", "!!bool", "!!timestamp"])
+def test_an_empty_tagged_scalar_is_a_megalaunch_error(tag: str) -> None:
+    """PyYAML's float constructor indexes value[0] of an empty scalar (IndexError)."""
+    with pytest.raises(ConfigError, match="chain"):
+        load_recipe("tiny", [f"chain={tag}"])
+    with pytest.raises(ConfigError):
+        load_recipe("tiny", [f"training.lr={tag}"])

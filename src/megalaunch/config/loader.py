@@ -108,7 +108,7 @@ def _load_yaml(text: str, where: str) -> Any:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply", fix="write the value with fewer nested brackets") from None
-    except (AttributeError, TypeError) as e:  # PyYAML's own constructors, e.g. `!!timestamp x`
+    except (AttributeError, TypeError, IndexError, KeyError) as e:  # PyYAML's own constructors: `!!timestamp x`, `!!float`
         raise ValueError(str(e)) from None
     stack: set[int] = set()
 
