@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness import wait_for
 
 from megalaunch.launcher.goodput import chain_goodput
 from megalaunch.rundir.files import read_json, read_jsonl
@@ -23,15 +24,6 @@ from megalaunch.rundir.paths import RunPaths
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 SAVE_EVERY = 10
-
-
-def _wait(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := fn()) is not None:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _trainer_pids(run: Path) -> list[int]:
@@ -61,12 +53,12 @@ def test_parts_add_up_and_a_sigkill_after_the_last_checkpoint_is_lost_work(tmp_p
     chain = subprocess.Popen([sys.executable, "-m", "megalaunch.cli.main", "submit", str(path)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     try:
-        run = _wait(lambda: next((p for p in (tmp_path / "runs").glob("goodput-*")
+        run = wait_for(lambda: next((p for p in (tmp_path / "runs").glob("goodput-*")
                                   if (p / "state" / "ledger.jsonl").exists()), None) if (tmp_path / "runs").exists()
                     else None, 120, "the run directory")
         paths = RunPaths(run)
         # past the checkpoint at SAVE_EVERY by 6 iterations, then a SIGKILL to one rank's trainer
-        _wait(lambda: True if (read_json(paths.progress) or {}).get("iteration", 0) >= SAVE_EVERY + 6 else None,
+        wait_for(lambda: True if (read_json(paths.progress) or {}).get("iteration", 0) >= SAVE_EVERY + 6 else None,
               240, "training past the first checkpoint")
         pids = _trainer_pids(run)
         assert len(pids) == 2, pids
