@@ -84,3 +84,21 @@ def test_young_daly_uses_machine_failures_only() -> None:
     assert hint["failures"] == 1 and hint["mtbf_s"] == 36000.0
     assert hint["interval_s"] == pytest.approx((2 * 36000.0 * 20.0) ** 0.5)
     assert hint["interval_iters"] == int(hint["interval_s"] / 2.0)
+
+
+def test_process_start_time_is_accurate_to_the_clock_tick() -> None:
+    """From /proc/<pid>/stat and /proc/uptime (btime alone is whole seconds: up to 1 s early)."""
+    import subprocess
+    import sys
+    import time
+
+    from megalaunch.runtime.timeline import process_start_time
+
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    try:
+        started = process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert started is not None and before - 0.05 <= started <= time.time()

@@ -39,10 +39,10 @@ def process_start_time(pid: int | None = None) -> float | None:
         with open(f"/proc/{pid or os.getpid()}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # starttime: field 22 of stat, 20th after the command name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:  # seconds since boot, to 10 ms (btime in /proc/stat: whole seconds)
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
