@@ -20,21 +20,9 @@ SCRIPT = r"""
 import json
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import transformer_config
-from megalaunch.runtime.model import decoder_spec, layer_spec, megatron_parallel_state, sequence_parallel_norm_class
+from megalaunch.runtime.model import (decoder_spec, layer_spec, megatron_parallel_state,
+                                     sequence_parallel_norm_class, spec_uses)
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-def mentions(obj, cls, seen=None):
-    import dataclasses
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    if obj is cls:
-        return True
-    if isinstance(obj, ModuleSpec):
-        return mentions(obj.module, cls) or mentions(obj.submodules, cls)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return any(mentions(getattr(obj, f.name), cls) for f in dataclasses.fields(obj))
-    if isinstance(obj, (list, tuple)):
-        return any(mentions(x, cls) for x in obj)
-    return False
 
 model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                     seq_length=32, max_position_embeddings=32, normalization="RMSNorm")
@@ -47,7 +35,7 @@ with megatron_parallel_state():
             block = decoder_spec(cfg, layer)
             norm = sequence_parallel_norm_class()
             out[f"{sp}-{attention}"] = {
-                "torch_norm": mentions(block, WrappedTorchNorm), "sp_norm": mentions(block, norm),
+                "torch_norm": spec_uses(block, WrappedTorchNorm), "sp_norm": spec_uses(block, norm),
                 "block": type(block).__name__, "layers": len(getattr(block, "layer_specs", []) or []),
             }
     built = sequence_parallel_norm_class()(config=cfg, hidden_size=64, eps=1e-5)

@@ -33,8 +33,9 @@ from typing import Any
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.timeline import STARTUP_PHASES
 
-STARTUP = ("launch", "imports", "init", "model_build", "checkpoint_load", "data_setup")
+STARTUP = tuple(name for name, _ in STARTUP_PHASES)
 COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
 FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
 
@@ -124,15 +125,11 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     def clamp(t: float | None, lo: float) -> float:
         return min(max(t if t is not None else lo, lo), end)
 
-    # consecutive boundaries; a phase not reached takes the previous boundary (zero length)
-    order = [("launch", "process_start"), ("imports", "setup_done"), ("init", "model_build_start"),
-             ("model_build", "load_start"), ("checkpoint_load", "load_end"), ("data_setup", "data_end")]
+    # consecutive boundaries; a phase not reached (or reached before the previous one) adds nothing
     t = start
     parts: dict[str, float] = {k: 0.0 for k in COMPONENTS}
-    for name, phase in order:
+    for name, phase in STARTUP_PHASES:
         nxt = clamp(ph.get(phase), t)
-        if phase in ph and name == "launch" and ph[phase] < start:
-            nxt = t  # the process started before `job begin` (a local test harness): no launch time
         parts[name] = nxt - t
         t = nxt
     train_start = t
@@ -151,8 +148,6 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
         if seg.last_iteration > kept_to:
             lost = max(0.0, last_iter_end - (float(last_save[2]) if last_save else train_start))
     failed = outcome in FAILED_OUTCOMES or (ended is not None and outcome is None)
-    if failed and not last_save:
-        lost = max(0.0, last_iter_end - train_start)
     lost = min(lost, max(0.0, window - blocking))
     parts["checkpoint_save"] = blocking
     parts["lost_work"] = lost
@@ -173,10 +168,11 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     return seg
 
 
-def chain_goodput(paths: RunPaths, now: float) -> dict[str, Any]:
-    """Every segment's time and the chain's totals (goodput, badput by cause, wait)."""
+def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every segment's time and the chain's totals (goodput, badput by cause, wait). `metrics`: the
+    lines of state/metrics.jsonl, when the caller has read them already."""
     events = Ledger(paths).events()
-    metrics = read_jsonl(paths.metrics)
+    metrics = read_jsonl(paths.metrics) if metrics is None else metrics
     submitted: dict[str, float] = {}
     started: dict[str, dict[str, Any]] = {}
     ended: dict[str, dict[str, Any]] = {}

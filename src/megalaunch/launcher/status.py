@@ -167,9 +167,11 @@ def _duration(seconds: float) -> str:
 def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
     from megalaunch.launcher.goodput import STARTUP, chain_goodput, mfu
+    from megalaunch.rundir.files import read_jsonl
 
+    metrics = read_jsonl(paths.metrics)  # once, for the goodput and the pace
     try:
-        chain = chain_goodput(paths, time.time())
+        chain = chain_goodput(paths, time.time(), metrics)
     except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
         return {"goodput": None}
     wall = chain["wall"]
@@ -177,7 +179,7 @@ def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[
         return {"goodput": None}
     totals = chain["totals"]
     latest = chain["segments"][-1]
-    rate = _iterations_per_s(paths)
+    rate = _iterations_per_s(metrics)
     left = None
     it = progress.get("iteration")
     if rate and it is not None:
@@ -188,11 +190,9 @@ def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[
             "mfu": mfu(latest["tflops_per_gpu"], latest["gpu"], recipe.cluster.gpu_peak_tflops), "eta_s": left}
 
 
-def _iterations_per_s(paths: RunPaths) -> float | None:
+def _iterations_per_s(metrics: list[dict[str, Any]]) -> float | None:
     """Iterations per second of training over the last (up to) 20 log intervals of one segment."""
-    from megalaunch.rundir.files import read_jsonl
-
-    rows = read_jsonl(paths.metrics)[-20:]
+    rows = metrics[-20:]
     if rows:
         rows = [r for r in rows if r.get("job_id") == rows[-1].get("job_id")]
     if len(rows) < 2:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 # Exception classes whose cause is the configuration (when raised before the first iteration).
 DETERMINISTIC = ("AssertionError", "ValueError", "TypeError", "KeyError", "NotImplementedError",
-                 "ImportError", "ModuleNotFoundError", "AttributeError", "IndexError", "ConfigFailure")
+                 "ImportError", "ModuleNotFoundError", "AttributeError", "IndexError")
 # A file the recipe names that is not there, or not readable: deterministic, though an OSError.
 MISSING_FILE = ("FileNotFoundError", "NotADirectoryError", "IsADirectoryError", "PermissionError")
 

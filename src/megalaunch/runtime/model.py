@@ -119,7 +119,7 @@ def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | N
     """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or, with sequence
     parallelism on Megatron's local layers, the block's submodules with the sequence-parallel torch
     norm as its final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
-    if not getattr(config, "sequence_parallel", False) or not _uses(layer, sequence_parallel_norm_class()):
+    if not getattr(config, "sequence_parallel", False) or not spec_uses(layer, sequence_parallel_norm_class()):
         return layer
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -202,17 +202,20 @@ def _with_norm(spec: Any, norm: type) -> Any:
     return swap(spec)
 
 
-def _uses(spec: Any, norm: type) -> bool:
+def spec_uses(spec: Any, module: type) -> bool:
+    """Whether `module` appears anywhere in a layer or block spec (submodules, lists of layer specs)."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if spec is norm:
+    if spec is module:
         return True
     if isinstance(spec, ModuleSpec):
-        return _uses(spec.module, norm) or _uses(spec.submodules, norm)
+        return spec_uses(spec.module, module) or spec_uses(spec.submodules, module)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return any(_uses(getattr(spec, f.name), norm) for f in dataclasses.fields(spec))
+        return any(spec_uses(getattr(spec, f.name), module) for f in dataclasses.fields(spec))
+    if isinstance(spec, (list, tuple)):
+        return any(spec_uses(x, module) for x in spec)
     return False
 
 

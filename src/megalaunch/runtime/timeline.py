@@ -28,9 +28,10 @@ from typing import Any
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 
-PHASES = ("process_start", "runtime_start", "setup_done", "model_build_start", "model_build_end", "load_start",
-          "load_end", "data_start", "data_end", "first_iteration_end", "last_iteration_end", "signal_received",
-          "decision", "exit")
+# Start-up, in order: each component ends at its phase (`launch` begins at `job begin`). The goodput
+# accounting (launcher/goodput.py) and the trainer's W&B summary (runtime/train.py) both cut here.
+STARTUP_PHASES = (("launch", "process_start"), ("imports", "setup_done"), ("init", "model_build_start"),
+                  ("model_build", "load_start"), ("checkpoint_load", "load_end"), ("data_setup", "data_end"))
 
 
 def process_start_time(pid: int | None = None) -> float | None:

@@ -44,7 +44,7 @@ from megalaunch.runtime.failures import (
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.step import megatron_argv, run_pretrain
-from megalaunch.runtime.timeline import Timeline
+from megalaunch.runtime.timeline import STARTUP_PHASES, Timeline
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
@@ -288,11 +288,10 @@ class Session:
         from megalaunch.rundir.files import read_json
 
         ph = self.timeline.data["phases"]
-        order = ["process_start", "setup_done", "model_build_start", "load_start", "load_end", "data_end",
-                 "first_iteration_end"]
-        names = ["imports", "init", "model_build", "checkpoint_load", "data_setup", "first_iteration"]
+        # the trainer does not know `job begin`: no launch; the first iteration is added
+        cuts = [*STARTUP_PHASES[1:], ("first_iteration", "first_iteration_end")]
         out: dict[str, Any] = {"segment/index": self._segment_index()}
-        for name, a, b in zip(names, order[:-1], order[1:], strict=True):
+        for (_, a), (name, b) in zip([("", "process_start"), *cuts[:-1]], cuts, strict=True):
             if a in ph and b in ph:
                 out[f"segment/{name}_s"] = ph[b] - ph[a]
         if "process_start" in ph and "first_iteration_end" in ph:
