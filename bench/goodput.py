@@ -42,10 +42,13 @@ SETS = ["training.attention=sdpa", "model.seq_length=2048", "training.micro_batc
 
 
 def start_chain(variant: str, out: Path, devices: str, gpus: int, time_limit: str, port: int,
-                recipe: str, extra: list[str]) -> subprocess.Popen[str]:
+                recipe: str, extra: list[str], profile: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONPATH": str(REPO / "src")}
-    if variant == "before":
+    if profile:  # cProfile of every rank up to its first iteration (runtime/train.py StartupProfile)
+        env["MEGALAUNCH_PROFILE_STARTUP"] = str(out / f"profile-{variant}")
+    if variant == "before":  # megalaunch's start-up and exit fixes off
         env["MEGALAUNCH_FAST_EXIT"] = "0"
+        env["MEGALAUNCH_DEFER_COMPILE"] = "0"
     root = out / variant
     root.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megalaunch.cli.main", "submit", recipe, "--cluster", "local",
@@ -89,39 +92,12 @@ def segment_rows(paths: RunPaths) -> list[dict[str, float | str | None]]:
     return rows
 
 
-def fmt(v: object) -> str:
-    return f"{v:7.1f}" if isinstance(v, float) else f"{'-':>7}"
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus-per-variant", type=int, default=2)
-    ap.add_argument("--time", default="00:01:40", help="segment time limit (the signal comes 42 s before it)")
-    ap.add_argument("--segments", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("gpu-out/goodput"))
-    ap.add_argument("--timeout", type=float, default=560)
-    ap.add_argument("--recipe", default="train/llama3-1b")
-    ap.add_argument("--only", choices=["before", "after"], help="one variant on the first GPUs (no side by side)")
-    ap.add_argument("--smoke", action="store_true", help="the tiny recipe on the CPU: checks this script, no figures")
-    opts = ap.parse_args()
-    extra = SETS
-    if opts.smoke:
-        opts.recipe, extra = "train/tiny", ["training.train_iters=100000", "training.log_interval=1",
-                                            "checkpoint.save_time_estimate_s=5", "chain.step_time_estimate_s=1",
-                                            "chain.signal_margin_s=5", "chain.min_train_time_s=10",
-                                            "cluster.env={MEGALAUNCH_TEST_STEP_SLEEP_S: '0.2', OMP_NUM_THREADS: '1'}"]
-    out = opts.out.absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    g = opts.gpus_per_variant
-    variants = {"before": ",".join(map(str, range(g))), "after": ",".join(map(str, range(g, 2 * g)))}
-    if opts.only:
-        variants = {opts.only: ",".join(map(str, range(g)))}
-    procs = {v: start_chain(v, out, dev, 0 if opts.smoke else g, opts.time, 29500 + 17 * i, opts.recipe, extra)
-             for i, (v, dev) in enumerate(variants.items())}
+def drive(procs: dict[str, subprocess.Popen[str]], out: Path, opts: argparse.Namespace) -> None:
+    """Wait for the chains, stopping each with an `exit` trigger once its last segment trains."""
     deadline = time.monotonic() + opts.timeout
     triggered: set[str] = set()
     while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
-        for v in variants:
+        for v in procs:
             paths = run_dir(out, v)
             if paths is None or v in triggered:
                 continue
@@ -135,6 +111,73 @@ def main() -> int:
     for p in procs.values():
         if p.poll() is None:
             p.kill()
+
+
+PROFILED = ("parse_and_validate_args", "set_global_variables", "_build_tokenizer", "_initialize_distributed",
+            "init_process_group", "initialize_model_parallel", "_compile_dependencies", "_set_random_seed",
+            "setup_model_and_optimizer", "load_checkpoint", "build_train_valid_test_data_iterators", "import_megatron")
+
+
+def profile_summary(folder: Path) -> list[str]:
+    """Cumulative seconds of the start-up functions that matter, per profiled rank and segment; the
+    .prof files are removed afterwards (many and large), the .txt tops stay."""
+    import pstats
+
+    lines = []
+    for prof in sorted(folder.glob("*.prof")):
+        stats = pstats.Stats(str(prof)).stats  # type: ignore[attr-defined]
+        best: dict[str, float] = {}
+        for (_, _, name), (_, _, _, cum, _) in stats.items():
+            if name in PROFILED:
+                best[name] = max(best.get(name, 0.0), cum)
+        lines.append(f"{prof.stem}: " + ", ".join(f"{k} {best[k]:.2f}" for k in PROFILED if k in best))
+        prof.unlink()
+    return lines
+
+
+def fmt(v: object) -> str:
+    return f"{v:7.1f}" if isinstance(v, float) else f"{'-':>7}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus-per-variant", type=int, default=2)
+    ap.add_argument("--time", default="00:01:40", help="segment time limit (the signal comes 42 s before it)")
+    ap.add_argument("--segments", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("gpu-out/goodput"))
+    ap.add_argument("--timeout", type=float, default=560)
+    ap.add_argument("--recipe", default="train/llama3-1b")
+    ap.add_argument("--only", choices=["before", "after"], help="one variant on the first GPUs (no side by side)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the variants one after the other on the same GPUs (for machines with too few GPUs)")
+    ap.add_argument("--profile", action="store_true", help="cProfile each rank's start-up into OUT/profile-VARIANT")
+    ap.add_argument("--smoke", action="store_true", help="the tiny recipe on the CPU: checks this script, no figures")
+    opts = ap.parse_args()
+    extra = SETS
+    if opts.smoke:
+        opts.recipe, extra = "train/tiny", ["training.train_iters=100000", "training.log_interval=1",
+                                            "checkpoint.save_time_estimate_s=5", "chain.step_time_estimate_s=1",
+                                            "chain.signal_margin_s=5", "chain.min_train_time_s=10",
+                                            "cluster.env={MEGALAUNCH_TEST_STEP_SLEEP_S: '0.2', OMP_NUM_THREADS: '1'}"]
+    out = opts.out.absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    g = opts.gpus_per_variant
+    variants = {"before": ",".join(map(str, range(g))), "after": ",".join(map(str, range(g, 2 * g)))}
+    if opts.sequential:
+        variants = {v: ",".join(map(str, range(g))) for v in variants}
+    if opts.only:
+        variants = {opts.only: ",".join(map(str, range(g)))}
+    port = {v: 29500 + 17 * i for i, v in enumerate(variants)}
+
+    def launch(v: str) -> subprocess.Popen[str]:
+        return start_chain(v, out, variants[v], 0 if opts.smoke else g, opts.time, port[v], opts.recipe, extra,
+                           opts.profile)
+
+    if opts.sequential:  # one after the other on the same GPUs: `after` first (it warms nothing for itself)
+        for v in sorted(variants, reverse=True):
+            drive({v: launch(v)}, out, opts)
+    else:
+        drive({v: launch(v) for v in variants}, out, opts)
     results = {}
     for v in variants:
         paths = run_dir(out, v)
@@ -165,6 +208,9 @@ def main() -> int:
         gp = results.get(v + "_goodput")
         if gp:
             print(f"{v}: goodput {gp['goodput']:.1%}; " + ", ".join(f"{k} {s:.1f}" for k, s in gp["totals"].items() if s))
+    for v in variants:
+        if (out / f"profile-{v}").is_dir():
+            print(f"{v} profile (cumulative s):", *profile_summary(out / f"profile-{v}"), sep="\n  ")
     import shutil
 
     for v in variants:  # the run directories without their checkpoints, for a report made elsewhere

@@ -19,8 +19,11 @@ Seams (megatron-core 0.19.2, `megatron.training`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import os
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 PINNED_MEGATRON = "0.19.2"
@@ -39,6 +42,7 @@ class Hooks(Protocol):
     def choose_checkpoint(self) -> int | None: ...  # collective; None: start from scratch
     def load_failed(self, iteration: int, error: BaseException) -> int | None: ...  # collective: fallback
     def loaded(self, iteration: int, consumed_samples: int) -> None: ...
+    def phase(self, name: str) -> None: ...  # a start-up detail phase reached (timeline)
 
 
 def check_version() -> str:
@@ -53,11 +57,69 @@ def check_version() -> str:
     return version
 
 
+# What the trainer imports from Megatron, imported once under `deferred_compile` (train._setup).
+MEGATRON_MODULES = ("megatron.training.training", "megatron.training.arguments", "megatron.training.argument_utils",
+                    "megatron.core.models.gpt")
+DEFERRED_COMPILE_ENV = "MEGALAUNCH_DEFER_COMPILE"
+
+
+@contextlib.contextmanager
+def deferred_compile() -> Iterator[None]:
+    """While Megatron's modules are imported, `torch.compile(fn)` returns a function that compiles
+    `fn` on its first call. Megatron decorates its fused kernels (bias+GELU/SwiGLU/GEGLU, dropout+add,
+    ...) with `torch.compile` at import time, and the first such call imports TorchDynamo and
+    TorchInductor (~2,500 modules: 1.5 s here, 4-5 s per rank on the device's CPUs) although the
+    local layers never call those kernels. torch.compile compiles on the first call anyway, so
+    nothing changes for a kernel that is used. Only plain functions are deferred (a module or any
+    other target is compiled at once, as before). MEGALAUNCH_DEFER_COMPILE=0: off (the benchmark's
+    "before")."""
+    import torch
+
+    real = torch.compile
+    if os.environ.get(DEFERRED_COMPILE_ENV, "1") == "0" or getattr(real, "_megalaunch_deferred", False):
+        yield
+        return
+
+    def compile_later(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:  # @torch.compile(mode=...): the decorator
+            return lambda fn: compile_later(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return real(model, **kwargs)
+        compiled: Any = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args: Any, **kw: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return first_call_compiles
+
+    compile_later._megalaunch_deferred = True  # type: ignore[attr-defined]
+    torch.compile = compile_later  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+def import_megatron() -> None:
+    """Import the Megatron modules the trainer uses, with their kernels' compilation deferred."""
+    import importlib
+
+    with deferred_compile():
+        for name in MEGATRON_MODULES:
+            importlib.import_module(name)
+
+
 def install(hooks: Hooks) -> None:
     """Install every seam for this process (call once, before `pretrain`)."""
+    import_megatron()
     check_version()
     skip_helper_compilation()
     skip_unused_fusion_warmup()
+    _mark_init_phases(hooks)
     fix_optimizer_step()
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
@@ -88,6 +150,24 @@ def skip_unused_fusion_warmup() -> None:
         return original(*args, **kwargs)
 
     mtraining.set_jit_fusion_options = set_jit_fusion_options
+
+
+def _mark_init_phases(hooks: Hooks) -> None:
+    """Split Megatron's initialisation on the timeline: process groups made (`distributed_ready`)
+    and the first NCCL collective, a barrier that creates the communicators (`first_collective`)."""
+    from megatron.training import initialize as minit
+
+    for name, phase in (("_initialize_distributed", "distributed_ready"), ("_compile_dependencies", "first_collective")):
+        original = getattr(minit, name, None)
+        if original is None:  # another Megatron layout: no detail, nothing breaks
+            continue
+
+        def marked(*args: Any, _original: Any = original, _phase: str = phase, **kwargs: Any) -> Any:
+            result = _original(*args, **kwargs)
+            hooks.phase(_phase)
+            return result
+
+        setattr(minit, name, functools.wraps(original)(marked))
 
 
 # --- bug 1: rank 0 runs `make` for a helper the wheel ships compiled --------------------------

@@ -17,7 +17,11 @@ Phases, in the order a segment reaches them (absolute times, seconds since the e
   last_iteration_end (updated every iteration; written every log interval and at exit)
   signal_received    the stop signal arrived (and `decision`: when a stop was acted on)
   exit               the outcome is written
-plus `saves`: [iteration, begin, end] of every blocking save."""
+plus `saves`: [iteration, begin, end] of every blocking save.
+
+Detail phases split the start-up further (reported by bench/goodput.py; the goodput cuts above do not
+use them): torch_imported, megatron_imported (inside `imports`); distributed_ready (process groups
+made, inside `init`) and first_collective (the first NCCL collective: communicators created)."""
 
 from __future__ import annotations
 

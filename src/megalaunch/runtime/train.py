@@ -50,6 +50,7 @@ LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
+PROFILE_ENV = "MEGALAUNCH_PROFILE_STARTUP"
 
 
 class Session:
@@ -82,6 +83,7 @@ class Session:
         self._step_sleep_s = float(os.environ.get(STEP_SLEEP_ENV) or 0)
         self.watchdog: Any = None
         self.wandb: Any = None
+        self.profiler: StartupProfile | None = None
         self.timeline = Timeline(paths, self.job_id, write=rank == 0)
         self._wandb_started = False
         self.timeline.mark("runtime_start", world=world)
@@ -95,6 +97,9 @@ class Session:
             append_jsonl(self.paths.ledger, {"event": event, "time": time.time(), "job_id": self.job_id, **data})
 
     # --- hooks called from megatron_seams ---------------------------------------------------------
+    def phase(self, name: str) -> None:
+        self.timeline.mark(name)
+
     def decide(self, iteration: int) -> int:
         if iteration % max(1, self.settings.trigger_interval) != 0 and iteration < self.settings.train_iters:
             return Decision.CONTINUE
@@ -166,6 +171,9 @@ class Session:
         self.iteration = iteration
         self.steps += 1
         self.timeline.iteration(iteration, flush=iteration % self.settings.log_interval == 0)
+        if self.steps == 1 and self.profiler is not None:
+            self.profiler.dump(self.rank, self.job_id)
+            self.profiler = None
         if self._step_sleep_s > 0:  # test hook: pace iterations (before the decision, like a slow step)
             time.sleep(self._step_sleep_s)
         if self.watchdog:
@@ -349,6 +357,8 @@ def _setup(session: Session) -> tuple[list[str], str]:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
+    session.timeline.mark("torch_imported")
+
     if settings.cpu or not torch.cuda.is_available():
         from megalaunch.runtime import cpu_compat
 
@@ -361,6 +371,7 @@ def _setup(session: Session) -> tuple[list[str], str]:
     from megalaunch.runtime import megatron_seams
 
     megatron_seams.install(session)
+    session.timeline.mark("megatron_imported")
     if rank == 0 and settings.wandb_project:
         _open_wandb(session)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
@@ -393,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if not opts.run_dir:
         parser.error("give the run directory (or set MEGALAUNCH_RUN_DIR)")
+    profiler = StartupProfile.start()
     paths = RunPaths(Path(opts.run_dir).absolute())
     settings = RuntimeSettings.load(paths)
     # First thing after knowing which signal: before the handler exists, SIGUSR2 would kill us.
@@ -405,7 +417,41 @@ def main(argv: list[str] | None = None) -> int:
     # one-shot request instead (rundir/resume_request.py).
     resume_from = opts.resume_from if opts.resume_from is not None else -1
     session = Session(paths, settings, flag, rank=rank, world=world, resume_from=None if resume_from < 0 else resume_from)
+    session.profiler = profiler
     return run_session(session)
+
+
+class StartupProfile:
+    """MEGALAUNCH_PROFILE_STARTUP=DIR: cProfile every rank from its entry to the end of its first
+    iteration and write DIR/startup-<job>-rank<N>.prof (pstats) and .txt (top functions by cumulative
+    time). For finding where start-up goes (bench/goodput.py --profile); off by default."""
+
+    def __init__(self, out: Path) -> None:
+        import cProfile
+
+        self.out = out
+        self.profile = cProfile.Profile()
+        self.profile.enable()
+
+    @classmethod
+    def start(cls) -> StartupProfile | None:
+        out = os.environ.get(PROFILE_ENV)
+        return cls(Path(out)) if out else None
+
+    def dump(self, rank: int, job_id: str | None) -> None:
+        import io
+        import pstats
+
+        self.profile.disable()
+        stem = self.out / f"startup-{job_id or 'nojob'}-rank{rank}"
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.profile.dump_stats(f"{stem}.prof")
+            text = io.StringIO()
+            pstats.Stats(self.profile, stream=text).sort_stats("cumulative").print_stats(60)
+            Path(f"{stem}.txt").write_text(text.getvalue())
+        except OSError as e:
+            print(f"[megalaunch rank {rank}] start-up profile not written: {e}", flush=True)
 
 
 def run_session(session: Session) -> int:

@@ -1,0 +1,76 @@
+"""runtime/megatron_seams.deferred_compile: Megatron's import-time `torch.compile` decorations compile
+on first call instead of importing TorchDynamo/Inductor at import (docs/goodput.md, start-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megalaunch.runtime.megatron_seams import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
+
+PROBE = r"""
+import json, sys, torch
+from megalaunch.runtime import megatron_seams
+megatron_seams.import_megatron()
+import megatron.core.jit as jit
+from megatron.core.fusions import fused_bias_gelu
+out = {"dynamo_after_import": "torch._dynamo" in sys.modules,
+       "jit_fuser_deferred": bool(getattr(jit.jit_fuser, "_megalaunch_deferred", False)),
+       "kernel_wrapped": hasattr(fused_bias_gelu.bias_gelu, "__wrapped__"),
+       "compile_restored": not getattr(torch.compile, "_megalaunch_deferred", False)}
+print(json.dumps(out))
+"""
+
+
+def probe(env: dict[str, str]) -> dict[str, bool]:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_megatron_imports_without_the_compiler_and_torch_compile_is_restored() -> None:
+    got = probe({})
+    assert got == {"dynamo_after_import": False, "jit_fuser_deferred": True, "kernel_wrapped": True,
+                   "compile_restored": True}
+
+
+def test_switched_off_megatron_imports_the_compiler_as_before() -> None:
+    got = probe({DEFERRED_COMPILE_ENV: "0"})
+    assert got["dynamo_after_import"] is True
+    assert got["jit_fuser_deferred"] is False
+
+
+def test_a_deferred_function_compiles_on_first_call_and_computes_the_same() -> None:
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        compiled.append(1)
+        return gm.forward
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 2 + x
+
+    with deferred_compile():
+        g = torch.compile(f, backend=counting)
+        decorated = torch.compile(backend=counting)(f)
+    assert g.__wrapped__ is f and decorated.__wrapped__ is f
+    assert compiled == []  # nothing compiled before the first call
+    x = torch.linspace(-1, 1, 7)
+    assert torch.equal(g(x), f(x))
+    assert len(compiled) == 1
+    assert torch.equal(g(x), f(x))
+    assert len(compiled) == 1  # compiled once, then reused
+    assert torch.equal(decorated(x * 3), f(x * 3))
+
+
+def test_modules_are_compiled_at_once() -> None:
+    with deferred_compile():
+        m = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    assert isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
