@@ -105,6 +105,40 @@ def test_slurm_submit_throttles_resumes_and_refuses_a_second_writer(corpus, tok,
     assert again.dumps == (0, 2) and slurm.submitted[-1][1] == ["--array=0,2%2"]
 
 
+def test_shipped_recipe_names_the_array_after_its_input(tok, tmp_path):
+    """tokenize/jsonl sets no `name`: two runs over different sources get different arrays (issue 15)."""
+    from tests.support.corpus import write_jsonl_corpus
+
+    from megalaunch.tokenization.recipe import load_run_recipe, load_tokenize_recipe
+
+    names = {}
+    for source in ("web", "code"):
+        write_jsonl_corpus(tmp_path / "raw" / source, n_files=1, docs_per_file=2, mean_words=5)
+        recipe, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / source}]",
+                                                             f"tokenizer.path={tok}", "n_dumps=1", "tasks=1"])
+        run, _ = create_run(recipe, tmp_path / f"run-{source}")
+        names[source] = render_job_script(run, load_run_recipe(run)).split("#SBATCH --job-name=")[1].split("\n")[0]
+    assert names == {"web": "tok-web", "code": "tok-code"}
+    both, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / 'web'},{tmp_path / 'raw' / 'code'}]",
+                                                      f"tokenizer.path={tok}"])
+    assert both.name == "web+code"
+    named, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / 'web'}]",
+                                                       f"tokenizer.path={tok}", "name=fineweb"])
+    assert named.name == "fineweb"
+
+
+@pytest.mark.parametrize(("roots", "name"), [
+    (["/data/raw/web/"], "web"), (["/a/shard-01.jsonl.gz"], "shard-01"), (["/a/x", "/b/x"], "x"),
+    (["/a/w", "/a/c", "/a/m", "/a/b"], "w+c+2-more"), (["/data/my web $(x)"], "my-web-x"), (["/"], "tokenize"),
+])
+def test_name_from_inputs_is_sbatch_safe(roots, name):
+    from megalaunch.config.preflight import SBATCH_SAFE
+    from megalaunch.tokenization.recipe import name_from_inputs
+
+    assert name_from_inputs(roots) == name
+    assert SBATCH_SAFE.match(f"tok-{name}")
+
+
 def test_array_task_parsing():
     class Q:
         def squeue(self, ids):
@@ -115,12 +149,13 @@ def test_array_task_parsing():
 
 def test_cli_plan_submit_status_check_blend(corpus, tok, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: c\ninputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}}}\nbackend: local\n")
+    recipe.write_text(f"inputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}}}\nbackend: local\n")
     runner = CliRunner()
     run_dir = tmp_path / "run"
     res = runner.invoke(app, ["tokenize", "plan", str(recipe), "--run-dir", str(run_dir), "--set", "n_dumps=2"])
     assert res.exit_code == 0, res.output
     assert "into 2 dumps" in res.output and "megalaunch tokenize submit" in res.output
+    assert "(job array tok-raw)" in res.output  # no `name` in the recipe: the input folder's
     res = runner.invoke(app, ["tokenize", "submit", str(run_dir)])
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["tokenize", "status", str(run_dir)])

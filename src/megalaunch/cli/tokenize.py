@@ -37,7 +37,7 @@ def plan(
     loaded, _ = load_tokenize_recipe(recipe, list(set_ or []))
     run, the_plan = create_run(loaded, run_dir)
     say(f"planned {the_plan.n_files} input files ({_size(the_plan.bytes)}) into {len(the_plan.dumps)} dumps "
-        f"of up to {max(len(d.tasks) for d in the_plan.dumps)} tasks in {run.root}")
+        f"of up to {max(len(d.tasks) for d in the_plan.dumps)} tasks in {run.root} (job array tok-{loaded.name})")
     for dump in the_plan.dumps[:20]:
         say(f"  dump {dump.index:4d}: {dump.n_files:5d} files {_size(dump.bytes):>10} in {len(dump.tasks)} tasks")
     if len(the_plan.dumps) > 20:
