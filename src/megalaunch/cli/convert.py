@@ -113,6 +113,15 @@ def _submit(recipe: Recipe | None, command: list[str], out: Path, gpus: int | No
     say(f"logs: {done.logs}/; next: squeue -j {done.job_id}")
 
 
+def _quiet_megatron() -> None:
+    """Megatron's import-time warnings (no Transformer Engine/Apex, no absl, no CUDA runtime) are noise
+    in a conversion; --debug shows them."""
+    if os.environ.get("MEGALAUNCH_DEBUG") != "1":
+        from megalaunch.conversion.quiet_imports import import_megatron_quietly
+
+        import_megatron_quietly()
+
+
 def _print_report(report: Report, what: str) -> None:
     for note in report.notes:
         warn(f"megalaunch: note: {note}")
@@ -157,6 +166,7 @@ def hf_to_mcore(
                                                    "--no-progress": True}, set_)
         _submit(loaded, command, out, gpus, time_limit)
         return
+    _quiet_megatron()
     from megalaunch.conversion.to_mcore import hf_to_mcore as convert
 
     tensor_parallel = tp or (loaded.parallel.tensor_model_parallel_size if loaded else 1)
@@ -206,6 +216,7 @@ def mcore_to_hf(
             "--overwrite": overwrite, "--fsync": fsync, "--no-progress": True}, set_)
         _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit)
         return
+    _quiet_megatron()
     from megalaunch.conversion.to_hf import mcore_to_hf as convert
 
     report = convert(checkpoint, out, iteration=iteration, hf_template=hf_template, family=family,
