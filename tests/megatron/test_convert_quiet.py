@@ -34,10 +34,11 @@ def test_convert_prints_no_import_noise_and_debug_shows_it(tmp_path: Path) -> No
     quiet = cli("convert", "hf-to-mcore", str(hf), "--out", str(tmp_path / "mc"), "--no-progress")
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == "" and "hf-to-mcore: 15 tensors" in quiet.stdout
+    assert f"next: megalaunch submit RECIPE --set checkpoint.load={tmp_path / 'mc'}\n" in quiet.stdout
     back = cli("convert", "mcore-to-hf", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--family", "llama",
                "--no-progress")
     assert back.returncode == 0, back.stderr
-    assert back.stderr == "" and "next: " in back.stdout
+    assert back.stderr == "" and f"next: AutoModelForCausalLM.from_pretrained('{tmp_path / 'hf2'}')" in back.stdout
     noise = _import_noise()
     if not noise:
         pytest.skip("importing megatron prints nothing on this machine: nothing for --debug to show")

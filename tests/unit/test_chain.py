@@ -273,3 +273,25 @@ def test_segment_end_deletes_the_save_it_left_unfinished(run, monkeypatch) -> No
     assert checkpoint_iterations(paths) == [40]
     (ev,) = [r for r in read_jsonl(paths.ledger) if r["event"] == "incomplete_checkpoint_deleted"]
     assert ev["iteration"] == 50 and ev["job_id"] == "1"
+
+
+def test_status_of_a_finished_run_names_the_conversion(run, monkeypatch) -> None:
+    """Issue 15: every stage prints its next command; a finished training run's is the conversion."""
+    import shlex
+
+    from megalaunch.launcher.status import format_run_status
+
+    paths, sched, chain = run
+    chain.begin("1")
+    _ckpt(paths, 60)
+    _outcome(monkeypatch, paths, "1", "saved", iteration=60)
+    chain.end("1", 0)
+    assert run_status(paths)["next"] is None  # not done yet: no conversion to suggest
+    chain.begin("100")
+    _ckpt(paths, 100)
+    _outcome(monkeypatch, paths, "100", "finished", iteration=100)
+    chain.end("100", 0)
+    text = format_run_status(run_status(paths))
+    (line,) = [x for x in text.splitlines() if x.startswith("  next: ")]
+    assert shlex.split(line.removeprefix("  next: ")) == [
+        "megalaunch", "convert", "mcore-to-hf", str(paths.root), "--out", str(paths.root / "hf")]
