@@ -31,7 +31,10 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path: Path) -> N
     (fallback,) = ledger(paths, "resume_fallback")
     assert fallback["to"] == 5 and fallback["job_id"] == "42"
     assert fallback["rejected"][0]["iteration"] == 10 and "truncated shard" in fallback["rejected"][0]["reason"]
-    assert (paths.checkpoints / "iter_0000010.incomplete-42").is_dir()  # kept for a post-mortem
+    # moved aside, then deleted by the retention after the next save (the ledger keeps the reason)
+    assert not (paths.checkpoints / "iter_0000010.incomplete-42").exists()
+    (gone,) = ledger(paths, "incomplete_checkpoint_deleted")
+    assert gone["directory"] == "iter_0000010.incomplete-42" and gone["job_id"] == "42"
     assert [r["iteration"] for r in ledger(paths, "resumed")] == [5]
     assert losses(loss_log) == first  # iterations 6-10 retrained exactly
     assert paths.read_tracker() == 10

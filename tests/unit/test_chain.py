@@ -254,3 +254,44 @@ def test_status_says_unknown_when_slurm_does_not_answer(tmp_path: Path, monkeypa
     assert calls.read_text().splitlines() == ["-h -o %i|%j|%T|%r|%u|%M|%N -j 7,100"]  # one query for both
     assert st["chain_state"] == "unknown" and "Unable to contact" in st["slurm_error"]
     assert [(r["job_id"], r["state"]) for r in st["segments"]] == [("7", "UNKNOWN"), ("100", "UNKNOWN")]
+
+
+def test_segment_end_deletes_the_save_it_left_unfinished(run, monkeypatch) -> None:
+    """Issue 15: a save that failed (here: one rank's shard file empty) is gone once `job end` ran;
+    the complete checkpoint before it stays."""
+    from megalaunch.rundir.files import read_jsonl
+    from megalaunch.runtime.resume import checkpoint_iterations, iter_dir
+
+    paths, sched, chain = run
+    chain.begin("1")
+    for it, data in ((40, b"weights"), (50, b"")):
+        (iter_dir(paths, it) / "mp_rank_00").mkdir(parents=True)
+        (iter_dir(paths, it) / "mp_rank_00" / "model_optim_rng.pt").write_bytes(data)
+    _ckpt(paths, 40)
+    _outcome(monkeypatch, paths, "1", "failed", reason="OSError: No space left on device")
+    assert chain.end("1", 1).proceed
+    assert checkpoint_iterations(paths) == [40]
+    (ev,) = [r for r in read_jsonl(paths.ledger) if r["event"] == "incomplete_checkpoint_deleted"]
+    assert ev["iteration"] == 50 and ev["job_id"] == "1"
+
+
+def test_status_of_a_finished_run_names_the_conversion(run, monkeypatch) -> None:
+    """Issue 15: every stage prints its next command; a finished training run's is the conversion."""
+    import shlex
+
+    from megalaunch.launcher.status import format_run_status
+
+    paths, sched, chain = run
+    chain.begin("1")
+    _ckpt(paths, 60)
+    _outcome(monkeypatch, paths, "1", "saved", iteration=60)
+    chain.end("1", 0)
+    assert run_status(paths)["next"] is None  # not done yet: no conversion to suggest
+    chain.begin("100")
+    _ckpt(paths, 100)
+    _outcome(monkeypatch, paths, "100", "finished", iteration=100)
+    chain.end("100", 0)
+    text = format_run_status(run_status(paths))
+    (line,) = [x for x in text.splitlines() if x.startswith("  next: ")]
+    assert shlex.split(line.removeprefix("  next: ")) == [
+        "megalaunch", "convert", "mcore-to-hf", str(paths.root), "--out", str(paths.root / "hf")]

@@ -64,6 +64,7 @@ def test_hf_to_mcore_submit_renders_and_submits(tmp_path: Path, fake_slurm: type
     assert f"#SBATCH --output={out}/logs/%x-%j.out" in text
     assert f"megalaunch convert hf-to-mcore '{hf}' --out {out} --recipe tiny" in text
     assert "--no-progress --set training.lr=1e-4" in text and "--submit" not in text.split("#SBATCH")[-1]
+    assert f"when it has finished, next: megalaunch submit tiny --set checkpoint.load={out}\n" in res.output
     assert not (tmp_path / "pwned").exists()
 
 
@@ -76,6 +77,7 @@ def test_mcore_to_hf_submit_takes_the_run_recipe(tmp_path: Path, fake_slurm: typ
                                            "50", "--submit"])
     assert res.exit_code == 0, res.output
     text = check_script(tmp_path / "hf" / "convert.sbatch")
+    assert f"when it has finished, next: AutoModelForCausalLM.from_pretrained('{tmp_path / 'hf'}')" in res.output
     assert "#SBATCH --gpus-per-node=1" in text and "#SBATCH --partition=gpu" in text
     assert "source -- /opt/venv/bin/activate" in text
     assert f"megalaunch convert mcore-to-hf {run} --out {tmp_path / 'hf'} --iteration 50" in text

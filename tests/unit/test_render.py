@@ -73,6 +73,16 @@ def test_signal_lead_and_chain_directives() -> None:
     assert "#SBATCH --gpus-per-node=8\n" in script and "#SBATCH --ntasks-per-node=8\n" in script
 
 
+def test_header_explains_no_requeue_next_to_auto_requeue() -> None:
+    """The recipe says chain.auto_requeue: true and the script says --no-requeue: the header, above the
+    #SBATCH lines, says why (issue 15)."""
+    script = render_combo("tiny", "slurm")
+    header = script[:script.index("#SBATCH")]
+    assert "--no-requeue below is on purpose, also with chain.auto_requeue" in header
+    assert "same job id" in header and "--dependency=singleton" in header
+    assert all(line.startswith("#") for line in header.splitlines())
+
+
 HOSTILE = ["$(touch {pwn})", "`touch {pwn}`", "'; touch {pwn}; '", '"; touch {pwn}; "', "a;touch {pwn}",
            "x\ntouch {pwn}\n", "$HOME ${{PATH}} \\$(x) *", "--flag=\"$(touch {pwn})\""]
 

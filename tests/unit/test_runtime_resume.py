@@ -143,6 +143,56 @@ def test_retention_deletes_crashed_leftovers_but_never_the_only_checkpoint(paths
     assert resume.checkpoint_iterations(paths) == [20]
 
 
+def _failed_save(paths: RunPaths, iteration: int) -> Path:
+    """A torch_dist save cut short before its `.metadata` (written last): full-size shards, tracker unchanged."""
+    before = paths.tracker.read_text()
+    d = dist_checkpoint(paths, iteration)
+    (d / ".metadata").unlink()
+    paths.tracker.write_text(before)
+    return d
+
+
+def test_retention_deletes_incomplete_saves_moved_aside(paths: RunPaths) -> None:
+    """Issue 15: a failed signal save moved aside as iter_N.incomplete-JOB is deleted by the next
+    retention; abandoned and unreadable ones stay, and so does a newer save still being written."""
+    dist_checkpoint(paths, 10)
+    _failed_save(paths, 20)
+    assert resume.plan_resume(paths, job_id="7").iteration == 10  # the next segment moves it aside
+    aside = paths.checkpoints / "iter_0000020.incomplete-7"
+    assert aside.is_dir() and any(aside.glob("*.distcp"))
+    for kept in ("iter_0000005.abandoned-3", "iter_0000006.unreadable-4"):
+        (paths.checkpoints / kept).mkdir()
+    dist_checkpoint(paths, 30)
+    writing = resume.iter_dir(paths, 40)
+    writing.mkdir()  # an asynchronous save in progress
+    assert resume.prune(paths, keep_last=2, job_id="8") == []
+    assert not aside.exists() and not list(paths.checkpoints.glob(".deleting-*"))
+    assert sorted(p.name for p in paths.checkpoints.iterdir() if p.is_dir()) == [
+        "iter_0000005.abandoned-3", "iter_0000006.unreadable-4", "iter_0000010", "iter_0000030", "iter_0000040"]
+    (ev,) = events(paths, "incomplete_checkpoint_deleted")
+    assert ev["iteration"] == 20 and ev["directory"] == aside.name and ev["job_id"] == "8"
+
+
+def test_segment_end_removes_its_unfinished_save(paths: RunPaths) -> None:
+    dist_checkpoint(paths, 10)
+    failed = _failed_save(paths, 20)
+    assert resume.remove_failed_saves(paths, job_id="5") == [20]
+    assert not failed.exists() and resume.checkpoint_iterations(paths) == [10]
+    (ev,) = events(paths, "incomplete_checkpoint_deleted")
+    assert ev["reason"] == "missing .metadata" and ev["job_id"] == "5"
+    assert resume.remove_failed_saves(paths, job_id="5") == []  # the complete one is never touched
+
+
+def test_segment_end_keeps_what_the_tracker_names_or_when_it_is_garbled(paths: RunPaths) -> None:
+    dist_checkpoint(paths, 10)
+    _failed_save(paths, 20)
+    paths.tracker.write_text("20\n")  # Megatron finished it: the light check is not the judge then
+    assert resume.remove_failed_saves(paths, job_id="5") == []
+    paths.tracker.write_text("garbage\n")
+    assert resume.remove_failed_saves(paths, job_id="5") == []
+    assert resume.checkpoint_iterations(paths) == [10, 20]
+
+
 def test_blend_check(paths: RunPaths) -> None:
     paths.data_blend.write_text("1.0 /data/a\n")
     resume.check_blend(paths, allow_change=False, write=True, job_id="1")

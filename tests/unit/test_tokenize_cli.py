@@ -11,9 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from megalaunch.cli.main import app, main
+from megalaunch.config.loader import load_recipe
 from megalaunch.config.typed import build
 from megalaunch.data.writer import write_dataset
 from megalaunch.errors import RunDirError
+from megalaunch.launcher.prepare import prepare_run
 from megalaunch.launcher.slurm import JobInfo
 from megalaunch.tokenization.recipe import TokenizeRecipe
 from megalaunch.tokenization.status import _array_tasks, dump_statuses
@@ -105,6 +107,40 @@ def test_slurm_submit_throttles_resumes_and_refuses_a_second_writer(corpus, tok,
     assert again.dumps == (0, 2) and slurm.submitted[-1][1] == ["--array=0,2%2"]
 
 
+def test_shipped_recipe_names_the_array_after_its_input(tok, tmp_path):
+    """tokenize/jsonl sets no `name`: two runs over different sources get different arrays (issue 15)."""
+    from tests.support.corpus import write_jsonl_corpus
+
+    from megalaunch.tokenization.recipe import load_run_recipe, load_tokenize_recipe
+
+    names = {}
+    for source in ("web", "code"):
+        write_jsonl_corpus(tmp_path / "raw" / source, n_files=1, docs_per_file=2, mean_words=5)
+        recipe, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / source}]",
+                                                             f"tokenizer.path={tok}", "n_dumps=1", "tasks=1"])
+        run, _ = create_run(recipe, tmp_path / f"run-{source}")
+        names[source] = render_job_script(run, load_run_recipe(run)).split("#SBATCH --job-name=")[1].split("\n")[0]
+    assert names == {"web": "tok-web", "code": "tok-code"}
+    both, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / 'web'},{tmp_path / 'raw' / 'code'}]",
+                                                      f"tokenizer.path={tok}"])
+    assert both.name == "web+code"
+    named, _ = load_tokenize_recipe("tokenize/jsonl", [f"inputs.roots=[{tmp_path / 'raw' / 'web'}]",
+                                                       f"tokenizer.path={tok}", "name=fineweb"])
+    assert named.name == "fineweb"
+
+
+@pytest.mark.parametrize(("roots", "name"), [
+    (["/data/raw/web/"], "web"), (["/a/shard-01.jsonl.gz"], "shard-01"), (["/a/x", "/b/x"], "x"),
+    (["/a/w", "/a/c", "/a/m", "/a/b"], "w+c+2-more"), (["/data/my web $(x)"], "my-web-x"), (["/"], "tokenize"),
+])
+def test_name_from_inputs_is_sbatch_safe(roots, name):
+    from megalaunch.config.preflight import SBATCH_SAFE
+    from megalaunch.tokenization.recipe import name_from_inputs
+
+    assert name_from_inputs(roots) == name
+    assert SBATCH_SAFE.match(f"tok-{name}")
+
+
 def test_array_task_parsing():
     class Q:
         def squeue(self, ids):
@@ -113,23 +149,40 @@ def test_array_task_parsing():
     assert _array_tasks("7", Q()) == {3: "RUNNING", 4: "PENDING", 5: "PENDING", 9: "PENDING"}
 
 
-def test_cli_plan_submit_status_check_blend(corpus, tok, tmp_path):
+def test_cli_plan_submit_status_check_blend(corpus, tok, tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: c\ninputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}}}\nbackend: local\n")
+    recipe.write_text(f"inputs: {{roots: [{corpus}]}}\ntokenizer: {{path: {tok}}}\nbackend: local\n")
     runner = CliRunner()
     run_dir = tmp_path / "run"
     res = runner.invoke(app, ["tokenize", "plan", str(recipe), "--run-dir", str(run_dir), "--set", "n_dumps=2"])
     assert res.exit_code == 0, res.output
     assert "into 2 dumps" in res.output and "megalaunch tokenize submit" in res.output
+    assert "(job array tok-raw)" in res.output  # no `name` in the recipe: the input folder's
     res = runner.invoke(app, ["tokenize", "submit", str(run_dir)])
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["tokenize", "status", str(run_dir)])
     assert res.exit_code == 0 and "2/2 dumps" in res.output and "20 documents" in res.output, res.output
-    res = runner.invoke(app, ["data", "check", str(run_dir / "output"), "--tokenizer", str(tok)])
-    assert res.exit_code == 0 and "2/2 pairs ok" in res.output, res.output
-    res = runner.invoke(app, ["data", "blend", str(run_dir / "output"), "--output", str(tmp_path / "b.txt")])
+    check = _next(res.output, "data check")  # from here on, each stage runs the command the one before printed
+    assert check == ["data", "check", str(run_dir / "output"), "--tokenizer", str(tok)]
+    res = runner.invoke(app, check)
+    assert res.exit_code == 0 and "2/2 pairs ok" in res.output and f"(vocabulary {300})" in res.output, res.output
+    monkeypatch.chdir(tmp_path)  # the printed `data blend` writes ./blend.txt
+    res = runner.invoke(app, _next(res.output, "data blend"))
     assert res.exit_code == 0 and "sha256" in res.output, res.output
-    assert len((tmp_path / "b.txt").read_text().split()) == 4
+    assert len((tmp_path / "blend.txt").read_text().split()) == 4
+    submit = _next(res.output, "submit")
+    assert submit[:2] == ["submit", "RECIPE"] and submit[2] == "--set"
+    loaded = load_recipe("tiny", [submit[3], "data.mock=false", "run.root=" + str(tmp_path / "runs")])
+    blend_sha = res.output.split("sha256 ")[1].split()[0].rstrip(",")
+    assert prepare_run(loaded).blend_sha256 == blend_sha  # the run would train on this very blend
+
+
+def _next(output: str, command: str) -> list[str]:
+    """The arguments of the `next: megalaunch COMMAND ...` line a stage printed."""
+    import shlex
+
+    line = next(x for x in output.splitlines() if x.startswith(f"next: megalaunch {command}"))
+    return shlex.split(line.removeprefix("next: megalaunch "))
 
 
 def test_one_line_errors(corpus, tok, tmp_path, capsys):
@@ -160,3 +213,15 @@ def test_output_dir_not_writable(corpus, tok, tmp_path):
     blocker.write_text("")
     with pytest.raises(PreflightError, match="cannot create output directory"):
         create_run(_recipe(corpus, tok, output_dir=str(blocker / "out")), tmp_path / "run")
+
+
+def test_blend_next_command_keeps_paths_and_weights(tmp_path, monkeypatch):
+    """The `--set data.blend=...` that `data blend` prints reads back as the same entries, odd paths included."""
+    from megalaunch.cli.data import blend_setting
+
+    monkeypatch.chdir(tmp_path)
+    odd = ["/data/my web: 1, {x}", "rel/code", "/data/ünï'$(x)"]
+    loaded = load_recipe("tiny", [blend_setting(odd, [0.7, 0.25, 1e-05])])
+    assert [(e.path, e.weight) for e in loaded.recipe.data.blend] == [
+        (odd[0], 0.7), (str(tmp_path / "rel/code"), 0.25), (odd[2], 1e-05)]
+    assert [e.weight for e in load_recipe("tiny", [blend_setting(odd[:1], None)]).recipe.data.blend] == [None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -101,7 +102,17 @@ def _command(name: str, positional: Path, options: dict[str, Any], sets: list[st
     return argv
 
 
-def _submit(recipe: Recipe | None, command: list[str], out: Path, gpus: int | None, time_limit: str | None) -> None:
+def _next_hf_to_mcore(out: Path, recipe: str | None) -> str:
+    load = shlex.quote(f"checkpoint.load={out.absolute()}")
+    return f"next: megalaunch submit {shlex.quote(recipe or 'RECIPE')} --set {load}"
+
+
+def _next_mcore_to_hf(out: Path) -> str:
+    return f"next: AutoModelForCausalLM.from_pretrained({str(out.absolute())!r})"
+
+
+def _submit(recipe: Recipe | None, command: list[str], out: Path, gpus: int | None, time_limit: str | None,
+            then: str) -> None:
     from megalaunch.conversion.submit import submit
     from megalaunch.errors import ConfigError
 
@@ -111,6 +122,16 @@ def _submit(recipe: Recipe | None, command: list[str], out: Path, gpus: int | No
     done = submit(recipe, command, out, gpus=gpus, time_limit=time_limit)
     say(f"submitted conversion job {done.job_id}: {done.script}")
     say(f"logs: {done.logs}/; next: squeue -j {done.job_id}")
+    say(f"when it has finished, {then}")
+
+
+def _quiet_megatron() -> None:
+    """Megatron's import-time warnings (no Transformer Engine/Apex, no absl, no CUDA runtime) are noise
+    in a conversion; --debug shows them."""
+    if os.environ.get("MEGALAUNCH_DEBUG") != "1":
+        from megalaunch.conversion.quiet_imports import import_megatron_quietly
+
+        import_megatron_quietly()
 
 
 def _print_report(report: Report, what: str) -> None:
@@ -155,8 +176,9 @@ def hf_to_mcore(
                                                    "--max-inflight-gb": max_inflight_gb, "--crc32": crc32,
                                                    "--overwrite": overwrite, "--fsync": fsync,
                                                    "--no-progress": True}, set_)
-        _submit(loaded, command, out, gpus, time_limit)
+        _submit(loaded, command, out, gpus, time_limit, _next_hf_to_mcore(out, recipe))
         return
+    _quiet_megatron()
     from megalaunch.conversion.to_mcore import hf_to_mcore as convert
 
     tensor_parallel = tp or (loaded.parallel.tensor_model_parallel_size if loaded else 1)
@@ -165,7 +187,7 @@ def hf_to_mcore(
                      max_inflight_bytes=int(max_inflight_gb * 1e9) if max_inflight_gb else None,
                      overwrite=overwrite, progress=progress, fsync=fsync, crc32=crc32)
     _print_report(report, "hf-to-mcore")
-    say(f"next: train from it with --set checkpoint.load={out.absolute()}")
+    say(_next_hf_to_mcore(out, recipe))
 
 
 @app.command("mcore-to-hf")
@@ -204,8 +226,9 @@ def mcore_to_hf(
             "--out": out, "--iteration": iteration, "--hf-template": hf_template, "--recipe": recipe,
             "--family": family, "--vocab-size": vocab_size, "--dtype": dtype, "--max-shard-size": max_shard_size,
             "--overwrite": overwrite, "--fsync": fsync, "--no-progress": True}, set_)
-        _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit)
+        _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit, _next_mcore_to_hf(out))
         return
+    _quiet_megatron()
     from megalaunch.conversion.to_hf import mcore_to_hf as convert
 
     report = convert(checkpoint, out, iteration=iteration, hf_template=hf_template, family=family,
@@ -213,4 +236,4 @@ def mcore_to_hf(
                      dtype=dtype, max_shard_bytes=shard_bytes, overwrite=overwrite, progress=progress,
                      fsync=fsync)
     _print_report(report, "mcore-to-hf")
-    say(f"next: AutoModelForCausalLM.from_pretrained({str(out.absolute())!r})")
+    say(_next_mcore_to_hf(out))

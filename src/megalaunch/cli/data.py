@@ -6,6 +6,9 @@ they parse their own arguments with argparse."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
 from typing import Annotated
 
 import typer
@@ -47,6 +50,8 @@ def check(
         say(f"{len(good)}/{len(reports)} pairs ok, {sum(r.tokens for r in good):,} tokens"
             + (f" (vocabulary {vocab_size})" if vocab_size else ""))
     raise_for_problems(reports)
+    if not as_json:
+        say(f"next: megalaunch data blend {' '.join(map(shlex.quote, paths))} --output blend.txt")
 
 
 def _vocab_size(path: str) -> int:
@@ -111,6 +116,14 @@ def blend(ctx: typer.Context) -> None:
         say(f"{'(empty, left out)':>25}  {prefix}")
     say(f"{len(result.prefixes)} prefixes, sha256 {result.sha256}"
         + (f", written to {args.output}" if args.output else ""))
+    say(f"next: megalaunch submit RECIPE --set {shlex.quote(blend_setting(args.paths, args.weights))}")
+
+
+def blend_setting(paths: list[str], weights: list[float | None] | None) -> str:
+    """`data.blend=[...]` for `submit --set`: the same entries, so the run freezes this very blend."""
+    entries = [f"{{path: {json.dumps(os.path.abspath(p))}" + (f", weight: {w!r}}}" if w is not None else "}")
+               for p, w in zip(paths, weights if weights is not None else [None] * len(paths), strict=True)]
+    return f"data.blend=[{', '.join(entries)}]"
 
 
 @app.command(context_settings=_RAW, add_help_option=False)

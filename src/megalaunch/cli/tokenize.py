@@ -4,11 +4,14 @@ delegate to megalaunch.tokenization; nothing heavy is imported at module level."
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from megalaunch.cli.output import emit_json, say
+
+if TYPE_CHECKING:
+    from megalaunch.rundir.tokenize import TokenizeRun
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -37,7 +40,7 @@ def plan(
     loaded, _ = load_tokenize_recipe(recipe, list(set_ or []))
     run, the_plan = create_run(loaded, run_dir)
     say(f"planned {the_plan.n_files} input files ({_size(the_plan.bytes)}) into {len(the_plan.dumps)} dumps "
-        f"of up to {max(len(d.tasks) for d in the_plan.dumps)} tasks in {run.root}")
+        f"of up to {max(len(d.tasks) for d in the_plan.dumps)} tasks in {run.root} (job array tok-{loaded.name})")
     for dump in the_plan.dumps[:20]:
         say(f"  dump {dump.index:4d}: {dump.n_files:5d} files {_size(dump.bytes):>10} in {len(dump.tasks)} tasks")
     if len(the_plan.dumps) > 20:
@@ -63,9 +66,7 @@ def submit(
     run = TokenizeRun.at(run_dir)
     result = submit_run(run, backend=backend, dumps=list(dump) if dump else None)
     if result is None:
-        from megalaunch.tokenization.recipe import load_run_recipe
-
-        say(f"every dump is done; next: megalaunch data check {run.output_dir(load_run_recipe(run).output_dir)}")
+        say(f"every dump is done; next: {_data_check_command(run)}")
         return
     if result.job_id is not None:
         say(f"submitted job array {result.job_id} ({len(result.dumps)} dumps) for {run.root}")
@@ -101,6 +102,19 @@ def status(
         time.sleep(interval)
     if any(s.state in ("failed", "cancelled", "stopped") for s in statuses) and not as_json:
         say(f"some dumps did not finish: `megalaunch tokenize submit {run.root}` resumes them")
+    elif statuses and all(s.state == "done" for s in statuses) and not as_json:
+        say(f"next: {_data_check_command(run)}")
+
+
+def _data_check_command(run: TokenizeRun) -> str:
+    """The next stage: check the outputs against the tokenizer they were made with."""
+    import shlex
+
+    from megalaunch.tokenization.recipe import load_run_recipe
+
+    recipe = load_run_recipe(run)
+    return (f"megalaunch data check {shlex.quote(str(run.output_dir(recipe.output_dir)))} "
+            f"--tokenizer {shlex.quote(recipe.tokenizer.path)}")
 
 
 def _print_status(statuses: list, total: dict) -> None:

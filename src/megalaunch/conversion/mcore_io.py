@@ -173,9 +173,16 @@ def tensors_metadata(ckpt: Path) -> dict[str, Any]:
 
 
 def load_common(ckpt: Path) -> dict[str, Any]:
+    import warnings
+
     from megatron.core import dist_checkpointing
 
-    return dict(dist_checkpointing.load_common_state_dict(str(ckpt)) or {})
+    with warnings.catch_warnings():
+        # Megatron reads common.pt through torch's checkpoint reader in no-dist mode on purpose, and
+        # torch warns each time that it assumes one process: true, and not the user's concern.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        return dict(dist_checkpointing.load_common_state_dict(str(ckpt)) or {})
 
 
 @dataclass(frozen=True)

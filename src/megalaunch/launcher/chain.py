@@ -117,6 +117,7 @@ class Chain:
         elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
+        self._remove_failed_saves(job_id)
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
                            first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}))
@@ -142,6 +143,19 @@ class Chain:
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
         return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _remove_failed_saves(self, job_id: str) -> None:
+        """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never
+        loadable); delete it now rather than leave it to the next segment (a full disk stays full)."""
+        from megalaunch.runtime.resume import remove_failed_saves
+
+        try:
+            deleted = remove_failed_saves(self.paths, job_id=job_id)
+        except OSError as e:  # clean-up must never change what the chain does
+            log(f"could not remove an unfinished save: {e}")
+            return
+        if deleted:
+            log(f"deleted the unfinished save(s) of iteration {', '.join(map(str, deleted))}")
 
     def _write_goodput(self) -> None:
         """The chain's goodput so far, for `status`, the report and the next segment's W&B run."""

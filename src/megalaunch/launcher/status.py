@@ -85,7 +85,19 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "consumed_triggers": len(TriggerBox(paths).consumed()),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
         "resume": resume_summary(paths, events),
+        "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
+
+
+def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
+    """What to run once training is done: convert its last checkpoint for Hugging Face."""
+    import shlex
+
+    tracker = paths.read_tracker()
+    if chain_state != "stopped" or not isinstance(tracker, int) or tracker < target:
+        return None
+    return (f"megalaunch convert mcore-to-hf {shlex.quote(str(paths.root))} "
+            f"--out {shlex.quote(str(paths.root / 'hf'))}")
 
 
 def format_run_status(st: dict[str, Any]) -> str:
@@ -119,6 +131,8 @@ def format_run_status(st: dict[str, Any]) -> str:
             span = f"  iter {r['start_iteration'] if r['start_iteration'] is not None else 0} -> {r['end_iteration'] if r['end_iteration'] is not None else '...'}"
         lines.append(f"    {r['segment']:>3}  {r['job_id']:<12} {r['state']:<10}{span}"
                      + (f"  ({r['reason']})" if r["reason"] else ""))
+    if st.get("next"):
+        lines.append(f"  next: {st['next']}")
     return "\n".join(lines)
 
 

@@ -7,10 +7,12 @@ lists (a truncated or missing shard fails this). A legacy `torch` checkpoint is 
 `mp_rank_*` directory holds a non-empty `model_optim_rng.pt`.
 
 Rank 0 plans; the others follow the plan through a broadcast. Checkpoints that cannot be used are
-renamed (`iter_0000200.incomplete-<job>`, `.unreadable-<job>`, `.abandoned-<job>`), never deleted,
-and every such step is a ledger record. Retention deletes old complete checkpoints only, and only
-when `keep_last` newer complete ones exist; milestones (every `milestone_interval`-th iteration)
-and the checkpoint training resumed from in this segment are kept."""
+renamed (`iter_0000200.incomplete-<job>`, `.unreadable-<job>`, `.abandoned-<job>`), and every such
+step is a ledger record. Retention deletes old complete checkpoints only when `keep_last` newer
+complete ones exist; milestones (every `milestone_interval`-th iteration) and the checkpoint training
+resumed from in this segment are kept. Incomplete saves are garbage (nothing can load them): retention
+deletes those moved aside, and `job end` deletes the one its own segment failed to finish
+(`remove_failed_saves`). Unreadable and abandoned ones are kept for a person to look at."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request, settle_resume_request
 
 ITER_RE = re.compile(r"^iter_(\d{7})$")
+INCOMPLETE_RE = re.compile(r"^iter_(\d{7})\.incomplete-[^/]+$")  # moved aside by `plan_resume`
 
 
 def iter_dir(paths: RunPaths, iteration: int) -> Path:
@@ -285,7 +288,46 @@ def prune(paths: RunPaths, *, keep_last: int, milestone_interval: int = 0, prote
         _delete(iter_dir(paths, iteration))
         append_jsonl(paths.ledger, {"event": "checkpoint_deleted", "time": time.time(), "job_id": job_id,
                                     "iteration": iteration})
+    prune_incomplete(paths, job_id=job_id)
     return doomed
+
+
+def prune_incomplete(paths: RunPaths, *, job_id: str | None) -> list[str]:
+    """Delete the incomplete saves `plan_resume` moved aside (`iter_N.incomplete-<job>`). No job
+    writes one: a segment renames it when it starts, after the segment that wrote it has ended (the
+    chain runs one segment at a time), and a live save is never renamed. Returns the names deleted."""
+    try:
+        names = sorted(n for n in os.listdir(paths.checkpoints) if INCOMPLETE_RE.match(n))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        _delete(paths.checkpoints / name)
+        append_jsonl(paths.ledger, {"event": "incomplete_checkpoint_deleted", "time": time.time(), "job_id": job_id,
+                                    "iteration": int(name[5:12]), "directory": name})
+    return names
+
+
+def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
+    """At the end of a segment, when every rank has exited: delete the checkpoint directories newer
+    than the newest complete one that are incomplete (as far as can be told without torch), i.e. the
+    saves this segment started and never finished (a failed or interrupted save; an iteration newer
+    than every complete one can only be this segment's). Megatron writes the tracker after a save
+    finishes, so nothing at or below the tracker's iteration is touched, and nothing at all while the
+    tracker is unreadable. Returns the iterations deleted."""
+    tracker = read_tracker(paths)
+    if tracker == "garbled":
+        return []
+    iterations = checkpoint_iterations(paths)
+    complete = [i for i in iterations if incomplete_reason(iter_dir(paths, i), full=False) is None]
+    floor = max(complete[-1] if complete else -1, tracker if isinstance(tracker, int) else -1)
+    failed = [i for i in iterations if i > floor]
+    for iteration in failed:
+        reason = incomplete_reason(iter_dir(paths, iteration), full=False)
+        _delete(iter_dir(paths, iteration))
+        append_jsonl(paths.ledger, {"event": "incomplete_checkpoint_deleted", "time": time.time(), "job_id": job_id,
+                                    "iteration": iteration, "directory": iter_dir(paths, iteration).name,
+                                    "reason": reason})
+    return failed
 
 
 def _delete(directory: Path) -> None:

@@ -66,7 +66,8 @@ class TokenizeSlurm:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizeRecipe:
-    name: str = doc("Job name prefix; the array is named `tok-<name>`.")
+    name: str = doc("Job name prefix; the array is named `tok-<name>`. Empty: from the input folders' names "
+                    "(`inputs.roots`), so runs over different sources tell apart in squeue.", "")
     inputs: InputsConfig = doc("Where the raw documents are.")
     tokenizer: TokenizerConfig = doc("How documents become tokens.")
     n_dumps: int = doc("Number of dumps (one Slurm array task each), balanced by input bytes.", 1)
@@ -77,6 +78,8 @@ class TokenizeRecipe:
     slurm: TokenizeSlurm = doc("CPU-only resources of each dump job.", TokenizeSlurm())
 
     def __post_init__(self) -> None:
+        if not self.name:  # frozen: set once, here, so recipe.yaml records the name the array gets
+            object.__setattr__(self, "name", name_from_inputs(self.inputs.roots))
         if self.n_dumps < 1:
             raise ValueError(f"n_dumps must be >= 1, got {self.n_dumps}")
         if self.tasks < 1:
@@ -87,6 +90,22 @@ class TokenizeRecipe:
     @property
     def concurrent_workers(self) -> int:
         return self.tasks if self.workers == -1 else min(self.workers, self.tasks)
+
+
+def name_from_inputs(roots: list[str]) -> str:
+    """A job name from the input roots' last components (`/data/raw/web` -> `web`, two roots ->
+    `web+code`, more -> `web+code+3-more`), a file's without its extension, limited to what an #SBATCH
+    line takes; `tokenize` when nothing is left."""
+    names: list[str] = []
+    for root in roots:
+        base = os.path.basename(root.rstrip("/"))
+        base = next((base[: -len(s)] for s in INPUT_SUFFIXES if base.endswith(s) and len(base) > len(s)), base)
+        base = re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.")[:40]
+        if base and base not in names:
+            names.append(base)
+    if not names:
+        return "tokenize"
+    return "+".join(names[:2]) + (f"+{len(names) - 2}-more" if len(names) > 2 else "")
 
 
 def load_tokenize_recipe(ref: str, sets: list[str] | tuple[str, ...] = ()) -> tuple[TokenizeRecipe, dict[str, Any]]:
