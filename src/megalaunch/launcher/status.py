@@ -8,7 +8,7 @@ from typing import Any
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.launcher.backend import Live, unfinished
 from megalaunch.launcher.backends import backend_for
-from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request
 from megalaunch.rundir.state import read_outcome, read_progress
@@ -54,9 +54,10 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
     rows = []
-    for i, s in enumerate(segments, 1):
+    numbers = segment_numbers(segments)  # the numbers `logs --segment` and `report` use
+    for s in segments:
         state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error)
-        rows.append({"segment": i, "job_id": s.job_id, "state": state, "reason": reason,
+        rows.append({"segment": numbers[s.job_id], "job_id": s.job_id, "state": state, "reason": reason,
                      "start_iteration": s.start_iteration,
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}

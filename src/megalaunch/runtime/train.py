@@ -303,10 +303,11 @@ class Session:
             out.update({f"chain/{k}_s": v for k, v in (chain.get("totals_s") or {}).items()})
         return out
 
-    def _segment_index(self) -> int:
-        from megalaunch.rundir.files import read_jsonl
+    def _segment_index(self) -> int | None:
+        """This segment's number as `status`, `logs --segment` and `report` show it."""
+        from megalaunch.rundir.ledger import Ledger, segment_numbers
 
-        return sum(1 for e in read_jsonl(self.paths.ledger) if e.get("event") == "started")
+        return segment_numbers(Ledger(self.paths).segments()).get(str(self.job_id))
 
     def maybe_hang(self) -> None:
         """Test hook: stop making progress inside iteration MEGALAUNCH_TEST_HANG."""
