@@ -11,7 +11,7 @@ from megalaunch.launcher.backends import backend_for
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request
-from megalaunch.rundir.state import read_outcome, read_progress
+from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
 from megalaunch.rundir.triggers import TriggerBox
 
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
@@ -61,6 +61,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
                      "start_iteration": s.start_iteration,
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}
+    checkpoint = paths.read_tracker()
     stopped = ledger.stopped()
     guard = ledger.last("guard")
     active = [r for r in rows if r["state"] in LIVE_STATES]
@@ -72,15 +73,15 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         chain_state = "stopped"
     else:
         chain_state = "idle"
-    efficiency = _efficiency(paths, recipe, progress)
+    efficiency = _efficiency(paths, recipe, shown_iteration(progress, checkpoint))
     return {
         **efficiency,
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
         "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
         "stop_fix": stopped.get("fix") if stopped else None,
-        "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
-        "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
+        "iteration": shown_iteration(progress, checkpoint), "target": recipe.training.train_iters,
+        "last_checkpoint": checkpoint, "tokens_per_s": progress.get("tokens_per_s"),
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": TriggerBox(paths).pending(),
         "consumed_triggers": len(TriggerBox(paths).consumed()),
@@ -165,7 +166,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60} min {seconds % 60} s"
 
 
-def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[str, Any]:
+def _efficiency(paths: RunPaths, recipe: Any, it: int | None) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
     from megalaunch.launcher.goodput import STARTUP, chain_goodput, mfu
     from megalaunch.rundir.files import read_jsonl
@@ -182,7 +183,6 @@ def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[
     latest = chain["segments"][-1]
     rate = _iterations_per_s(metrics)
     left = None
-    it = progress.get("iteration")
     if rate and it is not None:
         left = max(0, recipe.training.train_iters - int(it)) / rate
     return {"goodput": chain["goodput"], "wall_h": wall / 3600.0,
@@ -235,7 +235,7 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
             state = "stopped" if stopped else "idle"
         progress = read_progress(paths) or {}
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
-                    "jobs": jobs, "iteration": progress.get("iteration"),
+                    "jobs": jobs, "iteration": shown_iteration(progress, paths.read_tracker()),
                     "target": recipe.training.train_iters, "stop_reason": stopped.get("reason") if stopped else None,
                     "owner": _owner(paths), "slurm_error": error})
     return out

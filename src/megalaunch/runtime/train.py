@@ -29,7 +29,7 @@ from typing import Any
 
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
+from megalaunch.rundir.state import current_job_id, progress_at_save, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import export_rank_env
@@ -142,6 +142,7 @@ class Session:
             self.watchdog.beat(f"save at iteration {iteration} done")
         if self.rank == 0:
             self.log(f"checkpoint at iteration {iteration}: {elapsed:.2f} s blocking")
+            progress_at_save(self.paths, iteration)  # status never shows progress behind the checkpoint
             deleted = resume.prune(self.paths, keep_last=self.settings.keep_last,
                                    milestone_interval=self.settings.milestone_interval,
                                    protect={self.resumed_from} if self.resumed_from else set(), job_id=self.job_id)
@@ -238,6 +239,8 @@ class Session:
             args = get_args()  # the rendered nsys window counts from the iteration resumed from
             args.profile_step_start += iteration
             args.profile_step_end += iteration
+        if self.rank == 0:  # a fresh start for status: not the last segment's (maybe later) iteration
+            write_progress(self.paths, iteration=iteration, consumed_samples=consumed_samples)
         if iteration > 0:
             self.log(f"resumed at iteration {iteration} with {consumed_samples} consumed samples")
             self.ledger("resumed", iteration=iteration, consumed_samples=consumed_samples)
