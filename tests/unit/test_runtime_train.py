@@ -102,3 +102,27 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     r = export_rank_env()
     assert (r.rank, r.world_size, r.local_rank) == (5, 8, 1)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+
+
+def test_a_save_between_two_log_intervals_moves_progress_up_to_the_checkpoint(session: Session) -> None:
+    from megalaunch.rundir.state import read_progress, write_progress
+
+    write_progress(session.paths, iteration=170, consumed_samples=1360, loss=2.5, tokens_per_s=900.0)
+    session.before_save(173)  # a save on the signal at 173, between the reports at 170 and 180
+    session.after_save(173)
+    progress = read_progress(session.paths)
+    assert progress["iteration"] == 173 and progress["job_id"] == "42"
+    assert progress["loss"] == 2.5 and progress["tokens_per_s"] == 900.0  # the last measured values
+    write_progress(session.paths, iteration=180, consumed_samples=1440, loss=2.4)
+    session.before_save(180)
+    session.after_save(180)
+    assert read_progress(session.paths)["consumed_samples"] == 1440  # not lagging: left as it is
+
+
+def test_a_resumed_segment_starts_its_progress_at_the_checkpoint_it_loaded(session: Session) -> None:
+    from megalaunch.rundir.state import read_progress, write_progress
+
+    write_progress(session.paths, iteration=400, consumed_samples=3200, loss=2.0)  # before `resume --from 200`
+    session.loaded(200, 1600)
+    progress = read_progress(session.paths)
+    assert (progress["iteration"], progress["consumed_samples"], progress["loss"]) == (200, 1600, None)

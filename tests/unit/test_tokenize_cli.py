@@ -141,6 +141,64 @@ def test_name_from_inputs_is_sbatch_safe(roots, name):
     assert SBATCH_SAFE.match(f"tok-{name}")
 
 
+class _Clock:
+    """time.time() and time.monotonic() that move only when told (the progress writer and status read it)."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_status_rate_is_the_recent_window_then_stalled_then_the_runs_average(corpus, tok, tmp_path, monkeypatch,
+                                                                            capsys):
+    pytest.importorskip("datatrove")
+    from megalaunch.cli.tokenize import _print_status
+    from megalaunch.tokenization import pipeline, status
+    from megalaunch.tokenization.status import STALE_S, totals
+
+    clock = _Clock()
+    monkeypatch.setattr(pipeline, "time", clock)
+    monkeypatch.setattr(status, "time", clock)
+    run, _ = create_run(_recipe(corpus, tok, n_dumps=1), tmp_path / "run")
+    slurm = FakeSlurm()
+    job = submit(run, slurm=slurm).job_id
+    slurm.queue = {f"{job}_0": JobInfo(f"{job}_0", "tok-x", "RUNNING", "")}
+    progress = [pipeline._Progress(str(run.dump_dir(0) / "progress"), t) for t in range(2)]  # the tasks' writer
+    for _ in range(120):  # 10 minutes at 1,000 tok/s per task ...
+        clock.now += pipeline.PROGRESS_INTERVAL_S
+        for p in progress:
+            p.update(10, int(1000 * pipeline.PROGRESS_INTERVAL_S))
+    for _ in range(12):  # ... then a minute at 100 tok/s per task
+        clock.now += pipeline.PROGRESS_INTERVAL_S
+        for p in progress:
+            p.update(1, int(100 * pipeline.PROGRESS_INTERVAL_S))
+    (dump,) = dump_statuses(run, slurm)
+    assert dump.state == "running" and dump.tokens_per_s == pytest.approx(200.0)  # not ~1,800 since the start
+    assert totals([dump])["tokens_per_s"] == pytest.approx(200.0)
+    clock.now += STALE_S + 1  # no progress since
+    (dump,) = dump_statuses(run, slurm)
+    assert dump.tokens_per_s is None and "no progress for" in dump.detail
+    _print_status([dump], totals([dump]))
+    assert "stalled" in capsys.readouterr().out.splitlines()[-1]
+    for p in progress:  # both tasks finish; the dump's summary is written a minute later
+        p.finish()
+    slurm.queue = {}
+    clock.now += 60
+    run.write_json(run.summary(0), {"documents": dump.documents, "tokens": dump.tokens, "finished": clock.now})
+    (dump,) = dump_statuses(run, slurm)
+    span = clock.now - progress[0].started
+    assert dump.state == "done" and dump.tokens_per_s == pytest.approx(dump.tokens / span)
+    total = totals([dump])
+    assert total["rate_over"] == "run" and total["tokens_per_s"] == pytest.approx(dump.tokens / span)
+    _print_status([dump], total)
+    assert f"{dump.tokens / span:,.0f} tok/s on average" in capsys.readouterr().out
+
+
 def test_array_task_parsing():
     class Q:
         def squeue(self, ids):
@@ -162,6 +220,8 @@ def test_cli_plan_submit_status_check_blend(corpus, tok, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["tokenize", "status", str(run_dir)])
     assert res.exit_code == 0 and "2/2 dumps" in res.output and "20 documents" in res.output, res.output
+    # finished: the average over the run, not a rate of nothing running
+    assert " 0 tok/s" not in res.output and "tok/s on average" in res.output, res.output
     check = _next(res.output, "data check")  # from here on, each stage runs the command the one before printed
     assert check == ["data", "check", str(run_dir / "output"), "--tokenizer", str(tok)]
     res = runner.invoke(app, check)

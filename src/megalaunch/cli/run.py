@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -103,40 +102,35 @@ def status(
 
 def logs(
     run: RunArg,
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows (Ctrl-C stops).")] = False,
-    segment: Annotated[int | None, typer.Option("--segment", help="Segment number (1 = first); default: newest.")] = None,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing as the log grows and move on to "
+                                         "each next segment's log; ends when the chain does (or Ctrl-C).")] = False,
+    segment: Annotated[int | None, typer.Option("--segment", help="Segment number as `megalaunch status` shows it "
+                                                "(1 = first); default: the newest with a log.")] = None,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", min=0, metavar="N",
+                                             help="Only the last N lines (then follow with -f).")] = None,
+    since_start: Annotated[bool, typer.Option("--since-start", help="Skip the start-up output up to the end of "
+                                              "Megatron's argument dump (a log without one is shown whole).")] = False,
 ) -> None:
-    """Print a segment's log."""
-    from megalaunch.errors import RunDirError
-    from megalaunch.launcher.control import find_run
-    from megalaunch.rundir.ledger import Ledger
-
-    paths = find_run(run)
-    # every segment logs to <chain>-<job id>.out (Slurm's %x-%j, or the local backend's equivalent)
-    ordered = [f for s in Ledger(paths).segments() if (f := paths.segment_log(s.job_id)).exists()]
-    if not ordered:
-        raise RunDirError(f"no segment has written a log yet in {paths.logs}", fix=f"megalaunch status {paths.root}")
-    if segment is not None and not 1 <= segment <= len(ordered):
-        raise RunDirError(f"segment {segment} has no log", field="--segment", valid=f"1..{len(ordered)}")
-    _print_file(ordered[(segment or len(ordered)) - 1], follow)
-
-
-def _print_file(path: Path, follow: bool) -> None:
+    """Print a segment's log; with -f, follow the chain from segment to segment."""
     import sys
 
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(65536)
-            if chunk:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                continue
-            if not follow:
-                return
-            try:
-                time.sleep(0.5)
-            except KeyboardInterrupt:
-                return
+    from megalaunch.launcher.control import find_run
+    from megalaunch.launcher.logs import print_logs
+
+    paths = find_run(run)
+    backend = None
+    if follow:
+        from megalaunch.config.loader import load_run_recipe
+        from megalaunch.launcher.backends import backend_for
+
+        backend = backend_for(load_run_recipe(paths).cluster.backend)
+    try:
+        ended = print_logs(paths, sys.stdout.buffer, number=segment, tail=tail, since_start=since_start,
+                           follow=follow, backend=backend)
+    except KeyboardInterrupt:  # the usual way out of -f: no traceback, no error
+        return
+    if ended:
+        say(ended)
 
 
 def trigger(

@@ -118,6 +118,7 @@ def _data_check_command(run: TokenizeRun) -> str:
 
 
 def _print_status(statuses: list, total: dict) -> None:
+    # tok/s: a running dump's over the last minute, a finished dump's average
     say(f"{'dump':>5} {'state':14}{'tasks':>9}{'documents':>13}{'tokens':>16}{'tok/s':>12}  job")
     for s in statuses:
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-"
@@ -127,8 +128,11 @@ def _print_status(statuses: list, total: dict) -> None:
     width = 30
     frac = total["tasks_done"] / total["tasks"] if total["tasks"] else 0.0
     bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+    rate = total["tokens_per_s"]
+    pace = ("stalled" if total["rate_over"] == "recent" else "no rate yet") if rate is None else (
+        f"{rate:,.0f} tok/s " + ("over the last minute" if total["rate_over"] == "recent" else "on average"))
     say(f"[{bar}] {frac:6.1%}  {total['done']}/{total['dumps']} dumps, {total['documents']:,} documents, "
-        f"{total['tokens']:,} tokens, {total['tokens_per_s']:,.0f} tok/s")
+        f"{total['tokens']:,} tokens, {pace}")
 
 
 @app.command()

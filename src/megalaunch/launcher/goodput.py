@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megalaunch.rundir.files import read_json, read_jsonl
-from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.ledger import Ledger, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.timeline import STARTUP_PHASES
 
@@ -201,9 +201,11 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
         segments.append(seg)
     totals = {k: sum(s.parts.get(k, 0.0) for s in segments) for k in COMPONENTS}
     wall = sum(totals.values())
+    numbers = segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
     gpus = [s.world for s in segments if s.world]
     return {
-        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup} for s in segments],
+        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id)}
+                     for s in segments],
         "totals": totals, "wall": wall, "wait": sum(s.wait or 0.0 for s in segments),
         "goodput": (totals["productive"] / wall) if wall > 0 else None,
         "gpu_hours": sum(s.wall * (s.world or 1) for s in segments) / 3600.0,

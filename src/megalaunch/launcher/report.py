@@ -275,7 +275,7 @@ def write_figures(data: dict[str, Any], out: Path) -> dict[str, Path]:
 
     segs = data["chain"]["segments"]
     seg_colour = {s["job_id"]: SEGMENT_COLOURS[i % len(SEGMENT_COLOURS)] for i, s in enumerate(segs)}
-    number = {s["job_id"]: i + 1 for i, s in enumerate(segs)}
+    number = {s["job_id"]: s["number"] for s in segs}
     t0 = min([float(s["start"]) for s in segs], default=data["generated"])
     t1 = max([float(s["end"] or data["generated"]) for s in segs], default=t0 + 1)
     unit, uname = _time_unit(t1 - t0)
@@ -356,7 +356,7 @@ def write_figures(data: dict[str, Any], out: Path) -> dict[str, Path]:
         ax.text((float(s["end"] or data["generated"]) - t0) / unit, y, "  " + segment_label(s), va="center",
                 fontsize=8, color=OUTCOME_COLOURS.get(outcome, "#333333"))
     ax.set_yticks(range(len(segs)))
-    ax.set_yticklabels([f"{i + 1}: {s['job_id']}" for i, s in reversed(list(enumerate(segs)))], fontsize=8)
+    ax.set_yticklabels([f"{s['number']}: {s['job_id']}" for s in reversed(segs)], fontsize=8)
     ax.set_xlim(0, (t1 - t0) / unit * 1.35 + 1e-9)
     ax.set_ylim(-0.7, max(1, len(segs)) - 0.3)
     ax.set_xlabel(f"time since the first segment started ({uname}); gaps between bars: queue wait")
@@ -369,7 +369,7 @@ def write_figures(data: dict[str, Any], out: Path) -> dict[str, Path]:
 
     # (d) where the time went: each segment and the chain, as shares of wall time
     fig, ax = plt.subplots(figsize=(9, 1.4 + 0.4 * (len(segs) + 1)))
-    rows = [(f"{i + 1}: {s['job_id']}", s["parts"], s["wall"]) for i, s in enumerate(segs)]
+    rows = [(f"{s['number']}: {s['job_id']}", s["parts"], s["wall"]) for s in segs]
     rows.append(("chain", data["chain"]["totals"], data["chain"]["wall"]))
     for y, (_label, parts, wall) in enumerate(reversed(rows)):
         left = 0.0
@@ -472,7 +472,7 @@ def _timeline_html(data: dict[str, Any]) -> str:
     t1 = max(float(s["end"] or data["generated"]) for s in segs)
     span = max(t1 - t0, 1e-9)
     rows = []
-    for i, s in enumerate(segs):
+    for s in segs:
         outcome = outcome_of(s)
         pieces = []
         for name, b, e in segment_spans(s):
@@ -482,7 +482,7 @@ def _timeline_html(data: dict[str, Any]) -> str:
         rows.append(
             f'<div class="timeline-bar outcome-{_e(outcome)}" data-job="{_e(s["job_id"])}" '
             f'style="border-color:{OUTCOME_COLOURS.get(outcome, "#999999")}">'
-            f'<span class="seg-name">{i + 1}: {_e(s["job_id"])}</span>'
+            f'<span class="seg-name">{_e(s["number"])}: {_e(s["job_id"])}</span>'
             f'<span class="track">{"".join(pieces)}</span>'
             f'<span class="seg-label" style="color:{OUTCOME_COLOURS.get(outcome, "#333333")}">'
             f'{_e(segment_label(s))}</span></div>')
@@ -554,11 +554,11 @@ def _goodput_table(data: dict[str, Any]) -> str:
                        f'<small>{share}</small></td>')
         return "".join(out)
 
-    for i, s in enumerate(c["segments"]):
+    for s in c["segments"]:
         wall = s["wall"]
         g = s["parts"].get("productive", 0.0) / wall if wall > 0 else None
         rows.append(f'<tr class="goodput-row" data-job="{_e(s["job_id"])}" data-wall="{wall:.6f}">'
-                    f"<td>{i + 1}</td><td>{_e(s['job_id'])}</td><td>{_e(segment_label(s))}</td>"
+                    f"<td>{_e(s.get('number'))}</td><td>{_e(s['job_id'])}</td><td>{_e(segment_label(s))}</td>"
                     f'<td class="num">{_e(duration(s["wait"]))}</td>{cells(s["parts"], wall)}'
                     f'<td class="num">{wall:.1f} s</td><td class="num">{_e(f"{100 * g:.1f}%" if g is not None else None)}'
                     "</td></tr>")
@@ -574,10 +574,10 @@ def _goodput_table(data: dict[str, Any]) -> str:
 
 def _mfu_table(data: dict[str, Any]) -> str:
     rows = []
-    for i, s in enumerate(data["chain"]["segments"]):
+    for s in data["chain"]["segments"]:
         tf = s.get("tflops_per_gpu")
         rows.append("<tr>" + "".join(f"<td>{v}</td>" for v in (
-            i + 1, _e(s["job_id"]), _e(s.get("gpu") or "CPU / unknown"), _e(s.get("world")),
+            _e(s.get("number")), _e(s["job_id"]), _e(s.get("gpu") or "CPU / unknown"), _e(s.get("world")),
             _e(f"{s['tokens_per_s']:.0f}" if _num(s.get("tokens_per_s")) else None),
             _e(f"{tf:.4g}" if _num(tf) else None), _e(s.get("peak_tflops")),
             _e(f"{100 * s['mfu']:.1f}%" if _num(s.get("mfu")) else None))) + "</tr>")

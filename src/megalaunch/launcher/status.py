@@ -8,10 +8,10 @@ from typing import Any
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.launcher.backend import Live, unfinished
 from megalaunch.launcher.backends import backend_for
-from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request
-from megalaunch.rundir.state import read_outcome, read_progress
+from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
 from megalaunch.rundir.triggers import TriggerBox
 
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
@@ -54,12 +54,14 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
     rows = []
-    for i, s in enumerate(segments, 1):
+    numbers = segment_numbers(segments)  # the numbers `logs --segment` and `report` use
+    for s in segments:
         state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error)
-        rows.append({"segment": i, "job_id": s.job_id, "state": state, "reason": reason,
+        rows.append({"segment": numbers[s.job_id], "job_id": s.job_id, "state": state, "reason": reason,
                      "start_iteration": s.start_iteration,
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}
+    checkpoint = paths.read_tracker()
     stopped = ledger.stopped()
     guard = ledger.last("guard")
     active = [r for r in rows if r["state"] in LIVE_STATES]
@@ -71,15 +73,21 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         chain_state = "stopped"
     else:
         chain_state = "idle"
-    efficiency = _efficiency(paths, recipe, progress)
+    from megalaunch.rundir.files import read_jsonl
+
+    metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
+    efficiency = _efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics)
+    rate = tokens_per_s(metrics, running=chain_state == "running")
     return {
         **efficiency,
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
         "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
         "stop_fix": stopped.get("fix") if stopped else None,
-        "iteration": progress.get("iteration"), "target": recipe.training.train_iters,
-        "last_checkpoint": paths.read_tracker(), "tokens_per_s": progress.get("tokens_per_s"),
+        "iteration": shown_iteration(progress, checkpoint), "target": recipe.training.train_iters,
+        "last_checkpoint": checkpoint,
+        "tokens_per_s": rate if rate is not None else progress.get("tokens_per_s"),
+        "tokens_per_s_over": "recent" if chain_state == "running" else "run",
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": TriggerBox(paths).pending(),
         "consumed_triggers": len(TriggerBox(paths).consumed()),
@@ -108,7 +116,8 @@ def format_run_status(st: dict[str, Any]) -> str:
     it = st["iteration"]
     lines.append(f"  iteration: {it if it is not None else '-'} / {st['target']}   last checkpoint: "
                  f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"
-                 + (f"   tokens/s: {st['tokens_per_s']:.0f}" if st["tokens_per_s"] else "")
+                 + (f"   tokens/s: {st['tokens_per_s']:.0f}" + (" (run average)" if st.get("tokens_per_s_over") == "run"
+                                                             else "") if st["tokens_per_s"] else "")
                  + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
     if st.get("goodput") is not None:
         mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
@@ -178,12 +187,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60} min {seconds % 60} s"
 
 
-def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[str, Any]:
+def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | None:
+    """Training tokens/s from state/metrics.jsonl: while the chain runs, over the newest segment's last
+    (up to) 20 log intervals; otherwise the average over every logged interval of the run. Each line's
+    rate leaves its interval's saves out; intervals are weighted by their samples (tokens over time,
+    not a mean of rates). None before two log intervals of one segment."""
+    previous: dict[Any, int] = {}
+    intervals: list[tuple[Any, int, float]] = []  # (job, samples, tokens/s)
+    for r in metrics:
+        job, samples, rate = r.get("job_id"), r.get("consumed_samples"), r.get("tokens_per_s")
+        before = previous.get(job)
+        if isinstance(samples, int):
+            previous[job] = samples
+        if (isinstance(before, int) and isinstance(samples, int) and samples > before
+                and isinstance(rate, (int, float)) and rate > 0):
+            intervals.append((job, samples - before, float(rate)))
+    if running and intervals:
+        intervals = [i for i in intervals if i[0] == intervals[-1][0]][-20:]
+    if not intervals:
+        return None
+    return sum(n for _, n, _ in intervals) / sum(n / rate for _, n, rate in intervals)
+
+
+def _efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
     from megalaunch.launcher.goodput import STARTUP, chain_goodput, mfu
-    from megalaunch.rundir.files import read_jsonl
 
-    metrics = read_jsonl(paths.metrics)  # once, for the goodput and the pace
     try:
         chain = chain_goodput(paths, time.time(), metrics)
     except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
@@ -195,7 +224,6 @@ def _efficiency(paths: RunPaths, recipe: Any, progress: dict[str, Any]) -> dict[
     latest = chain["segments"][-1]
     rate = _iterations_per_s(metrics)
     left = None
-    it = progress.get("iteration")
     if rate and it is not None:
         left = max(0, recipe.training.train_iters - int(it)) / rate
     return {"goodput": chain["goodput"], "wall_h": wall / 3600.0,
@@ -248,7 +276,7 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
             state = "stopped" if stopped else "idle"
         progress = read_progress(paths) or {}
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
-                    "jobs": jobs, "iteration": progress.get("iteration"),
+                    "jobs": jobs, "iteration": shown_iteration(progress, paths.read_tracker()),
                     "target": recipe.training.train_iters, "stop_reason": stopped.get("reason") if stopped else None,
                     "owner": _owner(paths), "slurm_error": error})
     return out

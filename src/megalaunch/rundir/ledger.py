@@ -66,7 +66,8 @@ class Ledger:
         return events
 
     def segments(self, events: list[dict[str, Any]] | None = None) -> list[Segment]:
-        """Segments in submission order."""
+        """Segments in submission order: segment N (the number `status`, `logs --segment` and `report`
+        show) is `segments()[N - 1]`; see `segment_numbers`."""
         events = self.events() if events is None else events
         by_id: dict[str, Segment] = {}
         for e in events:
@@ -113,6 +114,24 @@ class Ledger:
             if e["event"] == event:
                 return e
         return None
+
+
+def segment_numbers(segments: list[Segment]) -> dict[str, int]:
+    """Job id -> segment number: the one numbering of a run's segments, 1 = the first job ever
+    submitted, counting every job in submission order across resumes (queued, cancelled and skipped
+    ones too, so a number never changes once shown)."""
+    return {s.job_id: n for n, s in enumerate(segments, 1)}
+
+
+def number_ranges(numbers: list[int]) -> str:
+    """`[1, 2, 3, 5]` -> "1..3, 5": how a list of segment numbers is shown in messages."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
 def _user() -> str:

@@ -30,6 +30,27 @@ def read_progress(paths: RunPaths) -> dict[str, Any] | None:
     return read_json(paths.progress)
 
 
+def progress_at_save(paths: RunPaths, iteration: int) -> None:
+    """After a checkpoint at `iteration`: move the progress file up to it when it lags (it is written
+    every log interval; a save on a signal or trigger falls between two), keeping the last measured
+    loss and rates, so progress is never behind the checkpoint."""
+    current = read_progress(paths) or {}
+    if isinstance(current.get("iteration"), int) and current["iteration"] >= iteration:
+        return
+    kept = {k: v for k, v in current.items() if k not in ("iteration", "time", "job_id")}
+    write_progress(paths, **{**kept, "iteration": iteration, "consumed_samples": None})
+
+
+def shown_iteration(progress: dict[str, Any] | None, checkpoint: int | None) -> int | None:
+    """The iteration `status` shows next to the last checkpoint: the progress file's, but never less
+    than the checkpoint's (a checkpoint proves at least its iteration; the file may be an older
+    segment's, or a trainer's that reports only every log interval)."""
+    it = (progress or {}).get("iteration")
+    if checkpoint is None or (isinstance(it, int) and it >= checkpoint):
+        return it
+    return checkpoint
+
+
 def write_outcome(paths: RunPaths, status: str, *, iteration: int | None = None,
                   reason: str | None = None, kind: str | None = None, **extra: Any) -> None:
     """The trainer's verdict at exit. `config_error` (also `kind="config"`): no retry can fix it."""

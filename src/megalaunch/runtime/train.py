@@ -29,7 +29,7 @@ from typing import Any
 
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
+from megalaunch.rundir.state import current_job_id, progress_at_save, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime import resume
 from megalaunch.runtime.dist_env import export_rank_env
@@ -147,6 +147,7 @@ class Session:
             self.watchdog.beat(f"save at iteration {iteration} done")
         if self.rank == 0:
             self.log(f"checkpoint at iteration {iteration}: {elapsed:.2f} s blocking")
+            progress_at_save(self.paths, iteration)  # status never shows progress behind the checkpoint
             deleted = resume.prune(self.paths, keep_last=self.settings.keep_last,
                                    milestone_interval=self.settings.milestone_interval,
                                    protect={self.resumed_from} if self.resumed_from else set(), job_id=self.job_id)
@@ -246,6 +247,8 @@ class Session:
             args = get_args()  # the rendered nsys window counts from the iteration resumed from
             args.profile_step_start += iteration
             args.profile_step_end += iteration
+        if self.rank == 0:  # a fresh start for status: not the last segment's (maybe later) iteration
+            write_progress(self.paths, iteration=iteration, consumed_samples=consumed_samples)
         if iteration > 0:
             self.log(f"resumed at iteration {iteration} with {consumed_samples} consumed samples")
             self.ledger("resumed", iteration=iteration, consumed_samples=consumed_samples)
@@ -311,10 +314,11 @@ class Session:
             out.update({f"chain/{k}_s": v for k, v in (chain.get("totals_s") or {}).items()})
         return out
 
-    def _segment_index(self) -> int:
-        from megalaunch.rundir.files import read_jsonl
+    def _segment_index(self) -> int | None:
+        """This segment's number as `status`, `logs --segment` and `report` show it."""
+        from megalaunch.rundir.ledger import Ledger, segment_numbers
 
-        return sum(1 for e in read_jsonl(self.paths.ledger) if e.get("event") == "started")
+        return segment_numbers(Ledger(self.paths).segments()).get(str(self.job_id))
 
     def maybe_hang(self) -> None:
         """Test hook: stop making progress inside iteration MEGALAUNCH_TEST_HANG."""

@@ -20,6 +20,8 @@ from datatrove.utils.batching import batched
 from megalaunch.tokenization.encoder import load_encoder
 
 PROGRESS_INTERVAL_S = float(os.environ.get("MEGALAUNCH_TOKENIZE_PROGRESS_S", "5"))
+# `recent` in a progress file: the last samples of (time, tokens), about a minute at 5 s, for `status`'s rate
+RECENT_SAMPLES = 13
 # Tests only: seconds to sleep after each batch, so a job can be killed halfway on purpose.
 _BATCH_DELAY_S = float(os.environ.get("MEGALAUNCH_TOKENIZE_BATCH_DELAY_S", "0"))
 
@@ -120,6 +122,7 @@ class _Progress:
         self.last = 0.0
         self.documents = 0
         self.tokens = 0
+        self.recent: list[tuple[float, int]] = []
         if self.path:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._write(done=False)
@@ -140,7 +143,9 @@ class _Progress:
         from megalaunch.rundir.files import atomic_write_json
 
         assert self.path is not None
+        now = time.time()
+        self.recent = [*self.recent, (now, self.tokens)][-RECENT_SAMPLES:]
         atomic_write_json(self.path, {"documents": self.documents, "tokens": self.tokens, "done": done,
-                                      "started": self.started, "updated": time.time(), "pid": os.getpid(),
-                                      "host": os.uname().nodename})
+                                      "started": self.started, "updated": now, "pid": os.getpid(),
+                                      "host": os.uname().nodename, "recent": self.recent})
 

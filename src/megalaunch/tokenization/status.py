@@ -23,9 +23,11 @@ class DumpStatus:
     tasks: int
     documents: int
     tokens: int
-    tokens_per_s: float
+    tokens_per_s: float | None  # running: over the last minute; done: the dump's average; stalled: None
     job: str = ""
     detail: str = ""
+    started: float | None = None  # the first task's start (time.time())
+    finished: float | None = None  # done: when its summary was written
 
 
 def _array_tasks(job_id: str, slurm: Any) -> dict[int, str]:
@@ -69,27 +71,36 @@ def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus
         done_tasks = sum(run.completion(dump.index, t).exists() for t in range(n_tasks))
         summary = read_json(run.summary(dump.index))
         job = f"{last['job_id']}_{dump.index}" if last and last.get("job_id") else ""
+        progs = [p for t in range(n_tasks) if (p := read_json(run.progress(dump.index, t)))]
+        started = min((p["started"] for p in progs), default=None)
         if summary:
+            finished = summary.get("finished")
+            average = (summary["tokens"] / (finished - started)
+                       if started is not None and finished is not None and finished > started else None)
             out.append(DumpStatus(dump.index, "done", n_tasks, n_tasks, summary["documents"], summary["tokens"],
-                                  0.0, job))
+                                  average, job, started=started, finished=finished))
             continue
-        documents = tokens = 0
-        rate = 0.0
-        newest = 0.0
-        for t in range(n_tasks):
-            prog = read_json(run.progress(dump.index, t))
-            if not prog:
-                continue
-            documents += prog["documents"]
-            tokens += prog["tokens"]
-            newest = max(newest, prog["updated"])
-            if not prog["done"] and prog["updated"] > prog["started"]:
-                rate += prog["tokens"] / (prog["updated"] - prog["started"])
+        documents = sum(p["documents"] for p in progs)
+        tokens = sum(p["tokens"] for p in progs)
+        newest = max((p["updated"] for p in progs), default=0.0)
+        rate: float | None = sum(recent_rate(p) for p in progs if not p["done"])
         state, detail = _state(dump.index, active, local_running, last, submitted, slurm, job)
         if state == "running" and newest and now - newest > STALE_S:
-            detail = f"no progress for {now - newest:.0f} s"
-        out.append(DumpStatus(dump.index, state, done_tasks, n_tasks, documents, tokens, rate, job, detail))
+            detail, rate = f"no progress for {now - newest:.0f} s", None
+        out.append(DumpStatus(dump.index, state, done_tasks, n_tasks, documents, tokens, rate, job, detail,
+                              started=started))
     return out
+
+
+def recent_rate(progress: dict[str, Any]) -> float:
+    """A running task's tokens/s over its recent samples (about the last minute), not since it started;
+    a progress file without samples (an older writer): since it started."""
+    recent = progress.get("recent") or []
+    if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
+        return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+    if progress["updated"] > progress["started"]:
+        return progress["tokens"] / (progress["updated"] - progress["started"])
+    return 0.0
 
 
 def _state(index: int, active: dict[int, str], local_running: bool, last: dict[str, Any] | None,
@@ -109,7 +120,20 @@ def _state(index: int, active: dict[int, str], local_running: bool, last: dict[s
 
 
 def totals(statuses: list[DumpStatus]) -> dict[str, Any]:
+    """Sums, and one rate: while dumps run, theirs over the last minute (`rate_over` "recent"; None when
+    every running dump is stalled); once none runs, the average over the run so far: the finished
+    dumps' tokens over the time from the first start to the last finish (`rate_over` "run")."""
+    running = [s for s in statuses if s.state == "running"]
+    rate: float | None
+    if running:
+        rates = [s.tokens_per_s for s in running if s.tokens_per_s is not None]
+        rate, over = (sum(rates) if rates else None), "recent"
+    else:
+        spans = [(s.started, s.finished, s.tokens) for s in statuses
+                 if s.state == "done" and s.started is not None and s.finished is not None]
+        span = (max(f for _, f, _ in spans) - min(b for b, _, _ in spans)) if spans else 0.0
+        rate, over = (sum(n for _, _, n in spans) / span if span > 0 else None), "run"
     return {"dumps": len(statuses), "done": sum(s.state == "done" for s in statuses),
             "tasks": sum(s.tasks for s in statuses), "tasks_done": sum(s.tasks_done for s in statuses),
             "documents": sum(s.documents for s in statuses), "tokens": sum(s.tokens for s in statuses),
-            "tokens_per_s": sum(s.tokens_per_s for s in statuses)}
+            "tokens_per_s": rate, "rate_over": over}
