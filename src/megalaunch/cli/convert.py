@@ -79,9 +79,9 @@ def _recipe_vocab(recipe: Recipe | None) -> int | None:
     if data.tokenizer_type == "NullTokenizer":
         return data.vocab_size
     if data.tokenizer_model and Path(os.path.expanduser(data.tokenizer_model)).exists():
-        from transformers import AutoTokenizer
+        from megalaunch.config.tokenizer import resolve_tokenizer
 
-        return len(AutoTokenizer.from_pretrained(str(Path(os.path.expanduser(data.tokenizer_model)))))
+        return resolve_tokenizer(data.tokenizer_model).vocab_size
     return None
 
 
