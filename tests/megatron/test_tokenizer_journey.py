@@ -67,6 +67,6 @@ def test_hf_template_may_be_a_tokenizer_directory(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConversionError, match="no config.json and no tokenizer files") as e:
+    with pytest.raises(ConversionError, match=r"no config\.json and no tokenizer files") as e:
         mcore_to_hf(paths.root, tmp_path / "hf2", hf_template=tmp_path / "empty", progress=False)
     assert "\n" not in str(e.value)

@@ -175,7 +175,9 @@ def mcore_to_hf(
     out: OutOpt,
     iteration: IterOpt = None,
     hf_template: Annotated[Path | None, typer.Option("--hf-template", help="A Hugging Face directory whose "
-                                                                          "config and tokenizer to use.")] = None,
+                                                                          "config and tokenizer to use (a "
+                                                                          "tokenizer directory: tokenizer "
+                                                                          "only).")] = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 (when no Hugging Face "
