@@ -92,6 +92,19 @@ def test_a_broken_or_absent_tokenizer_is_refused(tmp_path: Path) -> None:
         resolve_tokenizer("meta-llama/Llama-3.1-8B")
 
 
+def test_preflight_loads_the_tokenizer_with_tokenizers(tmp_path: Path, tokenizer_file: Path) -> None:
+    """JSON that names an eos but that the tokenizers library cannot load is refused by submit."""
+    tok = json.loads(tokenizer_file.read_text())
+    tok["model"]["type"] = "NoSuchModel"
+    bad = tmp_path / "bad" / "tokenizer.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps(tok))
+    assert resolve_tokenizer(bad).tokens["eos"] == "<|endoftext|>"  # the JSON alone looks fine
+    proc = cli("submit", "tiny", "--set", HF, "--set", f"data.tokenizer_model={bad}", "--dry-run")
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "data.tokenizer_model" in proc.stderr and "does not load with tokenizers" in proc.stderr
+
+
 @pytest.mark.parametrize("kind", ["file", "dir"])
 def test_the_run_freezes_a_tokenizer_directory_and_records_it(kind: str, tmp_path: Path, tokenizer_file: Path,
                                                               only_json_dir: Path) -> None:
