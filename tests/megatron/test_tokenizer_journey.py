@@ -51,6 +51,12 @@ def test_train_with_a_tokenizer_json_and_convert_with_its_tokenizer(kind: str, t
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(generated[0]), str)
 
+    # a --hf-template with only a config.json: its config, the run's tokenizer
+    (tmp_path / "cfg-only").mkdir()
+    shutil.copy(out / "config.json", tmp_path / "cfg-only" / "config.json")
+    mcore_to_hf(paths.root, tmp_path / "hf-tpl", hf_template=tmp_path / "cfg-only", progress=False)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf-tpl").eos_token_id == eos
+
 
 def test_hf_template_may_be_a_tokenizer_directory(tmp_path: Path) -> None:
     """The null-tokenizer run has no tokenizer of its own: a tokenizer-only --hf-template gives it one;

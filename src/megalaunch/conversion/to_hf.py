@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
-from megalaunch.config.tokenizer import TokenizerSpec, resolve_tokenizer
+from megalaunch.config.tokenizer import TOKENIZER_FILES, TokenizerSpec, resolve_tokenizer
 from megalaunch.conversion import families, mcore_io, safetensors_io, transforms
 from megalaunch.conversion.converter import (
     ASSET_FILES,
@@ -107,16 +107,17 @@ def _hf_source(ref: mcore_io.CheckpointRef, common: dict[str, Any], *, hf_templa
     args = common.get("args")
     notes: list[str] = []
     tokenizer: TokenizerSpec | None = None
-    if hf_template is not None:
-        if (Path(hf_template) / "config.json").is_file():
-            cfg = _read_json(Path(hf_template) / "config.json")
-            return _Source(cfg, Path(hf_template), ())
-        tokenizer = _template_tokenizer(Path(hf_template))
-    else:
+    template = Path(hf_template) if hf_template is not None else None
+    has_tokenizer = template is not None and any((template / n).is_file() for n in TOKENIZER_FILES)
+    if template is not None and not (template / "config.json").is_file():
+        tokenizer = _template_tokenizer(template)
+    elif not has_tokenizer:
         try:
             tokenizer = run_tokenizer(ref.path, args)
         except PreflightError as e:
             notes.append(f"the run's tokenizer is not copied: {e}")
+    if template is not None and (template / "config.json").is_file():
+        return _Source(_read_json(template / "config.json"), template, tuple(notes), tokenizer)
     root_assets = ref.path.parent / ASSETS_DIR
     if stored.get("hf_config"):
         return _Source(dict(stored["hf_config"]), root_assets if root_assets.is_dir() else None, tuple(notes),
