@@ -80,9 +80,9 @@ def _recipe_vocab(recipe: Recipe | None) -> int | None:
     if data.tokenizer_type == "NullTokenizer":
         return data.vocab_size
     if data.tokenizer_model and Path(os.path.expanduser(data.tokenizer_model)).exists():
-        from transformers import AutoTokenizer
+        from megalaunch.config.tokenizer import resolve_tokenizer
 
-        return len(AutoTokenizer.from_pretrained(str(Path(os.path.expanduser(data.tokenizer_model)))))
+        return resolve_tokenizer(data.tokenizer_model).vocab_size
     return None
 
 
@@ -197,7 +197,9 @@ def mcore_to_hf(
     out: OutOpt,
     iteration: IterOpt = None,
     hf_template: Annotated[Path | None, typer.Option("--hf-template", help="A Hugging Face directory whose "
-                                                                          "config and tokenizer to use.")] = None,
+                                                                          "config and tokenizer to use (a "
+                                                                          "tokenizer directory: tokenizer "
+                                                                          "only).")] = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 (when no Hugging Face "

@@ -95,8 +95,10 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     else:
         out += ["--data-args-path", str(paths.data_blend)]
     out += ["--split", d.split, "--tokenizer-type", d.tokenizer_type, "--num-workers", str(d.num_workers)]
-    _emit(out, "tokenizer_model", d.tokenizer_model)
-    _emit(out, "vocab_size", d.vocab_size)
+    if d.tokenizer_type == "HuggingFaceTokenizer":  # the run's frozen copy, loadable by AutoTokenizer
+        _emit(out, "tokenizer_model", str(paths.tokenizer))
+    else:  # the vocabulary size only means something to the NullTokenizer (a HF tokenizer has its own)
+        _emit(out, "vocab_size", d.vocab_size)
 
     out += ["--exit-signal-handler", "--exit-signal", recipe.chain.stop_signal]
     if recipe.logging.tensorboard:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.config.schema import Recipe
+from megalaunch.config.tokenizer import TokenizerSpec, check_loads, resolve_tokenizer
 from megalaunch.config.typed import to_plain
 from megalaunch.errors import PreflightError
 
@@ -282,12 +283,18 @@ def check_no_secrets(recipe: Recipe) -> None:
                                      "cluster.secret_env; export it in the shell you submit from")
 
 
-def check_files(recipe: Recipe) -> None:
+def recipe_tokenizer(recipe: Recipe) -> TokenizerSpec | None:
+    """The recipe's Hugging Face tokenizer, resolved (special tokens, ids) and loaded the way the
+    job will load it; None for the NullTokenizer. One-line PreflightError for what Megatron refuses."""
     d = recipe.data
-    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
-        _require(Path(os.path.expanduser(d.tokenizer_model)).exists(), "data.tokenizer_model",
-                 f"{d.tokenizer_model} does not exist (model hubs are not reachable from compute nodes)",
-                 "a local tokenizer directory or tokenizer.json", "point it at a local copy")
+    if d.tokenizer_type != "HuggingFaceTokenizer" or not d.tokenizer_model:
+        return None
+    spec = resolve_tokenizer(d.tokenizer_model, field_name="data.tokenizer_model")
+    check_loads(spec, field_name="data.tokenizer_model")
+    return spec
+
+
+def check_files(recipe: Recipe) -> None:
     if recipe.checkpoint.load:
         _require(Path(os.path.expanduser(recipe.checkpoint.load)).is_dir(), "checkpoint.load",
                  f"{recipe.checkpoint.load} is not a directory", "a Megatron checkpoint directory",
@@ -305,31 +312,17 @@ def resolve_data_blend(recipe: Recipe) -> Any | None:
     return blend
 
 
-def tokenizer_vocab_size(recipe: Recipe) -> int | None:
-    """The tokenizer's vocabulary size, read cheaply (tokenizer.json is plain JSON)."""
-    d = recipe.data
-    if d.tokenizer_type == "NullTokenizer":
-        return d.vocab_size
-    if not d.tokenizer_model:
-        return None
-    path = Path(os.path.expanduser(d.tokenizer_model))  # ~unknown stays as written
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    try:
-        import json
-
-        tok = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    vocab = tok.get("model", {}).get("vocab", {})
-    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
-    ids.update(t["id"] for t in tok.get("added_tokens", []) if isinstance(t, dict) and "id" in t)
-    return max(ids) + 1 if ids else None
+def tokenizer_vocab_size(recipe: Recipe, spec: TokenizerSpec | None = None) -> int | None:
+    """The tokenizer's vocabulary size (tokenizer.json is plain JSON: no library needed)."""
+    if recipe.data.tokenizer_type == "NullTokenizer":
+        return recipe.data.vocab_size
+    spec = spec or recipe_tokenizer(recipe)
+    return spec.vocab_size if spec is not None else None
 
 
-def check_blend_dtypes(recipe: Recipe, blend: Any) -> None:
+def check_blend_dtypes(recipe: Recipe, blend: Any, spec: TokenizerSpec | None = None) -> None:
     """A uint16 dataset cannot hold the ids of a tokenizer with more than 65,536 entries."""
-    vocab = tokenizer_vocab_size(recipe)
+    vocab = tokenizer_vocab_size(recipe, spec)
     if blend is None or vocab is None:
         return
     from megalaunch.data.index import read_index_header
@@ -352,6 +345,7 @@ def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     topo = topology(recipe)
     check_model_parallel(recipe, topo)
     check_files(recipe)
+    spec = recipe_tokenizer(recipe)
     blend = resolve_data_blend(recipe)
-    check_blend_dtypes(recipe, blend)
+    check_blend_dtypes(recipe, blend, spec)
     return topo, blend

@@ -135,9 +135,9 @@ class DataConfig:
     blend: list[BlendEntry] = doc("dataset prefixes or directories with optional weights", [])
     split: str = doc("train/valid/test split", "100,0,0")
     tokenizer_type: Literal["NullTokenizer", "HuggingFaceTokenizer"] = doc("tokenizer kind", "NullTokenizer")
-    tokenizer_model: str | None = doc("local tokenizer directory or tokenizer.json (HuggingFaceTokenizer)", None,
-                                       path="path")
-    vocab_size: int | None = doc("vocabulary size (NullTokenizer)", None)
+    tokenizer_model: str | None = doc("local tokenizer.json or Hugging Face tokenizer directory "
+                                      "(HuggingFaceTokenizer; frozen into RUN/tokenizer/)", None, path="path")
+    vocab_size: int | None = doc("vocabulary size (NullTokenizer; a Hugging Face tokenizer brings its own)", None)
     num_workers: int = doc("data-loader workers per rank", 2)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
+from megalaunch.config.tokenizer import TOKENIZER_FILES, TokenizerSpec, resolve_tokenizer
 from megalaunch.conversion import families, mcore_io, safetensors_io, transforms
 from megalaunch.conversion.converter import (
     ASSET_FILES,
@@ -30,6 +31,7 @@ from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
 from megalaunch.conversion.progress import Progress
 from megalaunch.conversion.tables import TABLES, Item, items
+from megalaunch.errors import PreflightError
 
 if TYPE_CHECKING:
     import torch
@@ -55,16 +57,24 @@ def model_from_megatron_args(args: Any) -> ModelConfig:
     )
 
 
-def _tokenizer_vocab(args: Any) -> int | None:
-    """Megatron's tokenizer size: NullTokenizer's --vocab-size, or a Hugging Face tokenizer's length."""
+def run_tokenizer(ckpt: Path, args: Any) -> TokenizerSpec | None:
+    """The tokenizer a checkpoint was trained with: its run's frozen RUN/tokenizer/ (ckpt is
+    RUN/checkpoints/iter_N), else the checkpoint's --tokenizer-model; None for the NullTokenizer or
+    when neither exists any more."""
+    candidates = [ckpt.parent.parent / "tokenizer"]
+    if getattr(args, "tokenizer_type", None) == "HuggingFaceTokenizer" and getattr(args, "tokenizer_model", None):
+        candidates.append(Path(args.tokenizer_model))
+    for path in candidates:
+        if path.exists():
+            return resolve_tokenizer(path, field_name="--hf-template")
+    return None
+
+
+def _tokenizer_vocab(args: Any, tokenizer: TokenizerSpec | None) -> int | None:
+    """Megatron's tokenizer size: NullTokenizer's --vocab-size, or the Hugging Face tokenizer's entries."""
     if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
         return int(args.vocab_size)
-    path = getattr(args, "tokenizer_model", None)
-    if getattr(args, "tokenizer_type", None) == "HuggingFaceTokenizer" and path and Path(path).exists():
-        from transformers import AutoTokenizer
-
-        return len(AutoTokenizer.from_pretrained(path))
-    return None
+    return tokenizer.vocab_size if tokenizer is not None else None
 
 
 @dataclass(frozen=True)
@@ -72,34 +82,59 @@ class _Source:
     hf_cfg: dict[str, Any]
     assets: Path | None
     notes: tuple[str, ...]
+    tokenizer: TokenizerSpec | None = None
+    """Tokenizer files written into the output (over `assets`), special-token ids into config.json."""
+    generated: bool = False
+    """hf_cfg was written from the model (it names no special tokens of its own)."""
+
+
+def _template_tokenizer(template: Path) -> TokenizerSpec:
+    """A --hf-template without config.json: a tokenizer directory, used for the tokenizer only."""
+    if not any((template / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConversionError(f"--hf-template {template} has no config.json and no tokenizer files",
+                              valid="a Hugging Face model directory (config.json) or a tokenizer directory "
+                                    "(tokenizer.json)", fix="point --hf-template at one, or leave it out")
+    return resolve_tokenizer(template, field_name="--hf-template")
 
 
 def _hf_source(ref: mcore_io.CheckpointRef, common: dict[str, Any], *, hf_template: Path | None,
                family: str | None, model: ModelConfig | None, vocab_size: int | None,
                padded_rows: int, dtype: torch.dtype) -> _Source:
     """Which Hugging Face config describes this checkpoint: --hf-template, else the one hf-to-mcore
-    stored in the checkpoint, else one written from the model (recipe or the checkpoint's args)."""
+    stored in the checkpoint, else one written from the model (recipe or the checkpoint's args).
+    The tokenizer: a tokenizer-only --hf-template, else the run's own (run_tokenizer)."""
     stored = common.get(CONVERSION_KEY) or {}
     args = common.get("args")
     notes: list[str] = []
-    if hf_template is not None:
-        cfg = _read_json(Path(hf_template) / "config.json")
-        return _Source(cfg, Path(hf_template), ())
+    tokenizer: TokenizerSpec | None = None
+    template = Path(hf_template) if hf_template is not None else None
+    has_tokenizer = template is not None and any((template / n).is_file() for n in TOKENIZER_FILES)
+    if template is not None and not (template / "config.json").is_file():
+        tokenizer = _template_tokenizer(template)
+    elif not has_tokenizer:
+        try:
+            tokenizer = run_tokenizer(ref.path, args)
+        except PreflightError as e:
+            notes.append(f"the run's tokenizer is not copied: {e}")
+    if template is not None and (template / "config.json").is_file():
+        return _Source(_read_json(template / "config.json"), template, tuple(notes), tokenizer)
     root_assets = ref.path.parent / ASSETS_DIR
     if stored.get("hf_config"):
-        return _Source(dict(stored["hf_config"]), root_assets if root_assets.is_dir() else None, ())
+        return _Source(dict(stored["hf_config"]), root_assets if root_assets.is_dir() else None, tuple(notes),
+                       tokenizer)
     if model is None:
         if args is None:
             raise ConversionError(f"{ref.path} carries no model arguments",
                                   fix="pass --recipe (the model it was trained with) or --hf-template HF_DIR")
         model = model_from_megatron_args(args)
-    vocab = vocab_size or (_tokenizer_vocab(args) if args is not None else None)
+    vocab = vocab_size or (_tokenizer_vocab(args, tokenizer) if args is not None else None) \
+        or (tokenizer.vocab_size if tokenizer is not None else None)
     if vocab is None:
         vocab = padded_rows
         notes.append(f"vocabulary size unknown: kept all {padded_rows} rows (pass --vocab-size to strip padding)")
     fam = family or ("qwen2" if model.add_qkv_bias else "llama")
     cfg = families.hf_config_from_model(model, family=fam, vocab_size=vocab, dtype=str(dtype).removeprefix("torch."))
-    return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes))
+    return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes), tokenizer, generated=True)
 
 
 def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf_template: Path | None = None,
@@ -225,6 +260,10 @@ def _write_hf_metadata(out: Path, source: _Source, dtype: torch.dtype) -> None:
     cfg["dtype"] = name
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = name
+    if source.tokenizer is not None:  # a generated config names no tokens; a given one keeps its own
+        for key, value in source.tokenizer.hf_config_ids().items():
+            if source.generated or cfg.get(key) is None:
+                cfg[key] = value
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tmp.replace(out / "config.json")
@@ -232,3 +271,7 @@ def _write_hf_metadata(out: Path, source: _Source, dtype: torch.dtype) -> None:
         for n in ASSET_FILES:
             if (source.assets / n).is_file():
                 shutil.copy2(source.assets / n, out / n)
+    if source.tokenizer is not None:
+        for n, content in source.tokenizer.files().items():
+            (out / f"{n}.tmp").write_bytes(content)
+            (out / f"{n}.tmp").replace(out / n)

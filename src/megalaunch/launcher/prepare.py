@@ -18,8 +18,9 @@ from typing import Any
 from megalaunch import __version__
 from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
-from megalaunch.config.preflight import Topology, preflight, signal_lead_s
+from megalaunch.config.preflight import Topology, preflight, recipe_tokenizer, signal_lead_s
 from megalaunch.config.schema import Recipe
+from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.explain import yaml_with_origins
 from megalaunch.launcher.render import render
@@ -41,6 +42,7 @@ class PreparedRun:
     topology: Topology
     files: dict[str, str]  # relative path -> content
     blend_sha256: str | None
+    tokenizer: TokenizerSpec | None = None  # frozen into RUN/tokenizer/ (Megatron's --tokenizer-model)
 
     @property
     def recipe(self) -> Recipe:
@@ -141,7 +143,8 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
     if blend is not None:
         files["data_blend.txt"] = blend.text
     return PreparedRun(loaded=loaded, paths=paths, chain_name=chain_name, topology=topo, files=files,
-                       blend_sha256=blend.sha256 if blend is not None else None)
+                       blend_sha256=blend.sha256 if blend is not None else None,
+                       tokenizer=recipe_tokenizer(recipe))
 
 
 def _group_id(group: str | None) -> int | None:
@@ -209,6 +212,10 @@ def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
         (tmp / rel).write_text(content)
     if "job.sbatch" in prepared.files:
         os.chmod(t.job_script, 0o750)
+    if prepared.tokenizer is not None:
+        t.tokenizer.mkdir()
+        for name, data in prepared.tokenizer.files().items():
+            (t.tokenizer / name).write_bytes(data)
     snapshot = recipe.debug.code_snapshot
     if snapshot:
         _snapshot_code(Path(os.path.expanduser(snapshot)), t.code_snapshot)
@@ -222,6 +229,7 @@ def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
         "recipe_source": prepared.loaded.source,
         "recipe_sha256": hashlib.sha256(prepared.files["run.yaml"].encode()).hexdigest(),
         "data_blend_sha256": prepared.blend_sha256,
+        "tokenizer": prepared.tokenizer.record() if prepared.tokenizer is not None else None,
         "backend": recipe.cluster.backend,
         "code": code_revision(Path(os.path.expanduser(snapshot))) if snapshot
         else code_revision(Path(__file__).resolve().parent),
@@ -286,6 +294,8 @@ def dry_run_text(prepared: PreparedRun) -> str:
     import shlex
 
     lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}"]
+    if prepared.tokenizer is not None:
+        lines.append(f"{prepared.tokenizer.describe()} -> {prepared.paths.tokenizer}/")
     if "job.sbatch" in prepared.files:
         lines += ["----- job.sbatch -----", prepared.files["job.sbatch"].rstrip("\n")]
     lines += ["----- megatron.args -----",

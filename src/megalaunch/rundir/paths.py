@@ -40,6 +40,12 @@ class RunPaths:
         return self.root / "data_blend.txt"
 
     @property
+    def tokenizer(self) -> Path:
+        """The run's frozen Hugging Face tokenizer directory (config/tokenizer.py): Megatron's
+        --tokenizer-model and the tokenizer of a converted model."""
+        return self.root / "tokenizer"
+
+    @property
     def megatron_args(self) -> Path:
         return self.root / "megatron.args"
 
