@@ -298,9 +298,12 @@ def resolve_data_blend(recipe: Recipe) -> Any | None:
     """The frozen blend (or None for mock data); raises PreflightError for missing .bin/.idx."""
     if recipe.data.mock:
         return None
-    from megalaunch.data.blend import resolve_blend
+    from megalaunch.data.blend import load_blend_file, resolve_blend
 
-    blend = resolve_blend([(os.path.expanduser(e.path), e.weight) for e in recipe.data.blend])
+    if recipe.data.blend_file:
+        blend = load_blend_file(recipe.data.blend_file)
+    else:
+        blend = resolve_blend([(os.path.expanduser(e.path), e.weight) for e in recipe.data.blend])
     blend.check_files()
     return blend
 

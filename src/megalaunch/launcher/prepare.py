@@ -48,8 +48,20 @@ class PreparedRun:
 
 
 def chain_name_for(recipe: Recipe, root: Path) -> str:
-    salt = f"{root}/{recipe.name}/{time.time_ns()}/{os.getpid()}/{socket.gethostname()}"
-    return f"{recipe.name}-{hashlib.sha256(salt.encode()).hexdigest()[:8]}"
+    """`<name>-<8 hex>`, the same for `submit --dry-run` and the submit that follows it: the hash of the
+    run root, the name, the user and the first sequence number whose directory does not exist yet, so
+    every run under a root gets its own name (and so its own Slurm job name) without randomness."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    for n in range(10_000):
+        salt = f"{root}/{recipe.name}/{user}/{n}"
+        name = f"{recipe.name}-{hashlib.sha256(salt.encode()).hexdigest()[:8]}"
+        if not (root / name).exists() and not (root / f".{name}.partial").exists():
+            return name
+    raise RunDirError(f"{root} already holds 10,000 runs named {recipe.name}", field="name",
+                      fix="choose another --name or run.root")
 
 
 def run_root(recipe: Recipe) -> Path:
