@@ -136,3 +136,57 @@ def test_dry_run_announces_the_directory_the_submit_creates(tmp_path: Path) -> N
         names.append(created)
     assert names[0] != names[1]
     assert [str(p) for p in _runs(tmp_path / "runs")] == sorted(names)
+
+
+# --- a frozen blend stays frozen (issue 15, item 3) -----------------------------------------------------
+
+@pytest.fixture
+def frozen_run(tmp_path: Path, sources: tuple[Path, Path]) -> Path:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.data.blend import resolve_blend
+    from megalaunch.launcher.prepare import prepare_run, write_run
+
+    blend_file = tmp_path / "blend.txt"
+    resolve_blend([(str(p), None) for p in sources]).write(blend_file)
+    loaded = load_recipe("tiny", [f"run.root={tmp_path / 'runs'}", "data.mock=false",
+                                  f"data.blend_file={blend_file}"])
+    return write_run(prepare_run(loaded)).root
+
+
+@pytest.mark.parametrize("where", ["data_blend.txt", "blend2.txt", "checkpoints/x.txt", "new/dir/x.txt"])
+def test_data_blend_refuses_to_write_into_a_run_directory(frozen_run: Path, sources: tuple[Path, Path],
+                                                          where: str) -> None:
+    import os
+
+    frozen = frozen_run / "data_blend.txt"
+    before = (frozen.read_bytes(), os.stat(frozen).st_mode, sorted(p.name for p in frozen_run.iterdir()))
+    target = frozen_run / where
+    proc = cli("data", "blend", str(sources[0]), "--output", str(target))
+    _fails_in_one_line(proc, "--output", str(frozen_run), "frozen", f"megalaunch resume {frozen_run} --set")
+    assert (frozen.read_bytes(), os.stat(frozen).st_mode, sorted(p.name for p in frozen_run.iterdir())) == before
+    assert target == frozen or not target.exists()
+    mixed = cli("data", "mix", "--folders", *map(str, sources), "--weights", "1", "1", "--output",
+                str(frozen_run / "mix"))
+    _fails_in_one_line(mixed, "--output", "frozen")
+    assert not (frozen_run / "mix").exists()
+
+
+def test_data_blend_writes_outside_run_directories(tmp_path: Path, frozen_run: Path,
+                                                   sources: tuple[Path, Path]) -> None:
+    out = frozen_run.parent / "next-blend.txt"  # next to a run, not in it
+    proc = cli("data", "blend", str(sources[0]), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().startswith("4 ")
+
+
+@pytest.mark.parametrize("command", ["blend", "mix"])
+def test_data_blend_and_mix_help_look_like_every_other_command(command: str) -> None:
+    ours, reference = cli("data", command, "--help"), cli("submit", "--help")
+    assert ours.returncode == 0 == reference.returncode
+    import re
+
+    for marker in (r"Usage: ", r"╭─ Options ", r"--help +-h +Show this message and exit\."):
+        assert re.search(marker, reference.stdout)
+        assert re.search(marker, ours.stdout), ours.stdout
+    assert "--weights" in ours.stdout and "usage: data" not in ours.stdout  # not argparse's
+    assert cli("data", command, "-h").stdout == ours.stdout
