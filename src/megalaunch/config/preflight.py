@@ -345,9 +345,9 @@ def check_blend_dtypes(recipe: Recipe, blend: Any) -> None:
                                  fix=f"re-tokenize with this tokenizer, or check the dataset: megalaunch data check {prefix}")
 
 
-def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
+def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topology, Any | None]:
     """Every check, in the order a user would want to hear about them. Returns the topology and
-    the resolved data blend."""
+    the resolved data blend (`frozen_blend`, a run's own, when resuming on it: checked, not re-resolved)."""
     check_no_secrets(recipe)
     check_cluster(recipe)
     check_single_tokens(recipe)
@@ -355,6 +355,10 @@ def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     topo = topology(recipe)
     check_model_parallel(recipe, topo)
     check_files(recipe)
-    blend = resolve_data_blend(recipe)
+    if frozen_blend is not None:
+        frozen_blend.check_files()
+        blend = frozen_blend
+    else:
+        blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend)
     return topo, blend

@@ -130,10 +130,10 @@ def code_revision(path: Path) -> dict[str, Any]:
 
 
 def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created: str | None = None,
-                root: Path | None = None) -> PreparedRun:
-    """Preflight and render; touches no file."""
+                root: Path | None = None, frozen_blend: Any | None = None) -> PreparedRun:
+    """Preflight and render; touches no file. `frozen_blend`: a run's own blend (resume), not re-resolved."""
     recipe = loaded.recipe
-    topo, blend = preflight(recipe)
+    topo, blend = preflight(recipe, frozen_blend=frozen_blend)
     root = root or run_root(recipe)
     chain_name = chain_name or chain_name_for(recipe, root)
     paths = RunPaths(root / chain_name)
