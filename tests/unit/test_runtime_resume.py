@@ -199,7 +199,7 @@ def test_blend_check(paths: RunPaths) -> None:
     legacy_checkpoint(paths, 10)
     resume.check_blend(paths, allow_change=False, write=True, job_id="2")  # unchanged: fine
     paths.data_blend.write_text("0.5 /data/a\n0.5 /data/b\n")
-    with pytest.raises(resume.BlendChanged, match="allow_blend_change"):
+    with pytest.raises(resume.BlendChanged, match=r"without `megalaunch resume --set`.*megalaunch resume .* --set data.blend_file="):
         resume.check_blend(paths, allow_change=False, write=True, job_id="3")
     resume.check_blend(paths, allow_change=True, write=True, job_id="4")
     assert events(paths, "blend_changed")[0]["job_id"] == "4"

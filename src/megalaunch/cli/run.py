@@ -166,16 +166,44 @@ def resume(
     from_iteration: Annotated[int | None, typer.Option(
         "--from", metavar="ITER", help="Resume from this checkpoint instead of the newest; newer checkpoints are "
         "moved aside (kept as iter_N.abandoned-JOB) and recorded in the ledger.")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", metavar="KEY=VALUE", help="Change a setting of the run first (repeatable), e.g. "
+        "data.blend_file=FILE or training.train_iters=N: validated like submit, recorded (old and new value and "
+        "blend hash, who, when) in the ledger and manifest.json.")] = None,
 ) -> None:
-    """Restart a stopped chain from its last checkpoint (or from an older one with --from)."""
+    """Restart a stopped chain from its last checkpoint (or an older one with --from), optionally with
+    changed settings (--set). Checks like submit before anything is queued."""
     from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.resume_from import resume_chain
+    from megalaunch.launcher.resume_check import (
+        apply_change,
+        check_not_live,
+        check_resumable,
+        describe_change,
+        prepare_change,
+    )
+    from megalaunch.launcher.resume_from import check_resume_from, resume_chain
+    from megalaunch.rundir.access import require_writable
 
     paths = find_run(run)
     recipe = load_run_recipe(paths)
-    started = resume_chain(paths, backend_for(recipe.cluster.backend), say, from_iteration=from_iteration,
+    change = None
+    if set_:
+        require_writable(paths.root, paths.state)
+        change = prepare_change(paths, set_)
+        check_not_live(paths, backend_for(recipe.cluster.backend))
+        recipe = change.prepared.recipe
+    backend = backend_for(recipe.cluster.backend)
+    check_resumable(paths, recipe, from_iteration=from_iteration, change=change)
+    if change is not None:
+        if from_iteration is not None:  # every check before the first write
+            check_resume_from(paths, backend, from_iteration, recipe.training.train_iters)
+        apply_change(paths, change)
+        say("changed (recorded in the ledger and manifest.json):")
+        for line in describe_change(change):
+            say(line)
+    started = resume_chain(paths, backend, say, from_iteration=from_iteration,
                            train_iters=recipe.training.train_iters)
     if started.job_id is None:
         say(f"done: {started.outcome}")

@@ -354,6 +354,14 @@ def load_resolved(data: dict[str, Any]) -> Recipe:
     return build(Recipe, data)
 
 
+def read_run_tree(paths: RunPaths) -> dict[str, Any]:
+    """A run's run.yaml as plain data (`megalaunch resume --set` overrides it)."""
+    if not paths.run_yaml.is_file():
+        raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
+                          fix="pass the directory that `megalaunch submit` printed")
+    return _read_yaml(paths.run_yaml)
+
+
 def load_run_recipe(paths: RunPaths) -> Recipe:
     """The typed recipe of a run directory (its run.yaml)."""
     if not paths.run_yaml.is_file():

@@ -305,9 +305,12 @@ def resolve_data_blend(recipe: Recipe) -> Any | None:
     """The frozen blend (or None for mock data); raises PreflightError for missing .bin/.idx."""
     if recipe.data.mock:
         return None
-    from megalaunch.data.blend import resolve_blend
+    from megalaunch.data.blend import load_blend_file, resolve_blend
 
-    blend = resolve_blend([(os.path.expanduser(e.path), e.weight) for e in recipe.data.blend])
+    if recipe.data.blend_file:
+        blend = load_blend_file(recipe.data.blend_file)
+    else:
+        blend = resolve_blend([(os.path.expanduser(e.path), e.weight) for e in recipe.data.blend])
     blend.check_files()
     return blend
 
@@ -335,9 +338,9 @@ def check_blend_dtypes(recipe: Recipe, blend: Any, spec: TokenizerSpec | None = 
                                  fix=f"re-tokenize with this tokenizer, or check the dataset: megalaunch data check {prefix}")
 
 
-def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
+def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topology, Any | None]:
     """Every check, in the order a user would want to hear about them. Returns the topology and
-    the resolved data blend."""
+    the resolved data blend (`frozen_blend`, a run's own, when resuming on it: checked, not re-resolved)."""
     check_no_secrets(recipe)
     check_cluster(recipe)
     check_single_tokens(recipe)
@@ -346,6 +349,10 @@ def preflight(recipe: Recipe) -> tuple[Topology, Any | None]:
     check_model_parallel(recipe, topo)
     check_files(recipe)
     spec = recipe_tokenizer(recipe)
-    blend = resolve_data_blend(recipe)
+    if frozen_blend is not None:
+        frozen_blend.check_files()
+        blend = frozen_blend
+    else:
+        blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
     return topo, blend

@@ -132,7 +132,10 @@ class DataConfig:
     """Where tokens come from."""
 
     mock: bool = doc("synthetic data (Megatron's mock dataset); no files needed", False)
-    blend: list[BlendEntry] = doc("dataset prefixes or directories with optional weights", [])
+    blend: list[BlendEntry] = doc("dataset prefixes, directories or tokenization run directories, with optional "
+                                  "weights", [])
+    blend_file: str | None = doc("a blend file written by `megalaunch data blend --output` (instead of data.blend)",
+                                 None, path="path")
     split: str = doc("train/valid/test split", "100,0,0")
     tokenizer_type: Literal["NullTokenizer", "HuggingFaceTokenizer"] = doc("tokenizer kind", "NullTokenizer")
     tokenizer_model: str | None = doc("local tokenizer.json or Hugging Face tokenizer directory "
@@ -141,8 +144,12 @@ class DataConfig:
     num_workers: int = doc("data-loader workers per rank", 2)
 
     def __post_init__(self) -> None:
-        if not self.mock and not self.blend:
-            raise ValueError("data: set data.blend (dataset prefixes) or data.mock: true")
+        if self.blend and self.blend_file:
+            raise ValueError("data: data.blend and data.blend_file both name the data; give one of them "
+                             "(data.blend: [...] to list prefixes, or data.blend_file: FILE from `megalaunch data blend`)")
+        if not self.mock and not self.blend and not self.blend_file:
+            raise ValueError("data: set data.blend (dataset prefixes), data.blend_file (a file from "
+                             "`megalaunch data blend --output`) or data.mock: true")
         if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
             raise ValueError("data.vocab_size is required with the NullTokenizer")
         if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:

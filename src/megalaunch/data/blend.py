@@ -114,9 +114,66 @@ def resolve_blend(entries: Sequence[tuple[str, float | None]]) -> Blend:
     return Blend(prefixes=tuple(sorted(weighted.items())), skipped_empty=tuple(sorted(skipped)))
 
 
+def load_blend_file(path: str | os.PathLike[str], field: str = "data.blend_file") -> Blend:
+    """A blend file (`megalaunch data blend --output`, or written by hand): `weight prefix ...` pairs,
+    prefixes relative to the file's directory made absolute, sorted by prefix as `resolve_blend` sorts
+    them, so the file `data blend` wrote comes back byte for byte."""
+    file = Path(os.path.abspath(os.path.expanduser(path)))
+    fix = "write one with `megalaunch data blend DIR... --output FILE`"
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = "does not exist" if isinstance(e, FileNotFoundError) else "cannot be read"
+        raise PreflightError(f"{file} {reason}", field=field, fix=fix) from None
+    try:
+        parsed = Blend.from_text(text)
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e.message}", field=field, valid="`weight prefix weight prefix ...`",
+                          fix=fix) from None
+    weighted: dict[str, float] = {}
+    for prefix, weight in parsed.prefixes:
+        prefix = os.path.normpath(os.path.join(file.parent, prefix))
+        if not weight > 0:
+            raise ConfigError(f"{file}: weight {weight} for {prefix} must be positive", field=field, fix=fix)
+        if prefix in weighted:
+            raise ConfigError(f"{file}: {prefix} appears twice", field=field, fix=fix)
+        weighted[prefix] = weight
+    if not weighted:
+        raise ConfigError(f"{file} names no prefix", field=field, fix=fix)
+    return Blend(prefixes=tuple(sorted(weighted.items())))
+
+
+def tokenization_output(path: str) -> str | None:
+    """The output folder of a tokenization run directory (`megalaunch tokenize plan --run-dir`), or None
+    when `path` is not one. Refuses a run whose dumps are not all done: its outputs are still growing."""
+    from megalaunch.rundir.tokenize import TokenizeRun
+
+    run = TokenizeRun(Path(path))
+    if not (run.plan_json.is_file() and run.recipe_yaml.is_file()):
+        return None
+    import json
+
+    import yaml
+
+    try:
+        dumps = [int(d["index"]) for d in json.loads(run.plan_json.read_text())["dumps"]]
+        recipe = yaml.safe_load(run.recipe_yaml.read_text()) or {}
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        raise PreflightError(f"tokenization run {path}: plan.json or recipe.yaml is unreadable", field="data",
+                             fix=f"megalaunch tokenize status {path}") from None
+    missing = [d for d in dumps if not run.summary(d).is_file()]
+    if missing:
+        raise PreflightError(f"tokenization run {path} is not finished: {len(dumps) - len(missing)} of {len(dumps)} "
+                             "dumps done", field="data",
+                             fix=f"megalaunch tokenize submit {path} (resumes), then megalaunch tokenize status {path}")
+    output = recipe.get("output_dir") if isinstance(recipe, dict) else None
+    return str(run.output_dir(output if isinstance(output, str) else ""))
+
+
 def _expand(raw: str) -> list[str]:
     path = os.path.abspath(os.path.expanduser(raw))
     if os.path.isdir(path):
+        path = tokenization_output(path) or path
         prefixes = find_prefixes(path)
         if not prefixes:
             raise PreflightError(f"directory {path} holds no .bin/.idx files", field="data",

@@ -40,3 +40,31 @@ def yaml_with_origins(data: dict[str, Any], origin: Any, prefix: str = "", inden
         note = f"  # {src}" if src != "default" else ""
         lines.append(f"{pad}{_scalar(key)}: {_scalar(value)}{note}")
     return "\n".join(lines) + "\n"
+
+
+def origins_from(text: str, data: dict[str, Any]) -> dict[str, str]:
+    """The inverse of `yaml_with_origins`' comments: dotted leaf -> origin, read from `text` (a run.yaml)
+    whose data is `data`. The lines are rebuilt without comments and matched in order, so a value
+    that holds `#` cannot be mistaken for a comment."""
+    bare = yaml_with_origins(data, lambda _: "default").splitlines()
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    leaves = list(_leaves(data))
+    out: dict[str, str] = {}
+    if len(lines) != len(bare):
+        return out
+    leaf_iter = iter(leaves)
+    for line, plain in zip(lines, bare, strict=True):
+        if plain.endswith(":") and line == plain:
+            continue  # a section header
+        dotted = next(leaf_iter, None)
+        if dotted is not None and line.startswith(plain) and line[len(plain):].startswith("  # "):
+            out[dotted] = line[len(plain) + 4:]
+    return out
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> Any:
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"

@@ -50,8 +50,20 @@ class PreparedRun:
 
 
 def chain_name_for(recipe: Recipe, root: Path) -> str:
-    salt = f"{root}/{recipe.name}/{time.time_ns()}/{os.getpid()}/{socket.gethostname()}"
-    return f"{recipe.name}-{hashlib.sha256(salt.encode()).hexdigest()[:8]}"
+    """`<name>-<8 hex>`, the same for `submit --dry-run` and the submit that follows it: the hash of the
+    run root, the name, the user and the first sequence number whose directory does not exist yet, so
+    every run under a root gets its own name (and so its own Slurm job name) without randomness."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    for n in range(10_000):
+        salt = f"{root}/{recipe.name}/{user}/{n}"
+        name = f"{recipe.name}-{hashlib.sha256(salt.encode()).hexdigest()[:8]}"
+        if not (root / name).exists() and not (root / f".{name}.partial").exists():
+            return name
+    raise RunDirError(f"{root} already holds 10,000 runs named {recipe.name}", field="name",
+                      fix="choose another --name or run.root")
 
 
 def run_root(recipe: Recipe) -> Path:
@@ -120,10 +132,10 @@ def code_revision(path: Path) -> dict[str, Any]:
 
 
 def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created: str | None = None,
-                root: Path | None = None) -> PreparedRun:
-    """Preflight and render; touches no file."""
+                root: Path | None = None, frozen_blend: Any | None = None) -> PreparedRun:
+    """Preflight and render; touches no file. `frozen_blend`: a run's own blend (resume), not re-resolved."""
     recipe = loaded.recipe
-    topo, blend = preflight(recipe)
+    topo, blend = preflight(recipe, frozen_blend=frozen_blend)
     root = root or run_root(recipe)
     chain_name = chain_name or chain_name_for(recipe, root)
     paths = RunPaths(root / chain_name)

@@ -178,6 +178,30 @@ class RunPaths:
             return None
 
 
+def enclosing_run(path: str | os.PathLike[str]) -> RunPaths | None:
+    """The training run directory that `path` (a file or directory, existing or not) lies in, if any:
+    the nearest enclosing directory that holds a run.yaml and a manifest.json."""
+    here = Path(os.path.abspath(os.path.expanduser(path)))
+    for d in (here, *here.parents):
+        if (d / "run.yaml").is_file() and (d / "manifest.json").is_file():
+            return RunPaths(d)
+    return None
+
+
+def refuse_frozen_write(path: str | os.PathLike[str], field: str) -> None:
+    """A run's files are frozen: only megalaunch's own commands on that run write them (a new blend
+    goes through `megalaunch resume RUN --set`, which records it). Raises a one-line RunDirError."""
+    from megalaunch.errors import RunDirError
+
+    run = enclosing_run(path)
+    if run is not None:
+        raise RunDirError(f"{path} is inside the run directory {run.root}, whose files are frozen (its checkpoints "
+                          "were trained on its data_blend.txt)", field=field,
+                          valid="a path outside every run directory",
+                          fix=f"write it elsewhere; to train the run on it: megalaunch resume {run.root} "
+                              "--set data.blend_file=FILE (or data.blend=[...])")
+
+
 @dataclass(frozen=True)
 class ConversionPaths:
     """A conversion's output directory when it runs as a Slurm job: its script and logs."""

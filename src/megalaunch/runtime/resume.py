@@ -346,24 +346,55 @@ def blend_hash(paths: RunPaths) -> str | None:
         return None
 
 
+def approved_blend(paths: RunPaths) -> str | None:
+    """The blend sha256 that `megalaunch resume RUN --set` last recorded as the run's new blend (its
+    `settings_changed` ledger event), or None when no command ever changed the blend."""
+    from megalaunch.rundir.files import read_jsonl
+
+    for event in reversed(read_jsonl(paths.ledger)):
+        change = event.get("blend_sha256") if event.get("event") == "settings_changed" else None
+        if isinstance(change, dict) and change.get("old") != change.get("new"):
+            return str(change.get("new"))
+    return None
+
+
+def unapproved_blend_change(paths: RunPaths, *, allow_change: bool = False) -> tuple[str, str] | None:
+    """(trained-on, current) sha256 when RUN/data_blend.txt differs from the blend the checkpoints were
+    trained on and neither `resume --set` recorded the change nor the recipe allows any change."""
+    current = blend_hash(paths)
+    try:
+        previous = paths.blend_hash.read_text().strip()
+    except FileNotFoundError:
+        previous = None
+    if not (previous and current and previous != current and checkpoint_iterations(paths)):
+        return None
+    if allow_change or approved_blend(paths) == current:
+        return None
+    return previous, current
+
+
+def blend_change_refusal(paths: RunPaths, previous: str, current: str) -> str:
+    return (f"RUN/data_blend.txt changed since the checkpoints were written (sha256 {previous[:12]} -> "
+            f"{current[:12]}) without `megalaunch resume --set`; restore it, or change the blend with "
+            f"megalaunch resume {paths.root} --set data.blend_file=FILE (or data.blend=[...]), which records the change")
+
+
 def check_blend(paths: RunPaths, *, allow_change: bool, write: bool, job_id: str | None) -> None:
     """Refuse to resume on a data blend other than the one the checkpoints were trained on (the
-    hash is recorded next to them the first time), unless the recipe allows the change."""
+    hash is recorded next to them the first time), unless `megalaunch resume --set` recorded the
+    change (or the recipe allows any change)."""
     current = blend_hash(paths)
     record = paths.blend_hash
     try:
         previous = record.read_text().strip()
     except FileNotFoundError:
         previous = None
-    has_checkpoint = bool(checkpoint_iterations(paths))
-    if previous and current and previous != current and has_checkpoint:
-        if not allow_change:
-            raise BlendChanged(
-                f"RUN/data_blend.txt changed since the checkpoints were written (sha256 {previous[:12]} -> "
-                f"{current[:12]}); set checkpoint.allow_blend_change: true to resume on the new blend")
-        if write:
-            append_jsonl(paths.ledger, {"event": "blend_changed", "time": time.time(), "job_id": job_id,
-                                        "previous": previous, "current": current})
+    refused = unapproved_blend_change(paths, allow_change=allow_change)
+    if refused is not None:
+        raise BlendChanged(blend_change_refusal(paths, *refused))
+    if previous and current and previous != current and checkpoint_iterations(paths) and write:
+        append_jsonl(paths.ledger, {"event": "blend_changed", "time": time.time(), "job_id": job_id,
+                                    "previous": previous, "current": current})
     if write and current and current != previous:
         paths.checkpoints.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record, current + "\n")
