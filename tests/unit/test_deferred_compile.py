@@ -74,3 +74,32 @@ def test_modules_are_compiled_at_once() -> None:
     with deferred_compile():
         m = torch.compile(torch.nn.Linear(2, 2), backend="eager")
     assert isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+
+
+NULL_TOKENIZER = r"""
+import argparse, json, sys
+from megalaunch.runtime import megatron_seams
+megatron_seams.import_megatron()
+megatron_seams.null_tokenizer_without_transformers()
+from megatron.training import global_vars
+class Args(argparse.Namespace):  # Megatron's other tokenizer arguments at their defaults (None)
+    def __getattr__(self, name):
+        return None
+args = Args(tokenizer_type=sys.argv[1], vocab_size=512, rank=0, make_vocab_size_divisible_by=128,
+            tensor_model_parallel_size=1)
+tok = global_vars.build_tokenizer(args)
+print(json.dumps({"transformers": "transformers" in sys.modules, "vocab": tok.vocab_size, "eod": tok.eod}))
+"""
+
+
+def test_the_null_tokenizer_is_built_without_importing_transformers() -> None:
+    out = subprocess.run([sys.executable, "-c", NULL_TOKENIZER, "NullTokenizer"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"transformers": False, "vocab": 512, "eod": 511}
+    # afterwards transformers imports normally in the same process (nothing left blocked)
+    check = NULL_TOKENIZER.replace('print(json.dumps(', 'import transformers\nprint(json.dumps(')
+    out = subprocess.run([sys.executable, "-c", check, "NullTokenizer"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["transformers"] is True

@@ -120,6 +120,7 @@ def install(hooks: Hooks) -> None:
     skip_helper_compilation()
     skip_unused_fusion_warmup()
     _mark_init_phases(hooks)
+    null_tokenizer_without_transformers()
     fix_optimizer_step()
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
@@ -150,6 +151,36 @@ def skip_unused_fusion_warmup() -> None:
         return original(*args, **kwargs)
 
     mtraining.set_jit_fusion_options = set_jit_fusion_options
+
+
+def null_tokenizer_without_transformers() -> None:
+    """Megatron builds even the NullTokenizer through `megatron.core.tokenizers.text`, whose package
+    imports its Hugging Face wrapper, which imports transformers: 1-2 s here, 6-10 s per rank on the
+    device (transformers 5 pulls in much of torch), for a tokenizer that is a vocabulary size. For the
+    NullTokenizer, build it with transformers hidden from that one import (the wrapper already treats
+    a missing transformers as optional); every other tokenizer type goes through Megatron unchanged.
+    MEGALAUNCH_DEFER_COMPILE=0 switches this off too (the benchmark's "before")."""
+    import sys
+
+    from megatron.training import global_vars
+
+    original = global_vars.build_tokenizer
+    if os.environ.get(DEFERRED_COMPILE_ENV, "1") == "0":
+        return
+
+    @functools.wraps(original)
+    def build_tokenizer(args: Any, **kwargs: Any) -> Any:
+        if getattr(args, "tokenizer_type", None) != "NullTokenizer" or "transformers" in sys.modules \
+                or "megatron.core.tokenizers.text" in sys.modules:
+            return original(args, **kwargs)
+        sys.modules["transformers"] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
+        try:
+            return original(args, **kwargs)
+        finally:
+            if sys.modules.get("transformers", 0) is None:
+                del sys.modules["transformers"]
+
+    global_vars.build_tokenizer = build_tokenizer
 
 
 def _mark_init_phases(hooks: Hooks) -> None:
