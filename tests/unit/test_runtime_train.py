@@ -102,3 +102,32 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     r = export_rank_env()
     assert (r.rank, r.world_size, r.local_rank) == (5, 8, 1)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+
+
+def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`job end` writes state/goodput.json after every segment (a real 3-segment chain on the local
+    backend); the next segment's first W&B step carries it as chain/*, with its own start-up phases."""
+    from tests.unit.report_chain import build_chain
+
+    from megalaunch.launcher.goodput import chain_goodput
+    from megalaunch.rundir.files import read_json
+
+    (tmp_path / "c").mkdir()
+    paths = build_chain(tmp_path / "c")
+    written = read_json(paths.goodput)
+    assert written["segments"] == 3 and 0 < written["goodput"] < 1
+    again = chain_goodput(paths, written["time"])
+    assert again["goodput"] == pytest.approx(written["goodput"], abs=1e-6)  # the accounting, not a copy
+    monkeypatch.setenv("MEGALAUNCH_JOB_ID", "next")
+    flag = SignalFlag()
+    try:
+        s = Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=0, world=1)
+        for phase in ("setup_done", "model_build_start", "load_start", "load_end", "data_end", "first_iteration_end"):
+            s.timeline.mark(phase)
+        got = s._wandb_segment_start()
+    finally:
+        flag.restore()
+    assert got["chain/goodput"] == written["goodput"] and got["chain/wall_s"] == written["wall_s"]
+    assert got["chain/productive_s"] == written["totals_s"]["productive"] > 0
+    assert {"segment/imports_s", "segment/checkpoint_load_s", "segment/first_iteration_s", "segment/startup_s"} <= got.keys()
+    assert got["segment/index"] == 3  # the ledger's started segments so far
