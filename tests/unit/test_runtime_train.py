@@ -126,3 +126,35 @@ def test_a_resumed_segment_starts_its_progress_at_the_checkpoint_it_loaded(sessi
     session.loaded(200, 1600)
     progress = read_progress(session.paths)
     assert (progress["iteration"], progress["consumed_samples"], progress["loss"]) == (200, 1600, None)
+
+
+def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`job end` writes state/goodput.json after every segment (a real 3-segment chain on the local
+    backend); the next segment's first W&B step carries it as chain/*, with its own start-up phases."""
+    from tests.unit.report_chain import build_chain
+
+    from megalaunch.launcher.goodput import chain_goodput
+    from megalaunch.rundir.files import read_json
+
+    (tmp_path / "c").mkdir()
+    paths = build_chain(tmp_path / "c")
+    written = read_json(paths.goodput)
+    assert written["segments"] == 3 and 0 < written["goodput"] < 1
+    again = chain_goodput(paths, written["time"])
+    assert again["goodput"] == pytest.approx(written["goodput"], abs=1e-6)  # the accounting, not a copy
+    from megalaunch.rundir.ledger import Ledger
+
+    last = Ledger(paths).segments()[-1].job_id  # stands in for the next segment (same code path)
+    monkeypatch.setenv("MEGALAUNCH_JOB_ID", last)
+    flag = SignalFlag()
+    try:
+        s = Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=0, world=1)
+        for phase in ("setup_done", "model_build_start", "load_start", "load_end", "data_end", "first_iteration_end"):
+            s.timeline.mark(phase)
+        got = s._wandb_segment_start()
+    finally:
+        flag.restore()
+    assert got["chain/goodput"] == written["goodput"] and got["chain/wall_s"] == written["wall_s"]
+    assert got["chain/productive_s"] == written["totals_s"]["productive"] > 0
+    assert {"segment/imports_s", "segment/checkpoint_load_s", "segment/first_iteration_s", "segment/startup_s"} <= got.keys()
+    assert got["segment/index"] == 3  # its number as status and logs show it

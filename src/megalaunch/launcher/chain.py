@@ -158,17 +158,10 @@ class Chain:
             log(f"deleted the unfinished save(s) of iteration {', '.join(map(str, deleted))}")
 
     def _write_goodput(self) -> None:
-        """The chain's goodput so far, for `status`, the report and the next segment's W&B run."""
-        import time
-
-        from megalaunch.launcher.goodput import chain_goodput
-        from megalaunch.rundir.files import atomic_write_json
+        from megalaunch.launcher.goodput import write_chain_goodput
 
         try:
-            g = chain_goodput(self.paths, time.time())
-            atomic_write_json(self.paths.goodput, {"time": time.time(), "goodput": g["goodput"], "wall_s": g["wall"],
-                                                   "wait_s": g["wait"], "segments": len(g["segments"]),
-                                                   "totals_s": g["totals"]})
+            write_chain_goodput(self.paths)
         except Exception as e:  # accounting must never change what the chain does
             log(f"could not write {self.paths.goodput}: {e}")
 

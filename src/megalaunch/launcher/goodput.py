@@ -241,3 +241,15 @@ def checkpoint_interval_hint(chain: dict[str, Any], step_s: float | None) -> dic
         if step_s:
             out["interval_iters"] = max(1, int(interval / step_s))
     return out
+
+
+def write_chain_goodput(paths: RunPaths) -> None:
+    """The chain's goodput so far into state/goodput.json (`job end` after every segment), for
+    `status`, the report and the next segment's W&B run (`chain/*`)."""
+    import time
+
+    from megalaunch.rundir.files import atomic_write_json
+
+    g = chain_goodput(paths, time.time())
+    atomic_write_json(paths.goodput, {"time": time.time(), "goodput": g["goodput"], "wall_s": g["wall"],
+                                      "wait_s": g["wait"], "segments": len(g["segments"]), "totals_s": g["totals"]})
