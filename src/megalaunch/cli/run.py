@@ -178,12 +178,11 @@ def resume(
     from megalaunch.launcher.control import find_run
     from megalaunch.launcher.resume_check import (
         apply_change,
-        check_not_live,
         check_resumable,
         describe_change,
         prepare_change,
     )
-    from megalaunch.launcher.resume_from import check_resume_from, resume_chain
+    from megalaunch.launcher.resume_from import check_not_live, check_resume_from, resume_chain
     from megalaunch.rundir.access import require_writable
 
     paths = find_run(run)
@@ -192,9 +191,11 @@ def resume(
     if set_:
         require_writable(paths.root, paths.state)
         change = prepare_change(paths, set_)
-        check_not_live(paths, backend_for(recipe.cluster.backend))
+        check_not_live(paths, backend_for(recipe.cluster.backend), "resume --set changes")
         recipe = change.prepared.recipe
     backend = backend_for(recipe.cluster.backend)
+    if from_iteration is None and change is None:
+        check_not_live(paths, backend)
     check_resumable(paths, recipe, from_iteration=from_iteration, change=change)
     if change is not None:
         if from_iteration is not None:  # every check before the first write

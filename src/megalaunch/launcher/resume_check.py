@@ -25,7 +25,6 @@ from megalaunch.config.paths import expand_paths
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import build, to_plain
 from megalaunch.errors import ConfigError, RunDirError
-from megalaunch.launcher.backend import Backend
 from megalaunch.launcher.explain import origins_from
 from megalaunch.launcher.prepare import PreparedRun, prepare_run
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text, read_json
@@ -151,19 +150,6 @@ def check_resumable(paths: RunPaths, recipe: Recipe, *, from_iteration: int | No
     if tracker is None and not checkpoint_iterations(paths) and load and not os.path.isdir(load):
         raise RunDirError(f"the first segment loads {load}, which is not a directory", field="checkpoint.load",
                           fix=f"restore it, or megalaunch resume {paths.root} --set checkpoint.load=DIR")
-
-
-def check_not_live(paths: RunPaths, backend: Backend) -> None:
-    """A setting changes only while no segment runs or waits: a queued one would start on the new files."""
-    live, error = backend.live(Ledger(paths).segments())
-    if live:
-        jobs = ", ".join(f"{job} ({state.state.lower()})" for job, state in sorted(live.items()))
-        raise RunDirError(f"the chain still has a segment running or queued: {jobs}; resume --set changes a "
-                          "stopped chain", fix=f"megalaunch trigger exit {paths.root} (saves, then stops) or "
-                          f"megalaunch cancel {paths.root}, then run this again")
-    if error is not None:
-        raise RunDirError(f"cannot tell whether a segment of the chain is still queued or running ({error})",
-                          fix="try again when the scheduler answers")
 
 
 def apply_change(paths: RunPaths, change: SettingsChange) -> None:

@@ -37,18 +37,24 @@ class ResumeFrom:
     complete: list[int]  # complete as far as the login node can tell
 
 
-def check_resume_from(paths: RunPaths, backend: Backend, iteration: int, train_iters: int) -> ResumeFrom:
-    """Refuse (a one-line RunDirError) what the job would refuse or should not be asked to do."""
-    require_writable(paths.state, *([paths.checkpoints] if paths.checkpoints.is_dir() else []))
+def check_not_live(paths: RunPaths, backend: Backend, action: str = "resume restarts") -> None:
+    """`resume` acts only on a stopped chain: a live one would get a second line of segments, and a
+    queued segment would start on changed files. `action` names what refuses (`resume --set changes`)."""
     live, error = backend.live(Ledger(paths).segments())
     if live:
         jobs = ", ".join(f"{job} ({state.state.lower()})" for job, state in sorted(live.items()))
-        raise RunDirError(f"the chain still has a segment running or queued: {jobs}; resume --from restarts a "
+        raise RunDirError(f"the chain still has a segment running or queued: {jobs}; {action} a "
                           "stopped chain", fix=f"megalaunch trigger exit {paths.root} (saves, then stops) or "
                           f"megalaunch cancel {paths.root}, then run this again")
     if error is not None:
         raise RunDirError(f"cannot tell whether a segment of the chain is still queued or running ({error})",
                           fix="try again when the scheduler answers")
+
+
+def check_resume_from(paths: RunPaths, backend: Backend, iteration: int, train_iters: int) -> ResumeFrom:
+    """Refuse (a one-line RunDirError) what the job would refuse or should not be asked to do."""
+    require_writable(paths.state, *([paths.checkpoints] if paths.checkpoints.is_dir() else []))
+    check_not_live(paths, backend, "resume --from restarts")
     iterations = checkpoint_iterations(paths)
     complete = [i for i in iterations if incomplete_reason(iter_dir(paths, i), full=False) is None]
     valid = ", ".join(map(str, complete)) if complete else "none (this run has no complete checkpoint)"
