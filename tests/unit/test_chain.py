@@ -24,11 +24,22 @@ class RecordingScheduler:
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
         self.states: dict[str, str] = {}
+        self.nodes: list[str] | None = None  # what `sinfo` would list (None: the local backend / no answer)
+        self.excluded: dict[str, list[str]] = {}  # job -> nodes, at submission or by update
 
-    def submit_successor(self, paths: RunPaths) -> str | None:
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
         jid = str(100 + len(self.submitted))
         self.submitted.append(jid)
+        if exclude:
+            self.excluded[jid] = list(exclude)
         return jid
+
+    def known_nodes(self, partition: str | None) -> list[str] | None:
+        return self.nodes
+
+    def exclude(self, job_ids: list[str], nodes: list[str]) -> None:
+        for j in job_ids:
+            self.excluded[j] = list(nodes)
 
     def cancel_jobs(self, job_ids: list[str]) -> None:
         self.cancelled.extend(job_ids)

@@ -248,8 +248,13 @@ def test_explicit_resume_from_leaves_the_request_alone(run: RunPaths) -> None:
 
 def test_job_begin_starts_at_the_requested_iteration(run: RunPaths) -> None:
     class Scheduler:
-        def submit_successor(self, paths: RunPaths) -> str | None:
+        def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
             return None
+
+        def known_nodes(self, partition: str | None) -> list[str] | None:
+            return None
+
+        def exclude(self, job_ids: list[str], nodes: list[str]) -> None: ...
 
         def cancel_jobs(self, job_ids: list[str]) -> None: ...
 

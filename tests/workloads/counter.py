@@ -9,12 +9,14 @@ report can be tested without Megatron.
 
 Env: MEGALAUNCH_RUN_DIR (set by the launcher); COUNTER_STEP_S (default 0.1); COUNTER_SAVE_S (a save's
 blocking time, default 0); COUNTER_FAIL=start makes it crash before training (crash-loop tests);
-COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written)."""
+COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written);
+COUNTER_FAIL_ON_NODE=NODE: every rank on that node dies at start (SIGBUS, no outcome: a bad node)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -62,6 +64,10 @@ def main() -> int:
     env = rank_env()
     tl = Timeline(paths, job, write=env.rank == 0)
     tl.mark("runtime_start", world=env.world_size)
+    bad = os.environ.get("COUNTER_FAIL_ON_NODE")
+    if bad and os.environ.get("SLURMD_NODENAME") == bad:
+        log(f"this node ({bad}) is bad on purpose (COUNTER_FAIL_ON_NODE): dying at start")
+        os.kill(os.getpid(), signal.SIGBUS)
     if os.environ.get("COUNTER_FAIL") == "start":
         write_outcome(paths, "failed", reason="COUNTER_FAIL=start: crashing before training")
         log("failing at start on purpose")

@@ -28,7 +28,8 @@ app.add_typer(recipes.app, name="recipes", help="List, show and validate recipes
 app.add_typer(job.app, name="job", help="Called by the job script inside each segment (not by hand).")
 for _name, _help in (("tokenize", "Tokenize raw text into Megatron .bin/.idx with datatrove."),
                      ("data", "Check datasets, build data blends and mixtures."),
-                     ("convert", "Convert checkpoints between Hugging Face and Megatron-core.")):
+                     ("convert", "Convert checkpoints between Hugging Face and Megatron-core."),
+                     ("nodes", "Suspect nodes of the team's node-health ledger (list, clear).")):
     app.add_typer(importlib.import_module(f"megalaunch.cli.{_name}").app, name=_name, help=_help)
 
 

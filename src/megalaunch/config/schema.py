@@ -216,6 +216,10 @@ class ClusterConfig:
                                   "node do not collide)", None)
     gpu_peak_tflops: float | None = doc("dense bf16 peak TFLOP/s per GPU for MFU (default: from the GPU's name, "
                                         "docs/goodput.md)", None)
+    node_health_dir: str | None = doc("the team's node-health ledger for this cluster: a shared directory the "
+                                      "group can write (default: RUN_ROOT/.node-health)", None, path="path")
+    suspect_ttl_h: float = doc("hours a node stays suspect after a failure attributed to it", 12.0)
+    exclude_suspects: bool = doc("a failed segment's successor excludes the suspect nodes (Slurm)", True)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -225,6 +229,8 @@ class ClusterConfig:
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise ValueError("cluster.tasks_per_node must be >= 1")
         parse_time_limit(self.time)
+        if self.suspect_ttl_h <= 0:
+            raise ValueError("cluster.suspect_ttl_h must be > 0")
         for name in list(self.env) + list(self.secret_env):
             if not _ENV_RE.match(name):
                 raise ValueError(f"cluster.env: {name!r} is not a valid environment variable name")

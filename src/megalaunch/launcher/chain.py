@@ -11,7 +11,8 @@ import sys
 from dataclasses import dataclass
 
 from megalaunch.launcher.backend import JobControl
-from megalaunch.launcher.evidence import abnormal_ends, config_error, failure_reason
+from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
+from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, expand_hostlist, plan_exclusion
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration
@@ -74,9 +75,12 @@ class Chain:
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
                            **({} if requested is None else {"resume_from": requested}))
         if self.settings.auto_requeue:
-            successor = self.scheduler.submit_successor(self.paths)
+            plan = self._exclusion_plan()
+            successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None)
             if successor is not None:
                 self.ledger.append("submitted", job_id=successor, by=f"segment {job_id}", dependency="singleton")
+                if plan is not None:
+                    self._record_exclusion(successor, plan)
                 log(f"queued successor {successor} (singleton)")
                 if self.paths.cancel_requested.exists():  # a cancel raced with the submission
                     self.scheduler.cancel_jobs([successor])
@@ -117,6 +121,8 @@ class Chain:
         elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
+        if status == "failed":
+            self._suspect_nodes(job_id, ends)
         self._remove_failed_saves(job_id)
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
@@ -142,7 +148,67 @@ class Chain:
             return stopped_by_guard
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
+        if status == "failed":
+            self._exclude_on_successors(job_id)
         return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    # ------------------------------------------------------------------------------ bad nodes
+    def _node_health(self) -> NodeHealth | None:
+        d = self.settings.node_health_dir
+        return NodeHealth(d) if d else None
+
+    def _suspect_nodes(self, job_id: str, ends: list[TaskEnd]) -> None:
+        """A failed segment: record the node(s) it points at in the team's node-health ledger."""
+        health = self._node_health()
+        if health is None:
+            return
+        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        nodes = expand_hostlist(str((started or {}).get("nodes") or ""))
+        att = attribute(ends, self.paths.segment_log(job_id), nodes)
+        for node, evidence in att.suspects.items():
+            try:
+                s = health.suspect(node, reason=att.reason, evidence=evidence, run=self.paths.root.name,
+                                   job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
+            except OSError as e:  # the ledger must never change what the chain does
+                log(f"could not record suspect node {node} in {health.file}: {e}")
+                continue
+            self.ledger.append("node_suspected", job_id=job_id, node=node, reason=att.reason, evidence=evidence,
+                               expires=s.expires, ledger=str(health.file))
+            log(f"suspect node {node}: {att.reason}")
+
+    def _exclusion_plan(self) -> ExclusionPlan | None:
+        """Which suspect nodes a successor excludes now (None: exclusion off, or nothing suspect)."""
+        health = self._node_health()
+        if health is None or not self.settings.exclude_suspects:
+            return None
+        try:
+            suspects = health.active()
+        except OSError as e:
+            log(f"could not read the node-health ledger {health.file}: {e}")
+            return None
+        if not suspects:
+            return None
+        return plan_exclusion(suspects, self.scheduler.known_nodes(self.settings.partition), self.settings.nodes)
+
+    def _record_exclusion(self, successor: str, plan: ExclusionPlan) -> None:
+        self.ledger.append("exclusion", job_id=successor, excluded=plan.exclude, kept=plan.kept)
+        log(f"successor {successor} {plan.describe()}")
+
+    def _exclude_on_successors(self, job_id: str) -> None:
+        """The successor was queued when this segment began: exclude what is suspect now."""
+        plan = self._exclusion_plan()
+        if plan is None:
+            return
+        for successor in self.pending_successors(job_id):
+            if plan.exclude:
+                try:
+                    self.scheduler.exclude([successor], plan.exclude)
+                except Exception as e:  # Slurm did not answer: the successor runs as queued
+                    log(f"could not exclude {', '.join(plan.exclude)} from {successor}: {e}")
+                    self.ledger.append("exclusion", job_id=successor, excluded=[], kept={
+                        n: f"scontrol update failed: {e}" for n in plan.exclude} | plan.kept)
+                    continue
+            self._record_exclusion(successor, plan)
 
     def _remove_failed_saves(self, job_id: str) -> None:
         """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never

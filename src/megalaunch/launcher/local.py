@@ -175,8 +175,14 @@ class LocalBackend:
                 out[s.job_id] = Live("RUNNING" if s.started else "PENDING")
         return out, None
 
-    def submit_successor(self, paths: RunPaths) -> str | None:
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
         return None  # the chain's process runs the next segment itself
+
+    def known_nodes(self, partition: str | None) -> list[str] | None:
+        return None  # one machine: nothing to exclude
+
+    def exclude(self, job_ids: list[str], nodes: list[str]) -> None:
+        return None
 
     def cancel_jobs(self, job_ids: list[str]) -> None:
         return None

@@ -95,7 +95,15 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
         wandb_mode=recipe.logging.wandb_mode, backend=recipe.cluster.backend,
         auto_requeue=recipe.chain.auto_requeue,
         max_segments_without_progress=recipe.chain.max_segments_without_progress,
+        nodes=recipe.cluster.nodes, partition=recipe.cluster.partition,
+        node_health_dir=node_health_dir(recipe), suspect_ttl_s=recipe.cluster.suspect_ttl_h * 3600.0,
+        exclude_suspects=recipe.cluster.exclude_suspects,
     )
+
+
+def node_health_dir(recipe: Recipe) -> str:
+    """The team's node-health ledger (launcher/nodes.py): the cluster's, or one next to the runs."""
+    return recipe.cluster.node_health_dir or os.path.join(recipe.run.root, ".node-health")
 
 
 def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:

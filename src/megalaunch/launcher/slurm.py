@@ -116,6 +116,20 @@ class SlurmClient:
                        user=fields.get("UserId", "").split("(")[0], time_used=fields.get("RunTime", ""),
                        nodes=fields.get("NodeList", ""))
 
+    def node_names(self, partition: str | None = None) -> list[str]:
+        """Every node Slurm lists (in `partition`, if given), down or drained ones included."""
+        argv = ["sinfo", "-h", "-o", "%N", *(["-p", partition] if partition else [])]
+        from megalaunch.launcher.nodes import expand_hostlist
+
+        names: list[str] = []
+        for line in self._run(argv).stdout.split():
+            names += [n for n in expand_hostlist(line) if n not in names]
+        return names
+
+    def exclude_nodes(self, job_id: str, nodes: Iterable[str]) -> None:
+        """Set a pending job's excluded nodes (replaces its previous list)."""
+        self._run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
+
     def scancel(self, job_ids: Iterable[str], *, signal: str | None = None, batch: bool = False) -> None:
         ids = [str(j) for j in job_ids]
         if not ids:

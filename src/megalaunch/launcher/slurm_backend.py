@@ -95,8 +95,21 @@ class SlurmBackend:
             return {}, str(e)
         return {j: Live(i.state, i.reason if i.reason not in ("None", "") else None) for j, i in jobs.items()}, None
 
-    def submit_successor(self, paths: RunPaths) -> str | None:
-        return self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
+        extra = ["--dependency=singleton", *([f"--exclude={','.join(exclude)}"] if exclude else [])]
+        return self.client.sbatch(paths.job_script, extra, cwd=paths.root)
+
+    def known_nodes(self, partition: str | None) -> list[str] | None:
+        from megalaunch.errors import SlurmError
+
+        try:
+            return self.query.node_names(partition) or None
+        except SlurmError:  # Slurm did not answer: unknown, never "no nodes"
+            return None
+
+    def exclude(self, job_ids: list[str], nodes: list[str]) -> None:
+        for job_id in job_ids:
+            self.client.exclude_nodes(job_id, nodes)
 
     def cancel_jobs(self, job_ids: list[str]) -> None:
         self.client.scancel(job_ids)

@@ -92,9 +92,28 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "pending_triggers": TriggerBox(paths).pending(),
         "consumed_triggers": len(TriggerBox(paths).consumed()),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
+        "nodes": _node_decisions(events),
         "resume": resume_summary(paths, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
+
+
+def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
+    """The run's bad-node decisions (launcher/nodes.py), oldest first: suspects with their evidence,
+    and what each successor excluded or kept and why."""
+    out = []
+    for e in events:
+        if e.get("event") == "node_suspected":
+            evidence = "; ".join(e.get("evidence") or [])
+            out.append(f"suspect {e.get('node')} after job {e.get('job_id')}: {e.get('reason')}"
+                       + (f" [{evidence}]" if evidence else "")
+                       + (f", until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e['expires']))}"
+                          if e.get("expires") else ""))
+        elif e.get("event") == "exclusion":
+            parts = ([f"excludes {', '.join(e['excluded'])}"] if e.get("excluded") else []) + [
+                f"keeps {n} ({why})" for n, why in sorted((e.get("kept") or {}).items())]
+            out.append(f"job {e.get('job_id')} " + "; ".join(parts))
+    return out
 
 
 def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
@@ -132,6 +151,8 @@ def format_run_status(st: dict[str, Any]) -> str:
                      "a new checkpoint)")
     if st["slurm_error"]:
         lines.append(f"  slurm: {st['slurm_error']}")
+    for line in st.get("nodes") or []:
+        lines.append(f"  nodes: {line}")
     lines += format_resume(st.get("resume"))
     lines.append("  segments:")
     for r in st["segments"]:

@@ -31,6 +31,11 @@ class RuntimeSettings:
     backend: str = "slurm"
     auto_requeue: bool = True
     max_segments_without_progress: int = 3
+    nodes: int = 1
+    partition: str | None = None
+    node_health_dir: str | None = None  # None: no node-health ledger (runs made before it existed)
+    suspect_ttl_s: float = 12 * 3600.0
+    exclude_suspects: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,232 @@
+"""Bad nodes: which node a failed segment points at, the team's node-health ledger, and which nodes a
+successor excludes (issue 12, docs/training.md "Bad nodes").
+
+The ledger is one append-only JSON-lines file, `suspects.jsonl`, in a directory shared by the team
+(`cluster.node_health_dir`, one per cluster; default RUN_ROOT/.node-health). Every decision about a
+node is an event in it: `suspect` (a failure attributed to the node, with its evidence and an
+expiry), `cleared` (by `megalaunch nodes clear`). A node is suspect while its latest `suspect` event
+has not expired and no later `cleared` event exists. Appends of one short line are atomic with
+O_APPEND on local and NFS/Lustre file systems, so concurrent jobs of the team need no lock.
+
+Attribution is conservative: a segment that failed (not a configuration error, not a stop) names the
+node of the rank that ended first (the task supervisors' exit records, or Slurm's `srun: error:
+NODE: task N:` lines); hardware and driver signatures in the segment's log (Xid, ECC, illegal memory
+access, NCCL errors, out of memory, segmentation faults) that name a node add to its evidence.
+Exclusion never makes a job unschedulable: only nodes that `sinfo` still knows, and never so many that
+fewer than the job's nodes remain."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megalaunch.launcher.evidence import TaskEnd
+
+LEDGER_FILE = "suspects.jsonl"
+
+# Log signatures of a sick node, most specific first: (label, pattern).
+SIGNATURES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("xid", re.compile(r"\bXid\b|NVRM: Xid", re.I)),
+    ("ecc", re.compile(r"\b(uncorrectable )?ECC error|double.bit ECC|ECC errors? detected", re.I)),
+    ("illegal memory access", re.compile(r"illegal memory access", re.I)),
+    ("nccl", re.compile(r"NCCL (error|WARN .*(timeout|unhandled)|.*Watchdog caught collective operation timeout)",
+                        re.I)),
+    ("out of memory", re.compile(r"CUDA out of memory|OutOfMemoryError|oom-kill", re.I)),
+    ("segfault", re.compile(r"Segmentation fault|SIGSEGV", re.I)),
+)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    node: str
+    reason: str
+    evidence: list[str]
+    run: str
+    job_id: str
+    time: float
+    expires: float
+    user: str = ""
+
+    def describe(self, now: float | None = None) -> str:
+        left = self.expires - (now if now is not None else time.time())
+        return (f"{self.node}: {self.reason} (run {self.run}, job {self.job_id}; expires in "
+                f"{_duration(max(left, 0.0))})")
+
+
+@dataclass
+class Attribution:
+    """What a failed segment says about its nodes."""
+
+    suspects: dict[str, list[str]] = field(default_factory=dict)  # node -> evidence lines
+    reason: str = ""
+
+
+class NodeHealth:
+    """The team's node-health ledger in `directory` (created group-writable on first write)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.file = self.directory / LEDGER_FILE
+
+    # --- writing ------------------------------------------------------------------------------
+    def _append(self, record: dict[str, Any]) -> None:
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.directory, 0o2770)  # the group shares it (umask 027 would drop group write)
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
+        try:
+            if os.fstat(fd).st_size == 0:
+                os.fchmod(fd, 0o660)
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def suspect(self, node: str, *, reason: str, evidence: list[str], run: str, job_id: str, ttl_s: float,
+                now: float | None = None) -> Suspect:
+        now = time.time() if now is None else now
+        s = Suspect(node=node, reason=reason, evidence=evidence[:20], run=run, job_id=job_id, time=now,
+                    expires=now + ttl_s, user=getpass.getuser())
+        self._append({"event": "suspect", **s.__dict__})
+        return s
+
+    def clear(self, node: str, *, now: float | None = None) -> None:
+        self._append({"event": "cleared", "node": node, "user": getpass.getuser(),
+                      "time": time.time() if now is None else now})
+
+    # --- reading ------------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            text = self.file.read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a torn last line of a crashed writer: skip it
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("node"), str):
+                out.append(rec)
+        return out
+
+    def active(self, now: float | None = None) -> dict[str, Suspect]:
+        """Suspect nodes now: latest suspect event unexpired and not cleared since."""
+        now = time.time() if now is None else now
+        latest: dict[str, Suspect] = {}
+        for rec in self.events():
+            if rec.get("event") == "cleared":
+                latest.pop(rec["node"], None)
+            elif rec.get("event") == "suspect":
+                try:
+                    latest[rec["node"]] = Suspect(**{k: rec[k] for k in Suspect.__dataclass_fields__ if k in rec})
+                except TypeError:
+                    continue
+        return {n: s for n, s in latest.items() if s.expires > now}
+
+
+# --- attribution ---------------------------------------------------------------------------------
+
+def attribute(ends: list[TaskEnd], log: Path | None, nodes: list[str]) -> Attribution:
+    """The node(s) a failed segment points at. `ends`: abnormal task ends, earliest first
+    (evidence.abnormal_ends); `nodes`: the segment's nodes (for log lines that name one)."""
+    att = Attribution()
+    if ends:
+        first = ends[0]
+        att.suspects[first.node] = [f"rank {e.rank} {e.how}" for e in ends if e.node == first.node]
+        att.reason = f"first to fail: {first.describe()}"
+    known = set(nodes) | {e.node for e in ends}
+    for node, label, line in _signatures(log, known):
+        if node in att.suspects or label in ("xid", "ecc", "illegal memory access"):
+            att.suspects.setdefault(node, []).append(f"{label}: {line[:200]}")
+            if not att.reason:
+                att.reason = f"{label} on {node}"
+    return att
+
+
+def _signatures(log: Path | None, nodes: set[str]) -> list[tuple[str, str, str]]:
+    if log is None or not nodes:
+        return []
+    try:
+        with open(log, errors="replace") as f:
+            lines = f.readlines()[-20000:]  # the end of a long log is where a failure is
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        named = [n for n in nodes if re.search(rf"(?<![\w.-]){re.escape(n)}(?![\w-])", line)]
+        if len(named) != 1:
+            continue
+        for label, pattern in SIGNATURES:
+            if pattern.search(line):
+                found.append((named[0], label, line.strip()))
+                break
+    return found
+
+
+# --- exclusion -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExclusionPlan:
+    exclude: list[str]
+    kept: dict[str, str]  # suspect node -> why it is not excluded
+
+    def describe(self) -> str:
+        parts = []
+        if self.exclude:
+            parts.append("excludes " + ", ".join(self.exclude))
+        parts += [f"keeps {n} ({why})" for n, why in sorted(self.kept.items())]
+        return "; ".join(parts) or "no suspect nodes"
+
+
+def plan_exclusion(suspects: dict[str, Suspect], known: list[str] | None, need: int) -> ExclusionPlan:
+    """Which suspects a job of `need` nodes excludes, given the nodes `sinfo` knows (None: unknown,
+    exclude nothing). The most recently suspected go first; never below `need` usable nodes."""
+    if not suspects:
+        return ExclusionPlan([], {})
+    if known is None:
+        return ExclusionPlan([], {n: "Slurm did not list its nodes" for n in suspects})
+    kept: dict[str, str] = {}
+    candidates = []
+    for node in sorted(suspects, key=lambda n: -suspects[n].time):
+        if node not in known:
+            kept[node] = "Slurm no longer knows it"
+        else:
+            candidates.append(node)
+    room = max(len(known) - need, 0)
+    exclude = sorted(candidates[:room])
+    for node in candidates[room:]:
+        kept[node] = (f"excluding it would leave fewer than the job's {need} node(s) of the "
+                      f"{len(known)} Slurm lists")
+    return ExclusionPlan(exclude, kept)
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list (`node[1-3,5],gpu7`) as names."""
+    out: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text.strip()):
+        m = re.fullmatch(r"(?P<pre>[^\[]*)\[(?P<ranges>[^\]]*)\](?P<post>.*)", part)
+        if not m:
+            if part:
+                out.append(part)
+            continue
+        for r in m["ranges"].split(","):
+            lo, _, hi = r.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{m['pre']}{i:0{width}d}{m['post']}")
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
