@@ -52,6 +52,16 @@ def test_a_bad_node_is_excluded_from_the_successor_and_forgiven_after_expiry(slu
         assert f"nodes: suspect node2 after job {first}" in st.stdout and f"job {successor} excludes node2" in st.stdout
         listed = cli(slurm_tmp, "nodes", "--run", str(run))
         assert "node2: first to fail: rank 0 on node2 was killed by SIGBUS" in listed.stdout, listed.stdout
+        # the ledger is the team's: a colleague's new chain on this cluster stays off node2 from its first job
+        other_root = slurm_tmp / "other"
+        other = counter_recipe(slurm_tmp, "other", run={"root": str(other_root)},
+                               cluster={"env": {**ENV}, "node_health_dir": str(health)})
+        proc = cli(slurm_tmp, "submit", str(other))
+        assert proc.returncode == 0 and "node-health ledger: this job excludes node2" in proc.stdout, proc
+        (other_run,) = [p for p in other_root.iterdir() if (p / "run.yaml").exists()]
+        (first_exc,) = events(other_run, "exclusion")
+        assert first_exc["excluded"] == ["node2"] and show_job(first_exc["job_id"]).get("ExcNodeList") == "node2"
+        assert cli(slurm_tmp, "cancel", str(other_run)).returncode == 0
         # let the suspicion expire while the successor still waits for node1
         wait_for(lambda: time.time() > sus["expires"] + 1, TTL_S + 30, interval=1, what="the suspicion to expire")
         assert "no suspect nodes" in cli(slurm_tmp, "nodes", "--run", str(run)).stdout

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
-from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, expand_hostlist, plan_exclusion
+from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, current_plan, expand_hostlist
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration
@@ -178,17 +178,7 @@ class Chain:
 
     def _exclusion_plan(self) -> ExclusionPlan | None:
         """Which suspect nodes a successor excludes now (None: exclusion off, or nothing suspect)."""
-        health = self._node_health()
-        if health is None or not self.settings.exclude_suspects:
-            return None
-        try:
-            suspects = health.active()
-        except OSError as e:
-            log(f"could not read the node-health ledger {health.file}: {e}")
-            return None
-        if not suspects:
-            return None
-        return plan_exclusion(suspects, self.scheduler.known_nodes(self.settings.partition), self.settings.nodes)
+        return current_plan(self.settings, self.scheduler.known_nodes, log)
 
     def _record_exclusion(self, successor: str, plan: ExclusionPlan) -> None:
         self.ledger.append("exclusion", job_id=successor, excluded=plan.exclude, kept=plan.kept)

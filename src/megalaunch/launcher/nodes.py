@@ -207,6 +207,22 @@ def plan_exclusion(suspects: dict[str, Suspect], known: list[str] | None, need: 
     return ExclusionPlan(exclude, kept)
 
 
+def current_plan(settings: Any, known_nodes: Any, warn: Any = print) -> ExclusionPlan | None:
+    """What a job queued now excludes, for a run's RuntimeSettings (None: exclusion off, no ledger,
+    or nothing suspect). `known_nodes(partition)` is the backend's (None: cannot tell)."""
+    if not settings.node_health_dir or not settings.exclude_suspects:
+        return None
+    health = NodeHealth(settings.node_health_dir)
+    try:
+        suspects = health.active()
+    except OSError as e:  # an unreadable ledger must never stop a job from being queued
+        warn(f"could not read the node-health ledger {health.file}: {e}")
+        return None
+    if not suspects:
+        return None
+    return plan_exclusion(suspects, known_nodes(settings.partition), settings.nodes)
+
+
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's compressed host list (`node[1-3,5],gpu7`) as names."""
     out: list[str] = []

@@ -19,6 +19,7 @@ from megalaunch.launcher.backend import (
     resumed_event,
     unfinished,
 )
+from megalaunch.launcher.nodes import ExclusionPlan, current_plan
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
@@ -46,12 +47,14 @@ class SlurmBackend:
                                  fix=f"export {missing[0]}=... before submitting (its value is never written to disk)")
         self.client.check_available()  # fail before writing anything if Slurm is absent
         paths = write_run(prepared)
+        plan = self._plan(paths, echo)
         try:
-            job_id = self.client.sbatch(paths.job_script, cwd=paths.root)
+            job_id = self.client.sbatch(paths.job_script, _exclude_args(plan), cwd=paths.root)
         except BaseException:
             shutil.rmtree(paths.root, ignore_errors=True)  # nothing written unless submitted
             raise
         Ledger(paths).append("submitted", job_id=job_id, by="megalaunch submit")
+        _record(paths, job_id, plan)
         register(paths.root)
         return Started(paths, job_id)
 
@@ -62,8 +65,10 @@ class SlurmBackend:
             paths.cancel_requested.unlink()
         ledger = Ledger(paths)
         ledger.append("chain_resumed", **resumed_event(from_iteration))
-        job_id = self.client.sbatch(paths.job_script, ["--dependency=singleton"], cwd=paths.root)
+        plan = self._plan(paths, echo)
+        job_id = self.client.sbatch(paths.job_script, ["--dependency=singleton", *_exclude_args(plan)], cwd=paths.root)
         ledger.append("submitted", job_id=job_id, by="megalaunch resume")
+        _record(paths, job_id, plan)
         return Started(paths, job_id)
 
     def cancel(self, paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
@@ -95,6 +100,15 @@ class SlurmBackend:
             return {}, str(e)
         return {j: Live(i.state, i.reason if i.reason not in ("None", "") else None) for j, i in jobs.items()}, None
 
+    def _plan(self, paths: RunPaths, echo: Echo) -> ExclusionPlan | None:
+        """The team's suspect nodes that a job queued now stays off (launcher/nodes.py)."""
+        from megalaunch.runtime.settings import RuntimeSettings
+
+        plan = current_plan(RuntimeSettings.load(paths), self.known_nodes, echo)
+        if plan is not None:
+            echo(f"node-health ledger: this job {plan.describe()}")
+        return plan
+
     def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
         extra = ["--dependency=singleton", *([f"--exclude={','.join(exclude)}"] if exclude else [])]
         return self.client.sbatch(paths.job_script, extra, cwd=paths.root)
@@ -117,3 +131,12 @@ class SlurmBackend:
     def state(self, job_id: str) -> str | None:
         info = self.client.job_state(job_id)
         return info.state if info else None
+
+
+def _exclude_args(plan: ExclusionPlan | None) -> list[str]:
+    return [f"--exclude={','.join(plan.exclude)}"] if plan is not None and plan.exclude else []
+
+
+def _record(paths: RunPaths, job_id: str, plan: ExclusionPlan | None) -> None:
+    if plan is not None:
+        Ledger(paths).append("exclusion", job_id=job_id, excluded=plan.exclude, kept=plan.kept)
