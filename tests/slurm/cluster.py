@@ -12,9 +12,11 @@ import getpass
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 #: States after which a job never runs again (``GONE``: no longer known to slurmctld).
@@ -183,3 +185,24 @@ def sbatch(
     if res.returncode != 0:
         raise AssertionError(f"sbatch {args} as {user or 'self'} failed: {res.stderr.strip()}")
     return res.stdout.strip().split(";")[0]
+
+
+SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
+
+
+def stop_slurmctld() -> None:
+    pid = int((SLURM_STATE / "run" / "slurmctld.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z",
+             30, interval=0.2, what="slurmctld to stop")
+
+
+def start_slurmctld() -> None:
+    """Start the controller again from its saved state (running jobs and the queue survive)."""
+    subprocess.run(["slurmctld", "-f", "/etc/slurm/slurm.conf"], check=True, capture_output=True, timeout=60)
+
+    def up() -> bool:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
+        return "is UP" in ping.stdout
+
+    wait_for(up, 60, interval=0.5, what="slurmctld to answer again")

@@ -4,14 +4,12 @@ the crash-loop guard, 2-node rank environment, cancel."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from cluster import queue_ids, wait_for, wait_job_done
+from cluster import queue_ids, start_slurmctld, stop_slurmctld, wait_for, wait_job_done
 from launch import RANKINFO, counter_recipe, ledger, megalaunch, run_dir_of, submitted_ids
 
 
@@ -194,27 +192,6 @@ def test_status_of_all_my_runs_uses_one_query(slurm_tmp: Path) -> None:
 
 # --- the controller stops answering ------------------------------------------------------------------
 
-SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
-
-
-def _stop_slurmctld() -> None:
-    pid = int((SLURM_STATE / "run" / "slurmctld.pid").read_text())
-    os.kill(pid, signal.SIGTERM)
-    wait_for(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z",
-             30, interval=0.2, what="slurmctld to stop")
-
-
-def _start_slurmctld() -> None:
-    """Start the controller again from its saved state (running jobs and the queue survive)."""
-    subprocess.run(["slurmctld", "-f", "/etc/slurm/slurm.conf"], check=True, capture_output=True, timeout=60)
-
-    def up() -> bool:
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)
-        return "is UP" in ping.stdout
-
-    wait_for(up, 60, interval=0.5, what="slurmctld to answer again")
-
-
 def _timed(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
     t0 = time.monotonic()
     proc = megalaunch(None, *args, cwd=cwd, timeout=60)
@@ -229,14 +206,14 @@ def test_status_and_cancel_answer_quickly_with_slurmctld_down(slurm_tmp: Path) -
     run = run_dir_of(slurm_tmp)
     wait_for(lambda: len(submitted_ids(run)) >= 2, 60, what="the successor to be queued")
     _wait_iteration(run, 5)
-    _stop_slurmctld()
+    stop_slurmctld()
     try:
         took_all, listing = _timed("status", "--json", cwd=slurm_tmp)
         took_one, one = _timed("status", str(run), "--json", cwd=slurm_tmp)
         took_text, text = _timed("status", str(run), cwd=slurm_tmp)
         took_cancel, cancel = _timed("cancel", str(run), cwd=slurm_tmp)
     finally:
-        _start_slurmctld()
+        start_slurmctld()
     print(f"slurmctld down: status {took_all:.1f} s, status RUN {took_one:.1f} s / {took_text:.1f} s, "
           f"cancel {took_cancel:.1f} s")
     assert max(took_all, took_one, took_text, took_cancel) < 15

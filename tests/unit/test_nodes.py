@@ -188,3 +188,55 @@ def test_status_shows_the_suspect_and_the_exclusion(tmp_path, monkeypatch) -> No
 class _NoSlurm:
     def live(self, segments):  # type: ignore[no-untyped-def]
         return {}, None
+
+
+class _FlakySlurm(RecordingScheduler):
+    """sbatch fails (the controller is down) for the first `down` submissions."""
+
+    def __init__(self, down: int) -> None:
+        super().__init__()
+        self.down = down
+
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
+        from megalaunch.errors import SlurmError
+
+        if self.down > 0:
+            self.down -= 1
+            raise SlurmError("'sbatch --parsable' did not answer within 60 s: the Slurm controller is slow or down")
+        return super().submit_successor(paths, exclude)
+
+
+def test_slurm_not_answering_at_segment_start_is_not_a_failure(tmp_path, monkeypatch) -> None:
+    import megalaunch.launcher.chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
+    paths = make_run(tmp_path, "cluster.backend=slurm")
+    sched = _FlakySlurm(down=2)  # begin's try and end's first try fail, end's first retry works
+    chain = Chain(paths, sched)
+    assert chain.begin("41").proceed  # trains anyway
+    (miss,) = events(paths, "successor_not_queued")
+    assert miss["when"] == "begin" and "did not answer" in miss["error"]
+    paths.tracker.write_text("50\n")
+    _outcome(monkeypatch, paths, "41", "saved", iteration=50)
+    v = chain.end("41", 0)
+    assert v.proceed and sched.submitted == ["100"]
+    assert events(paths, "submitted")[-1]["by"].startswith("segment 41 (at its end")
+    assert not events(paths, "chain_stopped")
+
+
+def test_slurm_down_at_both_ends_pauses_the_chain_and_says_how_to_resume(tmp_path, monkeypatch) -> None:
+    import megalaunch.launcher.chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
+    paths = make_run(tmp_path, "cluster.backend=slurm")
+    sched = _FlakySlurm(down=10)
+    chain = Chain(paths, sched)
+    assert chain.begin("51").proceed
+    paths.tracker.write_text("50\n")
+    _outcome(monkeypatch, paths, "51", "saved", iteration=50)
+    v = chain.end("51", 0)
+    assert not v.proceed and f"megalaunch resume {paths.root}" in v.reason
+    assert [e["when"] for e in events(paths, "successor_not_queued")] == ["begin", "end"]
+    assert sched.submitted == [] and sched.down == 10 - 1 - 3  # begin's try, then end's try and 2 retries
+    ended = [e for e in events(paths, "ended") if e["job_id"] == "51"]
+    assert ended[0]["outcome"] == "saved"  # the segment itself is not counted as failed

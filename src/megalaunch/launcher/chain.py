@@ -21,6 +21,7 @@ from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.runtime.settings import RuntimeSettings
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
+SUCCESSOR_RETRY_S = (5, 10, 20, 30, 45)  # `job end`'s waits before each retry of a successor Slurm refused
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,11 @@ class Chain:
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
                            **({} if requested is None else {"resume_from": requested}))
         if self.settings.auto_requeue:
-            plan = self._exclusion_plan()
-            successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None)
-            if successor is not None:
-                self.ledger.append("submitted", job_id=successor, by=f"segment {job_id}", dependency="singleton")
-                if plan is not None:
-                    self._record_exclusion(successor, plan)
-                log(f"queued successor {successor} (singleton)")
-                if self.paths.cancel_requested.exists():  # a cancel raced with the submission
-                    self.scheduler.cancel_jobs([successor])
+            try:
+                self._queue_successor(job_id, f"segment {job_id}")
+            except Exception as e:  # Slurm did not answer: train anyway, `job end` queues it (unknown != failed)
+                self.ledger.append("successor_not_queued", job_id=job_id, when="begin", error=str(e))
+                log(f"could not queue the successor now ({e}); training anyway, `job end` tries again")
         log(f"segment {job_id} starts at checkpoint iteration {iteration}")
         return Verdict(True, "train")
 
@@ -148,9 +145,44 @@ class Chain:
             return stopped_by_guard
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
+        paused = self._requeue_if_begin_could_not(job_id)
+        if paused is not None:
+            return paused
         if status == "failed":
             self._exclude_on_successors(job_id)
         return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _queue_successor(self, job_id: str, by: str) -> str | None:
+        plan = self._exclusion_plan()
+        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None)
+        if successor is not None:
+            self.ledger.append("submitted", job_id=successor, by=by, dependency="singleton")
+            if plan is not None:
+                self._record_exclusion(successor, plan)
+            log(f"queued successor {successor} (singleton)")
+            if self.paths.cancel_requested.exists():  # a cancel raced with the submission
+                self.scheduler.cancel_jobs([successor])
+        return successor
+
+    def _requeue_if_begin_could_not(self, job_id: str) -> Verdict | None:
+        """`job begin` could not queue this segment's successor (Slurm did not answer): queue it now,
+        retrying for about two minutes. None when there is a successor; else the chain pauses."""
+        if not any(e.get("job_id") == job_id for e in self.ledger.events() if e["event"] == "successor_not_queued"):
+            return None
+        import time
+
+        error = ""
+        for wait_s in (0, *SUCCESSOR_RETRY_S):
+            time.sleep(wait_s)
+            try:
+                self._queue_successor(job_id, f"segment {job_id} (at its end: `job begin` could not)")
+                return None
+            except Exception as e:
+                error = str(e)
+                log(f"could not queue the successor ({error})")
+        self.ledger.append("successor_not_queued", job_id=job_id, when="end", error=error)
+        return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
+                              f"pauses, nothing is lost: megalaunch resume {self.paths.root}")
 
     # ------------------------------------------------------------------------------ bad nodes
     def _node_health(self) -> NodeHealth | None:
