@@ -47,12 +47,18 @@ def events(paths: RunPaths, name: str) -> list[dict]:
     return [json.loads(x) for x in paths.ledger.read_text().splitlines() if json.loads(x)["event"] == name]
 
 
-def test_a_failed_segment_names_the_first_node_to_fail_and_its_successor_excludes_it(tmp_path, monkeypatch) -> None:
-    paths = make_run(tmp_path, "cluster.backend=slurm", "cluster.nodes=1")
+def slurm_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: int,
+                nodelist: str) -> tuple[RunPaths, RecordingScheduler, Chain]:
+    """A Slurm run of `nodes` node(s) on a cluster of node1 and node2, its segment running on `nodelist`."""
+    paths = make_run(tmp_path, "cluster.backend=slurm", f"cluster.nodes={nodes}")
     sched = RecordingScheduler()
     sched.nodes = ["node1", "node2"]
-    chain = Chain(paths, sched)
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", nodelist)
+    return paths, sched, Chain(paths, sched)
+
+
+def test_a_failed_segment_names_the_first_node_to_fail_and_its_successor_excludes_it(tmp_path, monkeypatch) -> None:
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 1, "node2")
     assert chain.begin("11").proceed and sched.submitted == ["100"] and sched.excluded == {}
     task(paths, "11", 0, "node2", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     task(paths, "11", 1, "node2", "raise SystemExit(1)")
@@ -74,11 +80,7 @@ def test_a_failed_segment_names_the_first_node_to_fail_and_its_successor_exclude
 
 
 def test_exclusion_never_makes_the_job_unschedulable(tmp_path, monkeypatch) -> None:
-    paths = make_run(tmp_path, "cluster.backend=slurm", "cluster.nodes=2")
-    sched = RecordingScheduler()
-    sched.nodes = ["node1", "node2"]
-    chain = Chain(paths, sched)
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
     assert chain.begin("21").proceed
     started(paths, "21", "node[1-2]")
     task(paths, "21", 1, "node2", "raise SystemExit(3)")
@@ -171,11 +173,7 @@ def test_the_nodes_command_lists_and_clears(tmp_path) -> None:
 def test_status_shows_the_suspect_and_the_exclusion(tmp_path, monkeypatch) -> None:
     from megalaunch.launcher.status import format_run_status, run_status
 
-    paths = make_run(tmp_path, "cluster.backend=slurm", "cluster.nodes=1")
-    sched = RecordingScheduler()
-    sched.nodes = ["node1", "node2"]
-    chain = Chain(paths, sched)
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node2")
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 1, "node2")
     chain.begin("31")
     task(paths, "31", 0, "node2", "raise SystemExit(2)")
     chain.end("31", 1)

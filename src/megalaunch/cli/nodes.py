@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from megalaunch.cli.output import emit_json, say
+
+if TYPE_CHECKING:
+    from megalaunch.launcher.nodes import NodeHealth
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True)
 
@@ -19,7 +22,7 @@ DirOpt = Annotated[str | None, typer.Option(
     "itself (default: ~/megalaunch-runs/.node-health, next to the default run root).")]
 
 
-def _health(where: str | None):  # type: ignore[no-untyped-def]
+def _health(where: str | None) -> NodeHealth:
     """The ledger of a run's cluster, a node-health directory given as is, or the default one."""
     from megalaunch.errors import RunDirError
     from megalaunch.launcher.nodes import NodeHealth

@@ -119,7 +119,7 @@ class Chain:
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         new_ckpt = _advanced(start_iter, now)
         if status == "failed":
-            self._suspect_nodes(job_id, ends)
+            self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
         self._remove_failed_saves(job_id)
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
@@ -145,11 +145,11 @@ class Chain:
             return stopped_by_guard
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
-        paused = self._requeue_if_begin_could_not(job_id)
+        if status == "failed":  # the successor queued at `job begin` stays off the suspects
+            self._exclude_on_successors(job_id)
+        paused = self._requeue_if_begin_could_not(job_id)  # one queued now excludes them from the start
         if paused is not None:
             return paused
-        if status == "failed":
-            self._exclude_on_successors(job_id)
         return Verdict(True, f"outcome {status}: the next segment resumes")
 
     def _queue_successor(self, job_id: str, by: str) -> str | None:
@@ -189,13 +189,11 @@ class Chain:
         d = self.settings.node_health_dir
         return NodeHealth(d) if d else None
 
-    def _suspect_nodes(self, job_id: str, ends: list[TaskEnd]) -> None:
-        """A failed segment: record the node(s) it points at in the team's node-health ledger."""
+    def _suspect_nodes(self, job_id: str, ends: list[TaskEnd], nodes: list[str]) -> None:
+        """A failed segment (on `nodes`): record the node(s) it points at in the team's node-health ledger."""
         health = self._node_health()
         if health is None:
             return
-        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
-        nodes = expand_hostlist(str((started or {}).get("nodes") or ""))
         att = attribute(ends, self.paths.segment_log(job_id), nodes)
         for node, evidence in att.suspects.items():
             try:
