@@ -15,7 +15,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_TRAINING_OWN = {"precision", "attention", "log_interval", "eval_interval", "eval_iters"}
+_TRAINING_OWN = {"precision", "attention", "recompute", "log_interval", "eval_interval", "eval_iters"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
                    "async_save"}
 
@@ -56,6 +56,16 @@ def _model_args(recipe: Recipe) -> list[str]:
     return out
 
 
+def recompute_args(mode: str) -> list[str]:
+    """training.recompute -> Megatron's flags: selective recomputes the core attention; full recomputes
+    every layer from its input (uniform, one layer per checkpoint: the least memory)."""
+    if mode == "selective":
+        return ["--recompute-granularity", "selective"]
+    if mode == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return []
+
+
 def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     """The full Megatron argument list for this recipe and run directory."""
     out = _model_args(recipe)
@@ -73,6 +83,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _emit(out, "transformer_impl", t.transformer_impl)
     if t.precision != "fp32":
         out.append(flag(t.precision))
+    out += recompute_args(t.recompute)
     _emit(out, "log_interval", t.log_interval)
     _emit(out, "eval_interval", t.eval_interval)
     _emit(out, "eval_iters", t.eval_iters)

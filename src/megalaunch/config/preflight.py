@@ -195,8 +195,8 @@ def _check_sequence(recipe: Recipe, topo: Topology) -> None:
                  f"{m.seq_length} is not divisible by 2 x CP = {2 * topo.cp}", "a multiple of 2 x CP",
                  "choose another seq_length or CP")
         _require(recipe.training.attention != "sdpa", "training.attention",
-                 "sdpa attention does not support context parallelism", "local or te with CP > 1",
-                 "--set training.attention=local")
+                 "sdpa attention does not support context parallelism", "auto, local or te with CP > 1",
+                 "--set training.attention=auto")
 
 
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9._,:=@/+%\-\[\]]+\Z")  # parsed by sbatch, not a shell; \Z: no final newline
@@ -355,4 +355,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     else:
         blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
+    from megalaunch.config.fit import check_memory
+
+    check_memory(recipe, topo.dp, topo.num_microbatches, tokenizer_vocab_size(recipe, spec))
     return topo, blend

@@ -96,7 +96,12 @@ class TrainingConfig:
     log_interval: int = doc("iterations between log lines and progress.json", 10)
     eval_interval: int = doc("iterations between evaluations", 1000)
     eval_iters: int = doc("batches per evaluation (0 disables)", 0)
-    attention: Literal["local", "sdpa", "te"] = doc("attention kernel: local (Megatron), sdpa (torch), te", "local")
+    attention: Literal["auto", "local", "sdpa", "te"] = doc(
+        "attention kernel: auto (chosen in the job: transformer-engine if importable, else flash-attn, else "
+        "torch SDPA; recorded in the ledger), local (Megatron's, slow), sdpa (torch), te", "auto")
+    recompute: Literal["none", "selective", "full"] = doc(
+        "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
+        "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
 
     def __post_init__(self) -> None:
@@ -214,6 +219,9 @@ class ClusterConfig:
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch", path="path")
     master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "
                                   "node do not collide)", None)
+    gpu: str | None = doc("GPU type, e.g. H100, H200, A100-40GB, GH200 (config/gpus.py): preflight's memory check "
+                          "and `megalaunch plan` use its memory and speed", None)
+    gpu_memory_gb: float | None = doc("GPU memory in GiB, when cluster.gpu is unset or not in the table", None)
     gpu_peak_tflops: float | None = doc("dense bf16 peak TFLOP/s per GPU for MFU (default: from the GPU's name, "
                                         "docs/goodput.md)", None)
     node_health_dir: str | None = doc("the team's node-health ledger for this cluster: a shared directory the "
@@ -229,6 +237,8 @@ class ClusterConfig:
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise ValueError("cluster.tasks_per_node must be >= 1")
         parse_time_limit(self.time)
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError("cluster.gpu_memory_gb must be > 0")
         if self.suspect_ttl_h <= 0:
             raise ValueError("cluster.suspect_ttl_h must be > 0")
         for name in list(self.env) + list(self.secret_env):

@@ -30,6 +30,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megalaunch.config.gpus import GPUS
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger, segment_numbers
 from megalaunch.rundir.paths import RunPaths
@@ -39,11 +40,9 @@ STARTUP = tuple(name for name, _ in STARTUP_PHASES)
 COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
 FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
 
-# Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins).
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
-    ("H800", 989.0), ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-)
+# Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins):
+# the GPU table (config/gpus.py) is the one place that knows GPUs.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = tuple((g.name, g.peak_tflops) for g in GPUS)
 
 
 def peak_tflops(gpu: str | None, override: float | None = None) -> float | None:
