@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from megalaunch import __version__
-from megalaunch.cli import job, recipes, report, run
+from megalaunch.cli import job, plan, recipes, report, run
 from megalaunch.errors import MegalaunchError
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 run.register(app)
 report.register(app)
+plan.register(app)
 app.add_typer(recipes.app, name="recipes", help="List, show and validate recipes.")
 app.add_typer(job.app, name="job", help="Called by the job script inside each segment (not by hand).")
 for _name, _help in (("tokenize", "Tokenize raw text into Megatron .bin/.idx with datatrove."),

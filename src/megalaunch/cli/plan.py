@@ -1,0 +1,56 @@
+"""`megalaunch plan RECIPE`: the valid layouts ranked by predicted speed, with their memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from megalaunch.cli.options import ClusterOpt, SetOpt
+from megalaunch.cli.output import say
+
+
+def plan(
+    recipe: Annotated[str, typer.Argument(help="Recipe file or shipped name.")],
+    nodes: Annotated[int | None, typer.Option("--nodes", help="Nodes (default: the recipe's cluster.nodes).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", help="GPUs per node (default: the recipe's).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU type, e.g. H100, H200, A100-40GB (default: cluster.gpu).")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Layouts to show.")] = 15,
+    apply: Annotated[bool, typer.Option("--apply", help="Print the --set lines of the first layout (or write a "
+                                        "recipe with --write).")] = False,
+    write: Annotated[Path | None, typer.Option("--write", help="With --apply: write a recipe including RECIPE with "
+                                               "the first layout to this file.")] = None,
+    set_: SetOpt = None,
+    cluster: ClusterOpt = None,
+) -> None:
+    """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute) by predicted tokens/s."""
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.plan import plan_recipe, recipe_text, set_lines, table
+    from megalaunch.config.preflight import tokenizer_vocab_size
+    from megalaunch.errors import PreflightError
+
+    loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
+    result = plan_recipe(loaded.recipe, tokenizer_vocab_size(loaded.recipe), nodes=nodes,
+                         gpus_per_node=gpus_per_node, gpu=gpu)
+    if apply:
+        if result.best is None:
+            raise PreflightError(f"no layout of {loaded.recipe.name} fits {result.memory_gib:.0f} GiB per GPU",
+                                 field="--nodes", valid="more GPUs", fix="raise --nodes or use a GPU with more memory")
+        if write is not None:
+            write.write_text(recipe_text(recipe, result))
+            say(f"wrote {write}: megalaunch submit {write}")
+            return
+        say(" ".join(f"--set {line}" for line in set_lines(result.best.layout)))
+        return
+    fitting = sum(c.fits for c in result.candidates)
+    say(f"{loaded.recipe.name} on {result.nodes} x {result.gpus_per_node} {result.gpu.name} "
+        f"({result.memory_gib:.0f} GiB each): {len(result.candidates)} layouts, {fitting} fit")
+    for line in table(result.candidates, top):
+        say(line)
+    if result.best is not None:
+        say(f"apply the first: megalaunch plan {recipe} --apply  (or --apply --write my-recipe.yaml)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(plan)
