@@ -178,6 +178,23 @@ def check_kernels(argv: list[str], attention: str) -> list[str]:
     return notes
 
 
+def resolve_attention(requested: str, argv: list[str], *, cpu: bool) -> tuple[str, str]:
+    """`training.attention: auto` decided here, in the job, where importability is known: transformer-engine
+    if importable, else flash-attn, else torch SDPA. Returns (the choice, why). With context parallelism
+    (which torch SDPA and flash-attn here do not support) the fallback is Megatron's local attention."""
+    if requested != "auto":
+        return requested, "set in the recipe"
+    cp = int(_flag_value(argv, "--context-parallel-size") or 1)
+    if not cpu and installed("transformer_engine"):
+        return "te", "auto: transformer-engine is importable"
+    if cp > 1:
+        return "local", f"auto: context parallelism (CP {cp}) without transformer-engine needs Megatron's local attention"
+    if not cpu and installed("flash_attn"):
+        return "flash", "auto: flash-attn is importable (no transformer-engine)"
+    return "sdpa", "auto: torch SDPA (neither transformer-engine nor flash-attn is importable)" if not cpu \
+        else "auto: torch SDPA on the CPU"
+
+
 def _flag_value(argv: list[str], flag: str) -> str | None:
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):

@@ -6,6 +6,8 @@ Attention implementations (`training.attention` in a recipe):
 - `local`: Megatron's own DotProductAttention (no transformer-engine needed; slow, memory-hungry);
 - `sdpa`:  `torch.nn.functional.scaled_dot_product_attention` (causal, GQA) as the core attention in
            Megatron's local layer spec: ~20-28 % more tokens/s than `local` on one GPU (docs/results.md);
+- `flash`: flash-attn's `flash_attn_func` (causal, GQA) in the same place (what `auto` picks when
+           flash-attn is importable and transformer-engine is not);
 - `te`:    transformer-engine's spec (needs `transformer_impl: transformer_engine` and TE installed).
 
 Heavy imports (torch, megatron) happen inside functions: importing this module is cheap."""
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-ATTENTIONS = ("local", "sdpa", "te")
+ATTENTIONS = ("local", "sdpa", "flash", "te")
 
 
 def sdpa_attention_class() -> type:
@@ -37,6 +39,31 @@ def sdpa_attention_class() -> type:
 
 
 _SDPA_CLASS: type | None = None
+_FLASH_CLASS: type | None = None
+
+
+def flash_attention_class() -> type:
+    """The flash-attn core-attention module: the SDPA module with flash-attn's kernel."""
+    global _FLASH_CLASS
+    if _FLASH_CLASS is None:
+        base: Any = sdpa_attention_class()
+
+        class FlashAttention(base):  # type: ignore[misc,valid-type]
+            def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                        attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+                from flash_attn import flash_attn_func
+
+                if packed_seq_params is not None or attention_bias is not None:
+                    raise ValueError("attention: flash supports neither packed sequences nor an attention bias")
+                sq, b, np_, hn = query.shape
+                q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads, d]; GQA is native
+                out = flash_attn_func(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                      softmax_scale=self.softmax_scale, causal=True)
+                return out.transpose(0, 1).reshape(sq, b, np_ * hn)
+
+        _FLASH_CLASS = FlashAttention
+    return _FLASH_CLASS
 
 
 def _make_sdpa_class() -> type:
@@ -99,17 +126,18 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
     num_experts = getattr(config, "num_moe_experts", None)
     moe_grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
     if transformer_impl == "transformer_engine" or attention == "te":
-        if attention == "sdpa":
-            raise ValueError("attention: sdpa goes with transformer_impl: local (TE brings its own attention)")
+        if attention in ("sdpa", "flash"):
+            raise ValueError(f"attention: {attention} goes with transformer_impl: local (TE brings its own attention)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization=normalization)
-    if attention == "sdpa":
+    if attention in ("sdpa", "flash"):
         spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+        spec.submodules.self_attention.submodules.core_attention = \
+            sdpa_attention_class() if attention == "sdpa" else flash_attention_class()
     if getattr(config, "sequence_parallel", False):
         spec = _with_norm(copy.deepcopy(spec), sequence_parallel_norm_class())
     return spec

@@ -37,6 +37,7 @@ from megalaunch.runtime.failures import (
     ConfigFailure,
     Failure,
     check_kernels,
+    resolve_attention,
     classify,
     exit_failure,
     recipe_field_fix,
@@ -369,7 +370,11 @@ def _setup(session: Session) -> tuple[list[str], str]:
         cpu_compat.enable()
         session.log("no GPU: running on the CPU (gloo, cpu_compat)")
     argv = megatron_argv(paths)
-    for note in check_kernels(argv, settings.attention):  # a missing library: config_error, now
+    cpu = settings.cpu or not torch.cuda.is_available()
+    attention, why = resolve_attention(settings.attention, argv, cpu=cpu)
+    session.log(f"attention: {attention} ({why})")
+    session.ledger("attention", requested=settings.attention, chosen=attention, why=why)
+    for note in check_kernels(argv, attention):  # a missing library: config_error, now
         session.log(note)
         session.ledger("kernel", note=note)
     from megalaunch.runtime import megatron_seams
@@ -379,8 +384,8 @@ def _setup(session: Session) -> tuple[list[str], str]:
     if rank == 0 and settings.wandb_project:
         _open_wandb(session)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
-    session.timeline.mark("setup_done", gpu=gpu)
-    return argv, settings.attention
+    session.timeline.mark("setup_done", gpu=gpu, attention=attention)
+    return argv, attention
 
 
 def _open_wandb(session: Session) -> None:
