@@ -37,10 +37,10 @@ from megalaunch.runtime.failures import (
     ConfigFailure,
     Failure,
     check_kernels,
-    resolve_attention,
     classify,
     exit_failure,
     recipe_field_fix,
+    resolve_attention,
 )
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal

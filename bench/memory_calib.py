@@ -1,0 +1,182 @@
+"""Memory model calibration: estimated vs measured max allocated memory, and step time, per layout.
+
+    PYTHONPATH=src python bench/memory_calib.py --cases 1b-s4k,1b-s8k,...   # see --list
+    PYTHONPATH=src python bench/memory_calib.py --list
+
+Each case is a real megalaunch run (`python -m megalaunch.runtime.train RUN`, one process per GPU, the
+local backend's environment) of a few iterations on mock data. Megatron's own memory report after the
+first log interval ("max allocated", torch.cuda.max_memory_allocated, MB) gives the measured peak of
+every reporting rank (the maximum is taken); the step time comes from the later log lines. One-GPU
+cases run two at a time on a 2-GPU machine. Prints a table and writes OUT/memory_calib.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).resolve().parent))]
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+sys.path.insert(0, str(SRC))
+
+MEM_RE = re.compile(r"\[Rank (\d+)\].*?max allocated: ([\d.]+)")
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
+                     r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?")
+
+BASE = ["cluster.backend=local", "cluster.nodes=1", "training.lr_warmup_iters=1", "training.train_iters=100000",
+        "training.eval_iters=0", "training.log_interval=2", "training.precision=bf16", "training.attention=sdpa",
+        "parallel.use_distributed_optimizer=true", "checkpoint.save_interval=1000000", "chain.hang_timeout_s=900",
+        "megatron_args.log-throughput=true", "data.num_workers=1"]
+L8B8 = ["model.num_layers=8"]  # llama3-8b's width with 8 of its 32 layers (2.8B): fits one or two H100s
+
+# name -> (recipe, GPUs, overrides)
+CASES: dict[str, tuple[str, int, list[str]]] = {
+    "1b-s4k": ("train/llama3-1b", 1, ["model.seq_length=4096", "training.micro_batch_size=1", "training.global_batch_size=4"]),
+    "1b-s8k": ("train/llama3-1b", 1, ["training.micro_batch_size=1", "training.global_batch_size=4"]),
+    "1b-s4k-mb2-full": ("train/llama3-1b", 1, ["model.seq_length=4096", "training.micro_batch_size=2",
+                                               "training.global_batch_size=4", "training.recompute=full"]),
+    "1b-s8k-sel": ("train/llama3-1b", 1, ["training.micro_batch_size=1", "training.global_batch_size=4",
+                                          "training.recompute=selective"]),
+    "1b-s8k-tp2": ("train/llama3-1b", 2, ["training.micro_batch_size=1", "training.global_batch_size=4",
+                                          "parallel.tensor_model_parallel_size=2"]),
+    "1b-s8k-dp2-mb2": ("train/llama3-1b", 2, ["training.micro_batch_size=2", "training.global_batch_size=8"]),
+    "8b8l-dp2": ("train/llama3-8b", 2, [*L8B8, "training.micro_batch_size=1", "training.global_batch_size=8",
+                                        "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]),
+    "8b8l-tp2": ("train/llama3-8b", 2, [*L8B8, "training.micro_batch_size=1", "training.global_batch_size=8",
+                                        "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"]),
+    "8b8l-tp2-sp": ("train/llama3-8b", 2, [*L8B8, "training.micro_batch_size=1", "training.global_batch_size=8",
+                                           "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+    "8b8l-pp2": ("train/llama3-8b", 2, [*L8B8, "training.micro_batch_size=1", "training.global_batch_size=8",
+                                        "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                                        "parallel.pipeline_model_parallel_size=2"]),
+    "8b8l-dp2-full": ("train/llama3-8b", 2, [*L8B8, "training.micro_batch_size=1", "training.global_batch_size=8",
+                                             "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                                             "training.recompute=full"]),
+}
+
+
+def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> tuple[Path, Any]:
+    """A run directory and the recipe's memory estimate (config/memory.py)."""
+    from megalaunch.config.fit import model_shape, recipe_layout
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.memory import estimate
+    from megalaunch.config.preflight import topology
+    from megalaunch.launcher.prepare import prepare_run, write_run
+
+    all_sets = [*BASE, f"cluster.gpus_per_node={gpus}", "cluster.gpu=null", *sets]
+    loaded = load_recipe(recipe, all_sets, name=name, cluster="local")
+    r = loaded.recipe
+    topo = topology(r)
+    est = estimate(model_shape(r, r.data.vocab_size), recipe_layout(r, topo.dp, topo.num_microbatches))
+    return write_run(prepare_run(loaded, root=root)).root, est
+
+
+def launch(run: Path, devices: list[int], log: Path, port: int) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    f = open(log, "wb")  # noqa: SIM115 (shared by the ranks, closed with the process)
+    for rank in range(len(devices)):
+        env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+               "MEGALAUNCH_RUN_DIR": str(run), "MEGALAUNCH_JOB_ID": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "megalaunch.runtime.train", str(run)], env=env,
+                                      stdout=f, stderr=subprocess.STDOUT))
+    return procs
+
+
+def measure(log: Path, iters: int) -> dict[str, Any] | None:
+    text = log.read_text(errors="replace")
+    rows = [(int(m.group(1)), float(m.group(2)), float(m.group(3) or "nan")) for m in ITER_RE.finditer(text)]
+    mems = [float(m.group(2)) for m in MEM_RE.finditer(text)]
+    if not mems or not rows or rows[-1][0] < iters:
+        return None
+    later = [r for r in rows if r[0] > 2] or rows
+    return {"max_allocated_gib": max(mems) / 1024, "ms_per_iteration": statistics.mean(r[1] for r in later),
+            "tflops_per_gpu": statistics.mean(r[2] for r in later)}
+
+
+def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, timeout: float,
+              cases: dict[str, tuple[str, int, list[str]]] = CASES) -> list[dict[str, Any]]:
+    pending = list(names)
+    running: list[tuple[str, list[int], list[subprocess.Popen[bytes]], Path, Any, float]] = []
+    results = []
+    free = list(range(gpus_available))
+    port = 29600
+    while pending or running:
+        for name in list(pending):
+            recipe, gpus, sets = cases[name]
+            if gpus <= len(free):
+                devs, free = free[:gpus], free[gpus:]
+                run, est = prepare(out / "runs", recipe, gpus, sets, name)
+                port += 1
+                log = out / f"{name}.log"
+                running.append((name, devs, launch(run, devs, log, port), log, est, time.monotonic()))
+                pending.remove(name)
+        time.sleep(2)
+        for item in list(running):
+            name, devs, procs, log, est, t0 = item
+            got = measure(log, iters)
+            dead = any(p.poll() is not None for p in procs)
+            if got or dead or time.monotonic() - t0 > timeout:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+                running.remove(item)
+                free += devs
+                row = {"case": name, "gpus": len(devs), "estimate_gib": est.total / 2**30,
+                       "breakdown": est.breakdown(), **(got or {"error": f"no result, see {log.name}"})}
+                if got:
+                    row["error_pct"] = 100 * (row["estimate_gib"] / got["max_allocated_gib"] - 1)
+                results.append(row)
+                print(f"  {name}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})}",
+                      flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "memory_calib")
+    a = parser.parse_args()
+    if a.list:
+        for name, (recipe, gpus, sets) in CASES.items():
+            print(f"{name:18s} {gpus} GPU  {recipe}  {' '.join(sets)}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs CUDA GPUs", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    rows = run_cases([c for c in a.cases.split(",") if c], a.out, a.iters, torch.cuda.device_count(), a.timeout)
+    result_file = a.out / "memory_calib.json"
+    old = json.loads(result_file.read_text()) if result_file.exists() else {"rows": []}
+    done = {r["case"] for r in rows}
+    data = {"device": device, "torch": torch.__version__, "rows": [r for r in old["rows"] if r["case"] not in done] + rows}
+    result_file.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\n== memory model vs measured on {device} ==")
+    print(f"{'case':18s} {'GPUs':>4} {'estimate':>9} {'measured':>9} {'error':>7} {'s/iter':>7} {'TFLOP/s':>8}")
+    for r in data["rows"]:
+        if "max_allocated_gib" in r:
+            print(f"{r['case']:18s} {r['gpus']:>4} {r['estimate_gib']:>7.1f} G {r['max_allocated_gib']:>7.1f} G "
+                  f"{r['error_pct']:>+6.1f}% {r['ms_per_iteration'] / 1000:>7.2f} {r['tflops_per_gpu']:>8.1f}")
+        else:
+            print(f"{r['case']:18s} {r['gpus']:>4} {r['estimate_gib']:>7.1f} G  {r['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
