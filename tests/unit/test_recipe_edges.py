@@ -150,7 +150,7 @@ def test_a_section_of_the_wrong_shape_is_refused_though_a_profile_replaces_it(tm
     (["name=a%b"], "error: name 'a%b' must be", "<recipe>"),
     (["training.nodes=2"], "'nodes' is a field of cluster", "megatron_args"),
     (["logging.wandb_api_key=x"], "did you mean", "megatron_args"),
-    (["training.recompute_granularity=full"], "did you mean 'recompute'", "training.recompute_granularity"),
+    (["training.recompute_granularity=full"], "did you mean 'recompute'", "megatron_args"),
     (["run.root=/tmp/my runs"], "run.root: '/tmp/my runs'", "%x"),
 ])
 def test_one_prefix_and_a_pointed_message(sets: list[str], must: str, must_not: str) -> None:
