@@ -220,10 +220,10 @@ class ClusterConfig:
                                       "group can write (default: RUN_ROOT/.node-health)", None, path="path")
     suspect_ttl_h: float = doc("hours a node stays suspect after a failure attributed to it", 12.0)
     exclude_suspects: bool = doc("a failed segment's successor excludes the suspect nodes (Slurm)", True)
-    health_check: Literal["auto", "on", "off"] = doc(
+    health_check: bool | Literal["auto"] = doc(
         "a matmul + all-reduce check on every rank at segment start (~30 s at most): a slow or failing node "
-        "ends the segment `unhealthy_node` and the successor excludes it; auto: on with GPUs, off on the CPU",
-        "auto")
+        "ends the segment `unhealthy_node` and the successor excludes it; true/on, false/off, or auto: on "
+        "with GPUs, off on the CPU", "auto")
     health_check_margin: float = doc(
         "a rank whose matmul TFLOP/s is below the job's median (or the team's recorded figure for the "
         "device) by more than this fraction is unhealthy (0.2: 20 % slower)", 0.2)

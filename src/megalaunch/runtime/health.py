@@ -17,7 +17,7 @@ excludes them. Bounded: each measurement stops at its time budget (~30 s for the
 
 Test hooks (environment): MEGALAUNCH_TEST_SLOW_NODE=NODE[:FACTOR] makes the matmul loop on NODE
 FACTOR (default 10) times slower (a sleep inside the timed region); MEGALAUNCH_TEST_HEALTH_FAIL=NODE
-makes the check raise on NODE."""
+makes the check raise on NODE. NODE may also be `rankN` (one rank, for tests on one machine)."""
 
 from __future__ import annotations
 
@@ -155,12 +155,15 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _slow_factor(node: str) -> float:
-    """MEGALAUNCH_TEST_SLOW_NODE=NODE[:FACTOR] (test hook)."""
-    text = os.environ.get(SLOW_NODE_ENV) or ""
-    for item in text.split(","):
+def _hooked(name: str, node: str, rank: int) -> bool:
+    return bool(name) and name in (node, f"rank{rank}")
+
+
+def _slow_factor(node: str, rank: int) -> float:
+    """MEGALAUNCH_TEST_SLOW_NODE=NODE[:FACTOR],... (test hook; NODE may be `rankN` for one rank)."""
+    for item in (os.environ.get(SLOW_NODE_ENV) or "").split(","):
         name, _, factor = item.strip().partition(":")
-        if name and name == node:
+        if _hooked(name, node, rank):
             return float(factor or 10.0)
     return 1.0
 
@@ -240,9 +243,9 @@ def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -
     key, tflops, gbps, error = "?", None, None, None
     try:
         key = device_key(torch, device, n)
-        if os.environ.get(FAIL_NODE_ENV) == node:
-            raise RuntimeError(f"test hook {FAIL_NODE_ENV}={node}")
-        tflops = measure_matmul(torch, device, n=n, seconds=seconds, slow_factor=_slow_factor(node))
+        if _hooked(os.environ.get(FAIL_NODE_ENV) or "", node, rank):
+            raise RuntimeError(f"test hook {FAIL_NODE_ENV}={os.environ[FAIL_NODE_ENV]}")
+        tflops = measure_matmul(torch, device, n=n, seconds=seconds, slow_factor=_slow_factor(node, rank))
     except Exception as e:  # this rank fails the check; it still takes part in the collectives below
         error = f"{type(e).__name__}: {e}"[:300]
     if dist.is_initialized():
