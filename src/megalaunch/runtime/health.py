@@ -83,7 +83,7 @@ class HealthVerdict:
 
 
 def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)
+    return None if v is None else float(f"{v:.4g}")  # 4 significant digits: CPU figures are tiny
 
 
 def _median(values: list[float | None]) -> float | None:
