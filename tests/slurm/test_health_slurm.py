@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 from cluster import run_as, sbatch, show_job, wait_for
-from launch import ledger, megalaunch, run_dir_of, submitted_ids
+from launch import MEGALAUNCH, ledger, run_dir_of, submitted_ids
 from test_train_slurm import _node_names_resolve, train_recipe  # noqa: F401 - the fixture is autouse
 
 pytestmark = pytest.mark.megatron
+REPO = Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": str(REPO / "src")}  # this checkout's code, for the CLI and the jobs it submits
+
+
+def megalaunch(*args: str, cwd: Path | None = None):  # type: ignore[no-untyped-def]
+    return run_as(None, [MEGALAUNCH, *args], ENV, cwd=cwd, timeout=120)
 
 
 def _events(run: Path, name: str, job: str | None = None) -> list[dict]:
@@ -30,12 +36,12 @@ def test_a_node_slow_in_the_health_check_is_unhealthy_and_the_successor_excludes
     recipe = train_recipe(slurm_tmp, "slownode", training={"train_iters": 1000000}, cluster={
         "time": "00:10:00", "health_check": True, "health_check_margin": 0.75, "node_health_dir": str(health),
         "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.2", "OMP_NUM_THREADS": "1",
-                "MEGALAUNCH_TEST_SLOW_NODE": "node2:20"}})
+                "MEGALAUNCH_TEST_SLOW_NODE": "node2:20", **ENV}})
     blocker = sbatch(["-w", "node2", "--exclusive", "-J", "blocker", "-t", "5", "--wrap", "sleep 300"], cwd=slurm_tmp)
     run = None
     try:
         wait_for(lambda: show_job(blocker).get("JobState") == "RUNNING", 60, what="node2 to be taken")
-        proc = megalaunch(None, "submit", str(recipe), cwd=slurm_tmp)
+        proc = megalaunch("submit", str(recipe), cwd=slurm_tmp)
         assert proc.returncode == 0, proc.stderr
         run = run_dir_of(slurm_tmp)
         # 1. the first segment (node1) passes the check, records the device's figure and trains
@@ -60,12 +66,13 @@ def test_a_node_slow_in_the_health_check_is_unhealthy_and_the_successor_excludes
         (sus,) = _events(run, "node_suspected")
         assert sus["node"] == "node2" and sus["reason"].startswith("health check: rank 0 matmul"), sus
         wait_for(lambda: _events(run, "exclusion"), 60, interval=1, what="the successor's exclusion")
-        (exc,) = _events(run, "exclusion")
+        exc = _events(run, "exclusion")[0]  # (the third segment's own successor excludes node2 too)
         third = exc["job_id"]
+        assert third == submitted_ids(run)[2], (exc, submitted_ids(run))
         assert exc["excluded"] == ["node2"] and show_job(third).get("ExcNodeList") == "node2", exc
-        listed = megalaunch(None, "nodes", "--run", str(run)).stdout
+        listed = megalaunch("nodes", "--run", str(run)).stdout
         assert "node2: health check: rank 0 matmul" in listed, listed
-        st = megalaunch(None, "status", str(run)).stdout
+        st = megalaunch("status", str(run)).stdout
         assert "UNHEALTHY_NODE" in st and f"health check: job {second}: UNHEALTHY node2" in st, st
         # 4. the next segment runs on node1 and passes the check
         wait_for(lambda: _events(run, "health_check", third), 150, interval=1, what="the third segment's check")
@@ -77,4 +84,4 @@ def test_a_node_slow_in_the_health_check_is_unhealthy_and_the_successor_excludes
     finally:
         run_as(None, ["scancel", blocker])
         if run is not None:
-            megalaunch(None, "cancel", str(run))
+            megalaunch("cancel", str(run))
