@@ -228,6 +228,16 @@ class ClusterConfig:
                                       "group can write (default: RUN_ROOT/.node-health)", None, path="path")
     suspect_ttl_h: float = doc("hours a node stays suspect after a failure attributed to it", 12.0)
     exclude_suspects: bool = doc("a failed segment's successor excludes the suspect nodes (Slurm)", True)
+    health_check: bool | Literal["auto"] = doc(
+        "a matmul + all-reduce check on every rank at segment start (~30 s at most): a slow or failing node "
+        "ends the segment `unhealthy_node` and the successor excludes it; true/on, false/off, or auto: on "
+        "with GPUs, off on the CPU", "auto")
+    health_check_margin: float = doc(
+        "a rank whose matmul TFLOP/s is below the job's median (or the team's recorded figure for the "
+        "device) by more than this fraction is unhealthy (0.2: 20 % slower)", 0.2)
+    straggler_threshold: float = doc(
+        "`status` shows a segment's `stragglers:` line when the slowest rank's mean step time exceeds the "
+        "median by more than this fraction (0.1: 10 %)", 0.1)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -241,6 +251,12 @@ class ClusterConfig:
             raise ValueError("cluster.gpu_memory_gb must be > 0")
         if self.suspect_ttl_h <= 0:
             raise ValueError("cluster.suspect_ttl_h must be > 0")
+        if not 0 < self.health_check_margin < 1:
+            raise ValueError(f"cluster.health_check_margin must be a fraction between 0 and 1 (e.g. 0.2 for 20 %), "
+                             f"got {self.health_check_margin}")
+        if self.straggler_threshold <= 0:
+            raise ValueError(f"cluster.straggler_threshold must be a fraction > 0 (e.g. 0.1 for 10 %), "
+                             f"got {self.straggler_threshold}")
         for name in list(self.env) + list(self.secret_env):
             if not _ENV_RE.match(name):
                 raise ValueError(f"cluster.env: {name!r} is not a valid environment variable name")

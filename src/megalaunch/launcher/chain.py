@@ -120,6 +120,8 @@ class Chain:
         new_ckpt = _advanced(start_iter, now)
         if status == "failed":
             self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
+        elif status == "unhealthy_node":
+            self._suspect_unhealthy(job_id, outcome or {})
         self._remove_failed_saves(job_id)
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
@@ -145,7 +147,7 @@ class Chain:
             return stopped_by_guard
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
-        if status == "failed":  # the successor queued at `job begin` stays off the suspects
+        if status in ("failed", "unhealthy_node"):  # the successor queued at `job begin` stays off the suspects
             self._exclude_on_successors(job_id)
         paused = self._requeue_if_begin_could_not(job_id)  # one queued now excludes them from the start
         if paused is not None:
@@ -205,6 +207,26 @@ class Chain:
             self.ledger.append("node_suspected", job_id=job_id, node=node, reason=att.reason, evidence=evidence,
                                expires=s.expires, ledger=str(health.file))
             log(f"suspect node {node}: {att.reason}")
+
+    def _suspect_unhealthy(self, job_id: str, outcome: dict[str, object]) -> None:
+        """A segment the health check ended (runtime/health.py): its unhealthy node(s) become suspect,
+        with every rank's figures on them as the evidence."""
+        health = self._node_health()
+        check = outcome.get("health_check")
+        if health is None or not isinstance(check, dict):
+            return
+        for node in check.get("unhealthy_nodes") or []:
+            evidence = [health_evidence(r, check) for r in check.get("ranks") or [] if r.get("node") == node]
+            reason = "health check: " + "; ".join(evidence[:4])
+            try:
+                s = health.suspect(str(node), reason=reason, evidence=evidence, run=self.paths.root.name,
+                                   job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
+            except OSError as e:  # the ledger must never change what the chain does
+                log(f"could not record suspect node {node} in {health.file}: {e}")
+                continue
+            self.ledger.append("node_suspected", job_id=job_id, node=node, reason=reason, evidence=evidence,
+                               expires=s.expires, ledger=str(health.file))
+            log(f"suspect node {node}: {reason}")
 
     def _exclusion_plan(self) -> ExclusionPlan | None:
         """Which suspect nodes a successor excludes now (None: exclusion off, or nothing suspect)."""
@@ -281,6 +303,17 @@ class Chain:
         log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
             + (f"\n  fix: {fix}" if fix else ""))
         return Verdict(False, reason)
+
+
+def health_evidence(rank: dict[str, object], check: dict[str, object]) -> str:
+    """One rank's health-check figures against the reference, as the node-health ledger keeps them."""
+    if rank.get("error"):
+        return f"rank {rank.get('rank')} failed: {rank.get('error')}"
+    ref = check.get("reference_tflops")
+    tf = rank.get("tflops")
+    ratio = f" ({tf / ref:.0%} of the reference {ref:.3g})" if isinstance(tf, (int, float)) and \
+        isinstance(ref, (int, float)) and ref > 0 else ""
+    return f"rank {rank.get('rank')} matmul {tf} TFLOP/s{ratio}"
 
 
 def _who(record: dict[str, object]) -> str:

@@ -10,6 +10,7 @@ always add up to the wall time:
   model_build      -> the model and optimizer are built (load_start)
   checkpoint_load  -> the checkpoint is loaded (load_end)
   data_setup       -> the datasets are built (data_end)
+  health_check     the health check at segment start (runtime/health.py), carved out of the part it fell in
   training         -> the last iteration or save; split into
       productive       iterations whose result a checkpoint kept
       checkpoint_save  blocking time of every save
@@ -37,7 +38,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.timeline import STARTUP_PHASES
 
 STARTUP = tuple(name for name, _ in STARTUP_PHASES)
-COMPONENTS = (*STARTUP, "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
+COMPONENTS = (*STARTUP, "health_check", "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
 FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
 
 # Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins):
@@ -127,9 +128,11 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     # consecutive boundaries; a phase not reached (or reached before the previous one) adds nothing
     t = start
     parts: dict[str, float] = {k: 0.0 for k in COMPONENTS}
+    spans: dict[str, tuple[float, float]] = {}  # the interval of each part (for the health check's carve)
     for name, phase in STARTUP_PHASES:
         nxt = clamp(ph.get(phase), t)
         parts[name] = nxt - t
+        spans[name] = (t, nxt)
         t = nxt
     train_start = t
     save_ends = [float(s[2]) for s in saves]
@@ -154,12 +157,20 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     t = train_end
     if failed:
         parts["failed"] = end - t
+        spans["failed"] = (t, end)
     elif ended is None and "exit" not in ph and train_end > train_start:
         parts["productive"] += end - t  # still training: the time since the last record is training in flight
     else:
         exit_at = clamp(ph.get("exit"), t)
         parts["exit"] = exit_at - t
         parts["teardown"] = end - exit_at
+        spans["exit"] = (t, exit_at)
+    if "health_check_start" in ph and "health_check_end" in ph:
+        hs, he = ph["health_check_start"], ph["health_check_end"]
+        for name, (b, e) in spans.items():  # in the part its interval fell in (init, or exit if it ended there)
+            overlap = max(0.0, min(e, he) - max(b, hs))
+            parts[name] -= overlap
+            parts["health_check"] += overlap
     if not ph:  # no trainer timeline (a `workload` instead of Megatron, or it never started): no phases
         parts = {k: 0.0 for k in COMPONENTS}
         parts["failed" if failed else "untracked"] = end - start

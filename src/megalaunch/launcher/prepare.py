@@ -98,6 +98,10 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
         nodes=recipe.cluster.nodes, partition=recipe.cluster.partition,
         node_health_dir=node_health_dir(recipe), suspect_ttl_s=recipe.cluster.suspect_ttl_h * 3600.0,
         exclude_suspects=recipe.cluster.exclude_suspects,
+        health_check=recipe.cluster.health_check is True or (recipe.cluster.health_check == "auto"
+                                                             and recipe.cluster.gpus_per_node > 0),
+        health_check_margin=recipe.cluster.health_check_margin,
+        straggler_threshold=recipe.cluster.straggler_threshold,
     )
 
 

@@ -38,20 +38,22 @@ from megalaunch.rundir.triggers import TriggerBox
 # One colour per component (the figures and the HTML timeline use the same ones).
 COMPONENT_COLOURS = {
     "launch": "#c7c7c7", "imports": "#9edae5", "init": "#17becf", "model_build": "#aec7e8",
-    "checkpoint_load": "#1f77b4", "data_setup": "#dbdb8d", "productive": "#2ca02c",
+    "checkpoint_load": "#1f77b4", "data_setup": "#dbdb8d", "health_check": "#bcbd22",
+    "productive": "#2ca02c",
     "checkpoint_save": "#ff7f0e", "lost_work": "#d62728", "exit": "#c5b0d5", "teardown": "#9467bd",
     "failed": "#7f0000", "untracked": "#bbbbbb",
 }
 COMPONENT_LABELS = {
     "launch": "launch", "imports": "imports", "init": "init", "model_build": "model build",
-    "checkpoint_load": "checkpoint load", "data_setup": "data setup", "productive": "productive",
+    "checkpoint_load": "checkpoint load", "data_setup": "data setup", "health_check": "health check",
+    "productive": "productive",
     "checkpoint_save": "checkpoint save", "lost_work": "lost work", "exit": "exit", "teardown": "teardown",
     "failed": "failed", "untracked": "untracked",
 }
 OUTCOME_COLOURS = {
     "finished": "#2ca02c", "saved": "#1f77b4", "exited": "#555555", "aborted": "#ff7f0e",
     "failed": "#d62728", "hung": "#d62728", "killed": "#d62728", "config_error": "#d62728",
-    "running": "#9467bd",
+    "unhealthy_node": "#8c564b", "running": "#9467bd",
 }
 SEGMENT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")

@@ -93,6 +93,8 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "consumed_triggers": len(TriggerBox(paths).consumed()),
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
         "nodes": _node_decisions(events),
+        "health": _health_lines(events),
+        "stragglers": _straggler_lines(events),
         "resume": resume_summary(paths, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
@@ -113,6 +115,41 @@ def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
             parts = ([f"excludes {', '.join(e['excluded'])}"] if e.get("excluded") else []) + [
                 f"keeps {n} ({why})" for n, why in sorted((e.get("kept") or {}).items())]
             out.append(f"job {e.get('job_id')} " + "; ".join(parts))
+    return out
+
+
+def _health_lines(events: list[dict[str, Any]]) -> list[str]:
+    """The latest segment's health check (runtime/health.py): its figures and cost."""
+    checks = [e for e in events if e.get("event") == "health_check"]
+    if not checks:
+        return []
+    e = checks[-1]
+    figs = [f"{r.get('node')} r{r.get('rank')} " + (f"{r['tflops']:.3g}" if isinstance(r.get("tflops"), (int, float))
+                                                       else "failed") for r in e.get("ranks") or []]
+    ar = e.get("allreduce_gbps")
+    return [f"job {e.get('job_id')}: " + ("healthy" if e.get("healthy") else
+                                          f"UNHEALTHY {', '.join(e.get('unhealthy_nodes') or [])}")
+            + f", matmul TFLOP/s {', '.join(figs[:8])}" + (" ..." if len(figs) > 8 else "")
+            + (f" (reference {e['reference_tflops']:.3g})" if isinstance(e.get("reference_tflops"), (int, float)) else "")
+            + (f", all-reduce {ar:.3g} GB/s" if isinstance(ar, (int, float)) else "")
+            + (f", {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else "")]
+
+
+def _straggler_lines(events: list[dict[str, Any]]) -> list[str]:
+    """Each segment's latest step-time spread (runtime/stragglers.py), when above the threshold."""
+    from megalaunch.runtime.stragglers import describe
+
+    latest: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.get("event") == "stragglers":
+            latest[str(e.get("job_id"))] = e
+    out = []
+    for job, e in latest.items():
+        try:
+            if e.get("straggling"):
+                out.append(f"job {job}: {describe(e)}")
+        except (KeyError, TypeError, ValueError):  # a record of another version: skip it
+            continue
     return out
 
 
@@ -153,6 +190,10 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"  slurm: {st['slurm_error']}")
     for line in st.get("nodes") or []:
         lines.append(f"  nodes: {line}")
+    for line in st.get("health") or []:
+        lines.append(f"  health check: {line}")
+    for line in st.get("stragglers") or []:
+        lines.append(f"  stragglers: {line}")
     lines += format_resume(st.get("resume"))
     lines.append("  segments:")
     for r in st["segments"]:

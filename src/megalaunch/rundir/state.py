@@ -9,7 +9,7 @@ from typing import Any
 from megalaunch.rundir.files import atomic_write_json, read_json
 from megalaunch.rundir.paths import RunPaths
 
-OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "config_error", "hung")
+OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "config_error", "hung", "unhealthy_node")
 
 
 def current_job_id() -> str | None:

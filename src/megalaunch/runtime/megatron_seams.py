@@ -43,6 +43,7 @@ class Hooks(Protocol):
     def load_failed(self, iteration: int, error: BaseException) -> int | None: ...  # collective: fallback
     def loaded(self, iteration: int, consumed_samples: int) -> None: ...
     def phase(self, name: str) -> None: ...  # a start-up detail phase reached (timeline)
+    def distributed_ready(self) -> None: ...  # collective: process groups made; the health check runs here
 
 
 def check_version() -> str:
@@ -195,7 +196,10 @@ def _mark_init_phases(hooks: Hooks) -> None:
 
         def marked(*args: Any, _original: Any = original, _phase: str = phase, **kwargs: Any) -> Any:
             result = _original(*args, **kwargs)
-            hooks.phase(_phase)
+            if _phase == "distributed_ready":  # before Megatron builds anything: the health check
+                hooks.distributed_ready()
+            else:
+                hooks.phase(_phase)
             return result
 
         setattr(minit, name, functools.wraps(original)(marked))

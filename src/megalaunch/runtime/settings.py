@@ -36,6 +36,9 @@ class RuntimeSettings:
     node_health_dir: str | None = None  # None: no node-health ledger (runs made before it existed)
     suspect_ttl_s: float = 12 * 3600.0
     exclude_suspects: bool = True
+    health_check: bool = False  # cluster.health_check resolved: auto is on with GPUs (runtime/health.py)
+    health_check_margin: float = 0.2
+    straggler_threshold: float = 0.1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

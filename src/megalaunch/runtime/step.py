@@ -92,8 +92,11 @@ def make_forward_step(session: Session | None) -> Any:
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
         if session is not None:
             session.maybe_hang()
+            session.forward_begin()
         batch = get_batch(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        if session is not None:
+            session.forward_end()
         return output, partial(loss_func, batch["loss_mask"])
 
     return forward_step

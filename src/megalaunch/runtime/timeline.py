@@ -21,7 +21,8 @@ plus `saves`: [iteration, begin, end] of every blocking save.
 
 Detail phases split the start-up further (reported by bench/goodput.py; the goodput cuts above do not
 use them): torch_imported, megatron_imported (inside `imports`); distributed_ready (process groups
-made, inside `init`) and first_collective (the first NCCL collective: communicators created)."""
+made, inside `init`), health_check_start/health_check_end (runtime/health.py; its figures in
+`health_check`; goodput counts it apart) and first_collective (the first NCCL collective: communicators created)."""
 
 from __future__ import annotations
 

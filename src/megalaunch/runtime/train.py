@@ -13,8 +13,12 @@ and adds what the chain needs (docs/training.md):
 - retention of the last N checkpoints plus milestones; a data-blend check;
 - one W&B run for the whole experiment (runtime/wandb_run.py); a hang watchdog (runtime/watchdog.py).
 
+- the health check at segment start (runtime/health.py) and the per-rank step-time spread
+  (runtime/stragglers.py).
+
 Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG, MEGALAUNCH_TEST_HANG,
-MEGALAUNCH_TEST_STEP_SLEEP_S."""
+MEGALAUNCH_TEST_STEP_SLEEP_S, MEGALAUNCH_TEST_SLOW_FORWARD (RANK:SECONDS, a sleep in that rank's forward
+steps), MEGALAUNCH_TEST_SLOW_NODE and MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from megalaunch.runtime.failures import (
     recipe_field_fix,
     resolve_attention,
 )
+from megalaunch.runtime.health import UnhealthyNode, node_name
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.step import megatron_argv, run_pretrain
@@ -52,6 +57,7 @@ HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
 PROFILE_ENV = "MEGALAUNCH_PROFILE_STARTUP"
+SLOW_FORWARD_ENV = "MEGALAUNCH_TEST_SLOW_FORWARD"
 
 
 class Session:
@@ -82,6 +88,11 @@ class Session:
         self._loss_log = os.environ.get(LOSS_LOG_ENV) if rank == 0 else None
         self._hang_at = _parse_hang(os.environ.get(HANG_ENV), rank)
         self._step_sleep_s = float(os.environ.get(STEP_SLEEP_ENV) or 0)
+        self._slow_forward_s = _parse_slow_forward(os.environ.get(SLOW_FORWARD_ENV), rank)
+        self.step_timer: Any = None  # stragglers.StepTimer, made when torch is imported
+        self._forward_section: Any = None
+        self.health: dict[str, Any] | None = None  # the health check's figures (runtime/health.py)
+        self.stragglers: dict[str, Any] | None = None  # the latest step-time spread summary
         self.watchdog: Any = None
         self.wandb: Any = None
         self.profiler: StartupProfile | None = None
@@ -100,6 +111,78 @@ class Session:
     # --- hooks called from megatron_seams ---------------------------------------------------------
     def phase(self, name: str) -> None:
         self.timeline.mark(name)
+
+    def distributed_ready(self) -> None:
+        """torch.distributed is up, Megatron has not built anything yet: the health check (every rank)."""
+        self.timeline.mark("distributed_ready")
+        from megalaunch.runtime import stragglers
+
+        if stragglers.nvrx_start():
+            self.log("stragglers: nvidia-resiliency-ext's Detector is on")
+        if not self.settings.health_check:
+            return
+        from megalaunch.runtime.health import Baselines, run_check
+
+        s = self.settings
+        baselines = Baselines(s.node_health_dir) if s.node_health_dir else None
+        self.timeline.mark("health_check_start")
+        if self.watchdog:
+            self.watchdog.beat("health check started")
+        verdict = run_check(rank=self.rank, margin=s.health_check_margin, baselines=baselines)
+        self.health = verdict.summary()
+        self.timeline.mark("health_check_end", health_check=self.health)
+        if self.watchdog:
+            self.watchdog.beat("health check done")
+        mine = next(f for f in verdict.figures if f.rank == self.rank)
+        tflops = "failed" if mine.error else f"{mine.tflops:.3g} TFLOP/s" if mine.tflops is not None else "no figure"
+        gbps = f", all-reduce {mine.allreduce_gbps:.3g} GB/s" if mine.allreduce_gbps is not None else ""
+        self.log(f"health check on {mine.node}: matmul {tflops}{gbps} in {mine.seconds:.1f} s; {verdict.reason}")
+        self.ledger("health_check", **self.health)
+        if not verdict.healthy:
+            raise UnhealthyNode(verdict)
+        if self.rank == 0 and baselines is not None and verdict.median_tflops is not None:
+            try:  # only a healthy check's figure becomes the device's reference
+                baselines.record(verdict.figures[0].device, verdict.median_tflops, run=s.run_name,
+                                 job_id=self.job_id, nodes=sorted({f.node for f in verdict.figures}))
+            except OSError as e:
+                self.log(f"could not record the health check's figure in {baselines.file}: {e}")
+
+    def forward_begin(self) -> None:
+        if self.step_timer is not None:
+            self.step_timer.forward_begin()
+        from megalaunch.runtime.stragglers import nvrx_section
+
+        self._forward_section = nvrx_section()
+        self._forward_section.__enter__()
+        if self._slow_forward_s > 0:  # test hook: this rank computes slower
+            time.sleep(self._slow_forward_s)
+
+    def forward_end(self) -> None:
+        if self._forward_section is not None:
+            self._forward_section.__exit__(None, None, None)
+            self._forward_section = None
+        if self.step_timer is not None:
+            self.step_timer.forward_end()
+
+    def gather_stragglers(self, at: str) -> None:
+        """A collective at a point every rank reaches together (after a save, at the segment's end)."""
+        if self.step_timer is None:
+            return
+        from megalaunch.runtime.stragglers import describe, gather
+
+        try:
+            summary = gather(self.step_timer, rank=self.rank, node=node_name(),
+                             threshold=self.settings.straggler_threshold)
+        except Exception as e:  # accounting must never take training down
+            self.log(f"stragglers: no summary ({resume.one_line(e)})")
+            return
+        if summary is None:
+            return
+        self.stragglers = summary
+        if self.rank == 0:
+            self.ledger("stragglers", at=at, iteration=self.iteration, **summary)
+            if summary["straggling"]:
+                self.log(f"stragglers: {describe(summary)}")
 
     def decide(self, iteration: int) -> int:
         if iteration % max(1, self.settings.trigger_interval) != 0 and iteration < self.settings.train_iters:
@@ -157,6 +240,7 @@ class Session:
         # the save's interval on the timeline includes retention: deleting an old checkpoint blocks too
         self.timeline.save(iteration, self._save_started_at,
                            self._save_started_at + time.monotonic() - self._save_started)
+        self.gather_stragglers("save")  # every rank saves at the same iteration
 
     def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
         """Every iteration; values are converted (a device sync for the loss) only when used."""
@@ -172,6 +256,8 @@ class Session:
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         self.iteration = iteration
         self.steps += 1
+        if self.step_timer is not None:
+            self.step_timer.iteration()
         self.timeline.iteration(iteration, flush=iteration % self.settings.log_interval == 0)
         if self.steps == 1 and self.profiler is not None:
             self.profiler.dump(self.rank, self.job_id)
@@ -342,6 +428,13 @@ class Session:
         return "failed", f"Megatron {how} at iteration {self.iteration} before train_iters {self.settings.train_iters}"
 
 
+def _parse_slow_forward(text: str | None, rank: int) -> float:
+    if not text:
+        return 0.0
+    slow_rank, _, seconds = text.partition(":")
+    return float(seconds or 0.1) if int(slow_rank) == rank else 0.0
+
+
 def _parse_hang(text: str | None, rank: int) -> int | None:
     if not text:
         return None
@@ -363,6 +456,9 @@ def _setup(session: Session) -> tuple[list[str], str]:
     import torch
 
     session.timeline.mark("torch_imported")
+    from megalaunch.runtime.stragglers import StepTimer
+
+    session.step_timer = StepTimer(cuda=not settings.cpu and torch.cuda.is_available())
 
     if settings.cpu or not torch.cuda.is_available():
         from megalaunch.runtime import cpu_compat
@@ -482,11 +578,15 @@ def run_session(session: Session) -> int:
         argv, attention = _setup(session)
         run_pretrain(argv, attention=attention, session=session)
         (status, reason), code = session.verdict(exited_early=False), 0
+        session.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger
         if e.code in (0, None):
             (status, reason), code = session.verdict(exited_early=True), 0
+            session.gather_stragglers("end")  # every rank left at the same decision
         else:
             failure = exit_failure(e.code, started=session.steps > 0)
+    except UnhealthyNode as e:  # every rank took the same decision: no training, a clean exit
+        status, reason, code = "unhealthy_node", str(e), 0
     except BaseException as e:
         if not isinstance(e, ConfigFailure):
             import traceback
@@ -518,7 +618,9 @@ def run_session(session: Session) -> int:
     if session.rank == 0:
         write_outcome(paths, status, iteration=session.iteration, reason=reason, fix=fix,
                       kind="config" if status == "config_error" else None, resumed_from=session.resumed_from,
-                      save_times_s=[round(t, 3) for t in session.save_times])
+                      save_times_s=[round(t, 3) for t in session.save_times],
+                      **({"health_check": session.health} if session.health else {}),
+                      **({"stragglers": session.stragglers} if session.stragglers else {}))
     if session.wandb is not None:
         session.wandb.summarize({"segment/outcome": status, "segment/job_id": session.job_id,
                                  "segment/save_blocking_s": round(sum(session.save_times), 3),
