@@ -84,6 +84,7 @@ def launch(run: Path, devices: list[int], log: Path, port: int) -> list[subproce
     f = open(log, "wb")  # noqa: SIM115 (shared by the ranks, closed with the process)
     for rank in range(len(devices)):
         env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+               "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # as the local backend and the job script set it (TP needs it)
                "MEGALAUNCH_RUN_DIR": str(run), "MEGALAUNCH_JOB_ID": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}

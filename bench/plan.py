@@ -35,6 +35,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=4)
     parser.add_argument("--also", default="", help="more ranks to measure, e.g. 8,20")
     parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--families", action="store_true",
+                        help="measure the best-ranked layout of each split (TP, PP, VPP, CP), not only the top ranks")
     parser.add_argument("--dry-run", action="store_true", help="print the ranking and the cases; train nothing")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "plan_bench")
     a = parser.parse_args()
@@ -51,6 +53,12 @@ def main() -> int:
         if key not in seen:
             seen.add(key)
             picks.append((i, c))
+    if a.families:  # the planner's best of each split (TP, PP, VPP, CP) first, then the next ranks
+        best_of: dict[tuple[object, ...], tuple[int, object]] = {}
+        for i, c in picks:
+            best_of.setdefault((c.layout.tp, c.layout.pp, c.layout.vpp, c.layout.cp), (i, c))
+        heads = list(best_of.values())
+        picks = sorted(heads + [p for p in picks if p not in heads][:max(0, a.top - len(heads))], key=lambda p: p[0])
     chosen = picks[:a.top] + [p for p in picks if str(p[0]) in a.also.split(",") and p not in picks[:a.top]]
     cases = {f"plan-{i}": (a.recipe, a.gpus, [*a.set, *set_lines(c.layout)]) for i, c in chosen}
     for i, c in chosen:

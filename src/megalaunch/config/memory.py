@@ -216,18 +216,21 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
     if stage == 0:  # embedding output (bf16) of each micro-batch in flight
         acts += 2 * shape.hidden * tokens / (layout.tp if sp else 1) * in_flight(layout, stage)
     if stage == layout.pp - 1:
-        # final norm in/out, the bf16 logits, their fp32 copy and the cross entropy's fp32 softmax (kept for
-        # the backward): 2 + 4 + 4 bytes per logit, one micro-batch at a time
+        # final norm in/out, the bf16 logits and their fp32 copy, which Megatron's cross entropy turns into
+        # the softmax in place and keeps for the backward: 2 + 4 bytes per logit, one micro-batch at a time
+        # (calibrated on H200: 10 bytes overestimated every llama3-1b case by 5-20 %, docs/results.md)
         vocab = shape.padded_vocab(layout.tp) / layout.tp
-        logits = tokens * (4 * shape.hidden / (layout.tp if sp else 1) + 10 * vocab)
+        logits = tokens * (4 * shape.hidden / (layout.tp if sp else 1) + 6 * vocab)
     # The backward's working set: one layer's activation gradients plus a layer's weight gradient (bf16,
     # before it is added into the fp32 main grads); with full recompute, the layer rebuilt for its backward.
     grad_work = running * 0.5 + 2 * shape.layer_matmul_params() / layout.tp
     if layout.recompute == "full":
         grad_work += running
-    # The optimizer step (torch AdamW, foreach): about two fp32 temporaries per parameter of its shard.
+    # The optimizer step (torch AdamW, foreach): one fp32 temporary per parameter of its shard (the second
+    # moment's square root) and some slack; 8 bytes (two temporaries) overestimated a full-recompute 2.8B
+    # case by 10 % on H200 (docs/results.md).
     shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
-    step_work = 8.0 * n / shard
+    step_work = 5.0 * n / shard
     transient = grad_work
     if step_work > acts + logits + grad_work:  # the step runs after the activations are freed
         transient, acts, logits = step_work, 0.0, 0.0
