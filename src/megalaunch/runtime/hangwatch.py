@@ -148,16 +148,23 @@ def read_beat(path: Path) -> bytes | OSError | None:
 
 def record_hang(paths: RunPaths, job_id: str, reason: str, watch: HangWatch) -> None:
     """Outcome `hung` (unless the segment has its own outcome) and a ledger line naming the stacks."""
-    stacks = sorted(str(p) for p in paths.debug.glob(f"stacks*-job{job_id}-rank*.txt"))
+    stacks = sorted(str(p) for p in paths.debug.glob(f"stacks*-job{job_id}-rank*.txt") if _non_empty(p))
     full = reason + (f"; stacks: {paths.debug}/stacks*-job{job_id}-*.txt" if stacks else "; no stacks could be gathered")
     try:
         if read_outcome(paths, job_id) is None:
-            write_outcome(paths, "hung", iteration=watch.iteration, reason=full, by="hang watcher",
+            write_outcome(paths, "hung", iteration=watch.iteration, reason=full, job_id=job_id, by="hang watcher",
                           phase=watch.phase, stacks=stacks)
         append_jsonl(paths.ledger, {"event": "hang_killed", "time": time.time(), "job_id": job_id, "reason": reason,
                                     "phase": watch.phase, "iteration": watch.iteration, "stacks": stacks})
     except OSError as e:
         log(f"could not record the hang: {e}")
+
+
+def _non_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def log(message: str) -> None:
