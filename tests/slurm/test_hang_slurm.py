@@ -89,6 +89,8 @@ def test_rendezvous_that_never_completes_is_killed_and_the_chain_continues(slurm
     assert re.search(r"init_process_group|initialize_megatron|_initialize_distributed", text[0]), text[0]
     assert set(killed["stacks"]) >= {str(p) for p in stacks.values()}, killed
     assert "stacks:" in hung["reason"]
+    second = ended[1]["job_id"]  # a healthy segment leaves no (empty) stacks file behind
+    assert not list((run / "debug").glob(f"stacks-step-job{second}-*")), sorted((run / "debug").iterdir())
 
     # status names the hang and its reason; the second segment trained to the target
     proc = megalaunch(slurm_tmp, "status", str(run))

@@ -263,8 +263,9 @@ class ChainConfig:
     step_time_estimate_s: float = doc("expected seconds per iteration", 10.0)
     min_train_time_s: int = doc("least training time a segment must get after the lead", 60)
     trigger_interval: int = doc("iterations between looks at the trigger directory", 1)
-    hang_timeout_s: float = doc("after the first iteration, no progress for this long: dump stacks, outcome "
-                                "hung (in Python; the job script's watcher kills the step a little later)", 1800.0)
+    hang_timeout_s: float = doc("no iteration or save for this long: every rank dumps its stacks, outcome hung "
+                                "(in Python; after the first iteration the job's hang watcher kills the step "
+                                "a little later if that could not act)", 1800.0)
     startup_timeout_s: float = doc("before the first iteration (imports, rendezvous, NCCL init, checkpoint "
                                    "load), no sign of life for this long: stacks, kill the step, outcome hung",
                                    1800.0)
