@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import run_as, show_job, wait_for, wait_job_done
-from launch import MEGALAUNCH, REPO, ledger, run_dir_of, submitted_ids
+from cluster import show_job, wait_for, wait_job_done
+from launch import ledger, megalaunch, run_dir_of, submitted_ids
 from test_train_slurm import STEP_SLEEP_S, _chain_done, _events, _tail, train_recipe
 
 pytestmark = [
@@ -28,12 +28,6 @@ STARTUP_TIMEOUT_S = 20
 # ~7 s of the limit; `job end` a few seconds later (a busy 2-core machine: allow 25 s)
 SLACK_S = 25
 TIME_LIMIT_S = 600
-
-
-def megalaunch(tmp: Path, *args: str):
-    """This checkout's CLI (PYTHONPATH; sbatch exports it to the jobs, so they run this code too)."""
-    env = {"XDG_STATE_HOME": str(tmp / ".state-root"), "PYTHONPATH": str(REPO / "src")}
-    return run_as(None, [MEGALAUNCH, *args], env, cwd=tmp, timeout=120)
 
 
 def _runtime_s(text: str) -> int:
@@ -52,14 +46,14 @@ def test_rendezvous_that_never_completes_is_killed_and_the_chain_continues(slurm
                          "MEGALAUNCH_TEST_RENDEZVOUS_HANG": "1"}},
         chain={"startup_timeout_s": STARTUP_TIMEOUT_S})
     t0 = time.monotonic()
-    proc = megalaunch(slurm_tmp, "submit", str(recipe))
+    proc = megalaunch(None, "submit", str(recipe), cwd=slurm_tmp)
     assert proc.returncode == 0, proc.stderr
     run = run_dir_of(slurm_tmp)
     try:
         wait_for(lambda: _chain_done(run), 240, interval=1, what="the chain to finish")
     finally:
         if not _chain_done(run):
-            megalaunch(slurm_tmp, "cancel", str(run))
+            megalaunch(None, "cancel", str(run), cwd=slurm_tmp)
     took = time.monotonic() - t0
     first = submitted_ids(run)[0]
     ended = _events(run, "ended")
@@ -93,7 +87,7 @@ def test_rendezvous_that_never_completes_is_killed_and_the_chain_continues(slurm
     assert not list((run / "debug").glob(f"stacks-step-job{second}-*")), sorted((run / "debug").iterdir())
 
     # status names the hang and its reason; the second segment trained to the target
-    proc = megalaunch(slurm_tmp, "status", str(run))
+    proc = megalaunch(None, "status", str(run), cwd=slurm_tmp)
     assert proc.returncode == 0 and "HUNG" in proc.stdout and "rendezvous" in proc.stdout, proc.stdout
     assert ended[1]["checkpoint_iteration"] == 3
     print(f"hung segment: {runtime} s of a {TIME_LIMIT_S} s limit, killed "

@@ -270,7 +270,7 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
     check_s = check_s or max(1.0, min(10.0, limits.startup_s / 10, limits.hang_s / 10))
     beat_file = paths.heartbeat(job_id)
     hw = HangWatch(limits, clock())
-    last_said = ""
+    told_unknown = False  # said once per silent spell that the evidence is unknown
     while True:
         sleep(check_s)
         if step.shell_pid and not _alive(step.shell_pid):
@@ -278,17 +278,18 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
         now = clock()
         hw.observe(now, read_beat(beat_file))
         if hw.idle_s(now) < hw.limit_s:
+            told_unknown = False
             continue
         verdict = hw.decide(now, step.job_state())
         if verdict == "paused":
             hw.resume_clock(now)
             continue
         if verdict == "unknown":
-            said = f"heartbeat silent for {hw.idle_s(now):.0f} s, but Slurm did not answer or the heartbeat " \
-                   f"could not be read ({hw.unreadable or 'squeue'}): unknown, not a hang; waiting"
-            if said.split(" for ")[0] != last_said:
-                log(said)
-                last_said = said.split(" for ")[0]
+            if not told_unknown:
+                log(f"heartbeat silent for {hw.idle_s(now):.0f} s, but "
+                    + (f"it could not be read ({hw.unreadable})" if hw.unreadable else "Slurm did not answer")
+                    + f": unknown, not a hang; waiting (at most until {2 * hw.limit_s:g} s of silence)")
+                told_unknown = True
             continue
         return _fire(paths, job_id, hw, step, clock, sleep)
 
