@@ -47,7 +47,11 @@ def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str 
 
 
 def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: float = 120):
-    env = {"XDG_STATE_HOME": str(cwd / f".state-{user or 'root'}")} if cwd else None
+    """`megalaunch ARGS` as `user`, running this checkout's code (PYTHONPATH; sbatch exports it to the
+    jobs it submits, so they run this code too, also where the venv's megalaunch is another checkout)."""
+    env = {"PYTHONPATH": str(REPO / "src")}
+    if cwd:
+        env["XDG_STATE_HOME"] = str(cwd / f".state-{user or 'root'}")
     return run_as(user, [MEGALAUNCH, *args], env, cwd=cwd, timeout=timeout)
 
 

@@ -147,6 +147,25 @@ def test_crash_loop_stops_after_k_segments(tmp_path: Path) -> None:
     assert st["last_guard"]["decision"] == "stop"
 
 
+def test_a_hang_before_the_first_iteration_is_killed_and_the_chain_goes_on(tmp_path: Path) -> None:
+    """The local backend runs the hang watcher's decision: the first segment never reaches its first
+    iteration; 3 s without a sign of life -> stacks (SIGURG), outcome hung, killed; the next one finishes."""
+    recipe = counter_recipe(tmp_path, training="{train_iters: 30}", cluster='{time: "00:01:00"}',
+                            chain="{step_time_estimate_s: 0.5, signal_margin_s: 1, min_train_time_s: 5, "
+                                  "startup_timeout_s: 3}")
+    proc = cli("submit", str(recipe), env={"COUNTER_HANG_AT_START": "1", "COUNTER_STEP_S": "0.02"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    paths = _run_dir(tmp_path)
+    segs = Ledger(paths).segments()
+    assert [s.ended["outcome"] for s in segs] == ["hung", "finished"], [s.ended for s in segs]
+    hung = segs[0]
+    assert "startup_timeout_s limit 3 s" in hung.ended["reason"] and "last phase: setup_done" in hung.ended["reason"]
+    assert hung.ended["time"] - hung.started["time"] < 3 + 15  # not the 60 s time limit
+    stacks = (paths.debug / f"stacks-step-job{hung.job_id}-rank0.txt").read_text()
+    assert "counter.py" in stacks and "in main" in stacks, stacks
+    assert "HUNG" in proc.stdout and "outcome hung" in proc.stdout
+
+
 def test_cancel_from_another_shell_stops_a_local_chain(tmp_path: Path) -> None:
     """`megalaunch cancel` on a local run: the chain's process kills its running segment (every process
     of each task) and starts no other; the ledger says who cancelled."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -124,7 +125,10 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
     bindir.mkdir()
     rec = tmp_path / "rec"
     rec.mkdir()
-    _stub(bindir, "srun", f'printf "%s\\0" "$@" > {rec}/srun.argv\nenv -0 > {rec}/srun.env')
+    # srun waits (10 s at most) for the hang watcher started beside it, so its call is recorded before
+    # the script stops it
+    _stub(bindir, "srun", f'printf "%s\\0" "$@" > {rec}/srun.argv\nenv -0 > {rec}/srun.env\n'
+                          f'for _ in $(seq 200); do grep -q "^job watch" {rec}/megalaunch.calls && break; sleep 0.05; done')
     _stub(bindir, "scontrol", "echo node1")
     _stub(bindir, "module", f'printf "%s\\0" "$@" >> {rec}/module.argv')
     _stub(bindir, "megalaunch", f'echo "$@" >> {rec}/megalaunch.calls')
@@ -143,7 +147,9 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
     module_argv = (rec / "module.argv").read_text().split("\0")[:-1]
     assert module_argv == [x for h in hostile[:3] for x in ("load", h)]
     calls = (rec / "megalaunch.calls").read_text().splitlines()
-    assert calls[0].startswith("job begin ") and calls[1].startswith("job end ")
+    run_dir = str(tmp_path / "runs" / "hostile-00000000")
+    assert calls[0] == f"job begin {run_dir}" and calls[2].startswith("job end ")
+    assert re.fullmatch(rf"job watch {re.escape(run_dir)} --shell-pid \d+", calls[1]), calls
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (CI installs it)")

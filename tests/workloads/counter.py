@@ -10,7 +10,9 @@ report can be tested without Megatron.
 Env: MEGALAUNCH_RUN_DIR (set by the launcher); COUNTER_STEP_S (default 0.1); COUNTER_SAVE_S (a save's
 blocking time, default 0); COUNTER_FAIL=start makes it crash before training (crash-loop tests);
 COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written);
-COUNTER_FAIL_ON_NODE=NODE: every rank on that node dies at start (SIGBUS, no outcome: a bad node)."""
+COUNTER_FAIL_ON_NODE=NODE: every rank on that node dies at start (SIGBUS, no outcome: a bad node);
+COUNTER_HANG_AT_START=1: the first segment to see it stops making progress before its first iteration
+(the hang watcher's test; stacks on SIGURG through the real runtime.watchdog registration)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,16 @@ def main() -> int:
         write_outcome(paths, "failed", reason="COUNTER_FAIL=start: crashing before training")
         log("failing at start on purpose")
         return 1
+    if os.environ.get("COUNTER_HANG_AT_START") and not (paths.state / "counter-hung").exists():
+        from megalaunch.runtime.watchdog import Watchdog
+
+        (paths.state / "counter-hung").touch()
+        Watchdog(paths.debug, rank=env.rank, job_id=job, timeout_s=0, on_hang=lambda r: None).start(
+            stacks_file=paths.step_stacks(job or "nojob", env.rank))
+        tl.mark("setup_done")
+        log("hanging before the first iteration on purpose (COUNTER_HANG_AT_START)")
+        while True:
+            time.sleep(3600)
     step_s = float(os.environ.get("COUNTER_STEP_S", "0.1"))
     crash_at = int(os.environ.get("COUNTER_CRASH_ONCE") or 0)
     crashed_marker = paths.state / "counter-crashed"

@@ -1,4 +1,5 @@
-"""`megalaunch job begin|end RUN`: run by the job script at the start and end of every segment."""
+"""`megalaunch job begin|end|watch RUN`: run by the job script at the start and end of every segment,
+and (watch) in the background while the training step runs."""
 
 from __future__ import annotations
 
@@ -51,3 +52,15 @@ def end(
 ) -> None:
     """Segment end: read the outcome and stop or continue the chain."""
     _chain(run).end(_job_id(), exit_code)
+
+
+@app.command()
+def watch(
+    run: Annotated[str, typer.Argument(help="Run directory.")],
+    shell_pid: Annotated[int, typer.Option("--shell-pid", help="The job script's pid (srun's parent).")],
+) -> None:
+    """While the step runs: kill it when rank 0's heartbeat stays silent (runtime/hangwatch.py)."""
+    from megalaunch.runtime.hangwatch import main
+
+    _job_id()
+    sys.exit(main([run, "--shell-pid", str(shell_pid)]))

@@ -289,7 +289,19 @@ class ChainConfig:
     step_time_estimate_s: float = doc("expected seconds per iteration", 10.0)
     min_train_time_s: int = doc("least training time a segment must get after the lead", 60)
     trigger_interval: int = doc("iterations between looks at the trigger directory", 1)
-    hang_timeout_s: float = doc("no progress for this long: dump stacks, outcome hung", 1800.0)
+    hang_timeout_s: float = doc("no iteration or save for this long: every rank dumps its stacks, outcome hung "
+                                "(in Python; after the first iteration the job's hang watcher kills the step "
+                                "a little later if that could not act)", 1800.0)
+    startup_timeout_s: float = doc("before the first iteration (imports, rendezvous, NCCL init, checkpoint "
+                                   "load), no sign of life for this long: stacks, kill the step, outcome hung",
+                                   1800.0)
+
+    def __post_init__(self) -> None:
+        for name in ("hang_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                raise ValueError(f"chain.{name} must be > 0 seconds, got {value}; "
+                                 f"fix: --set chain.{name}=1800 (or another positive number)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,11 @@
 Slurm. Segments run one after another in this process; a timer plays the time limit: the stop
 signal at LEAD before it, SIGTERM at the limit, SIGKILL a grace period later. Like Slurm, which
 signals every process of a job step, each signal goes to the whole process group of each task
-(the task supervisor, the trainer and everything the trainer started)."""
+(the task supervisor, the trainer and everything the trainer started).
+
+The hang watcher's decision (runtime/hangwatch.py) runs in the same loop: rank 0's heartbeat silent for
+chain.startup_timeout_s before the first iteration (a little more than chain.hang_timeout_s after) ->
+SIGURG to every task (Python stacks under RUN/debug/), outcome `hung`, SIGKILL, and the chain goes on."""
 
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
 from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.hangwatch import STACKS_WAIT_S, HangWatch, Limits, read_beat, record_hang
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import resolve_signal
+from megalaunch.runtime.watchdog import STACKS_SIGNAL
 
 KILL_WAIT_S = 10.0
 POLL_S = 0.2
@@ -78,6 +84,8 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     start = time.monotonic()
     signalled = killed = False
     kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
+    hang = HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s), start)
+    hang_kill_at: float | None = None  # stacks asked for: outcome hung and SIGKILL at this time
     echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
     while any(p.poll() is None for p in procs):
         elapsed = time.monotonic() - start
@@ -101,6 +109,18 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
             echo(f"segment {job_id}: time limit reached, sent SIGTERM")
         if kill_at is not None and elapsed >= kill_at:
             _send(procs, signal.SIGKILL)
+        if hang_kill_at is None and not killed:
+            hang.observe(time.monotonic(), read_beat(paths.heartbeat(job_id)))
+            if hang.decide(time.monotonic(), "RUNNING") == "fire":
+                reason = hang.reason(time.monotonic())
+                _send(procs, STACKS_SIGNAL)  # faulthandler in each trainer dumps every thread's stack
+                hang_kill_at = elapsed + STACKS_WAIT_S
+                echo(f"segment {job_id}: HUNG: {reason}; asked every task for its stacks")
+        elif hang_kill_at is not None and not killed and elapsed >= hang_kill_at:
+            record_hang(paths, job_id, hang.reason(time.monotonic()), hang)
+            _send(procs, signal.SIGKILL)
+            killed = True
+            echo(f"segment {job_id}: killed the hung tasks; outcome hung")
         time.sleep(POLL_S)
     codes = [p.returncode for p in procs]
     return max((c if c >= 0 else 128 - c) for c in codes)

@@ -88,6 +88,7 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
         train_iters=recipe.training.train_iters, save_interval=recipe.checkpoint.save_interval,
         log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
         stop_signal=recipe.chain.stop_signal, hang_timeout_s=recipe.chain.hang_timeout_s,
+        startup_timeout_s=recipe.chain.startup_timeout_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
         cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention,
         allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,

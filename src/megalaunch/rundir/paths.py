@@ -108,6 +108,14 @@ class RunPaths:
         """Rank 0's phase times of one segment (runtime/timeline.py)."""
         return self.state / "timeline" / f"{job_id}.json"
 
+    def heartbeat(self, job_id: str) -> Path:
+        """Rank 0's sign of life in one segment (runtime/heartbeat.py), watched by runtime/hangwatch.py."""
+        return self.state / "heartbeat" / f"{job_id}.json"
+
+    def step_stacks(self, job_id: str, rank: int) -> Path:
+        """Python stacks a rank dumps when the hang watcher asks (SIGURG, runtime/watchdog.py)."""
+        return self.debug / f"stacks-step-job{job_id}-rank{rank}.txt"
+
     @property
     def goodput(self) -> Path:
         """The chain's goodput as of the last `job end` (launcher/goodput.py), for the next segment's W&B."""

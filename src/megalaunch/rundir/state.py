@@ -52,13 +52,15 @@ def shown_iteration(progress: dict[str, Any] | None, checkpoint: int | None) -> 
 
 
 def write_outcome(paths: RunPaths, status: str, *, iteration: int | None = None,
-                  reason: str | None = None, kind: str | None = None, **extra: Any) -> None:
-    """The trainer's verdict at exit. `config_error` (also `kind="config"`): no retry can fix it."""
+                  reason: str | None = None, kind: str | None = None, job_id: str | None = None,
+                  **extra: Any) -> None:
+    """The trainer's verdict at exit. `config_error` (also `kind="config"`): no retry can fix it.
+    `job_id`: the segment's (default: this process's job, from the environment)."""
     if status not in OUTCOMES:
         raise ValueError(f"outcome {status!r} is not one of {OUTCOMES}")
     atomic_write_json(paths.outcome, {
         "status": status, "iteration": iteration, "reason": reason, "kind": kind,
-        "job_id": current_job_id(), "time": time.time(), **extra,
+        "job_id": job_id or current_job_id(), "time": time.time(), **extra,
     })
 
 

@@ -17,6 +17,7 @@ class RuntimeSettings:
     trigger_interval: int = 1
     stop_signal: str = "SIGUSR2"
     hang_timeout_s: float = 1800.0
+    startup_timeout_s: float = 1800.0  # the hang watcher's limit before the first iteration
     keep_last: int = 2
     milestone_interval: int = 0
     cpu: bool = False  # gpus_per_node == 0: the job hides any GPU and runs on the CPU (gloo)

@@ -11,6 +11,8 @@ Both backends start every rank through this small supervisor (standard library o
   to it and killed, so nothing outlives the task or holds the step's output open (Slurm would
   otherwise wait 60 s before abandoning that I/O). If the supervisor itself dies, the kernel kills
   the command (parent-death signal).
+- **A first sign of life.** Rank 0's supervisor beats the heartbeat when the step starts (the hang
+  watcher, runtime/hangwatch.py, then knows the step runs and its id).
 - **Evidence.** It writes RUN/state/tasks/<job>/rank-<R>.json: the node, the pid, when the command
   started and ended, its exit status or the signal that killed it. `job end` reads these to name the
   rank and node that died first. It then leaves the way the command left (the same exit status, or
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.heartbeat import task_start_beat
 from megalaunch.runtime.signals import block, resolve_signal
 
 PR_SET_PDEATHSIG = 1
@@ -149,6 +152,13 @@ def _write_record(record: dict[str, object]) -> None:
         print(f"[megalaunch task] could not write {path}: {e}", file=sys.stderr, flush=True)
 
 
+def _first_beat() -> None:
+    """Rank 0's step started: the hang watcher's first sign of life from the step (runtime/heartbeat.py)."""
+    run_dir, job_id = os.environ.get("MEGALAUNCH_RUN_DIR"), os.environ.get("MEGALAUNCH_JOB_ID")
+    if run_dir and job_id and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        task_start_beat(RunPaths(Path(run_dir)), job_id)
+
+
 def _leave_like(status: int) -> int:
     """Exit the way the command did: the same signal (Slurm then reports it), or the same code."""
     if os.WIFSIGNALED(status):
@@ -170,6 +180,7 @@ def run(command: list[str], stop_signal: signal.Signals) -> int:
         # survive them long enough to clean up (a handler, unlike SIG_IGN, is not inherited by exec)
         signal.signal(sig, lambda signum, frame: None)
     started = time.time()
+    _first_beat()
     try:
         child = subprocess.Popen(command, preexec_fn=_die_with_parent)  # preexec_fn is safe: no threads here
     except OSError as e:

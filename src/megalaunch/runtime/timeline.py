@@ -32,6 +32,7 @@ from typing import Any
 
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.heartbeat import Heartbeat
 
 # Start-up, in order: each component ends at its phase (`launch` begins at `job begin`). The goodput
 # accounting (launcher/goodput.py) and the trainer's W&B summary (runtime/train.py) both cut here.
@@ -61,6 +62,7 @@ class Timeline:
         self.data: dict[str, Any] = {"job_id": job_id, "host": os.uname().nodename, "phases": {}, "saves": [],
                                      "iterations": {}}
         self._last_write = 0.0
+        self.heartbeat = Heartbeat(paths, job_id, enabled=write)  # every phase and save is a sign of life
         start = process_start_time()
         if start is not None:
             self.data["phases"]["process_start"] = start
@@ -73,6 +75,7 @@ class Timeline:
         phases[phase] = time.time() if when is None else when
         self.data.update(extra)
         self.flush()
+        self.heartbeat.beat(phase)
 
     def iteration(self, iteration: int, *, flush: bool) -> None:
         """Every iteration (cheap): the first and the latest, and how far training got."""
@@ -86,10 +89,16 @@ class Timeline:
         self.data["iterations"]["last"] = iteration
         if flush:
             self.flush()
+        self.heartbeat.beat("iteration", iteration=iteration, force=False)
+
+    def save_started(self, iteration: int) -> None:
+        """A blocking save begins (it may take minutes: the watcher knows it is alive)."""
+        self.heartbeat.beat("save_start", iteration=iteration)
 
     def save(self, iteration: int, begin: float, end: float) -> None:
         self.data["saves"].append([iteration, begin, end])
         self.flush()
+        self.heartbeat.beat("save_end", iteration=iteration)
 
     def flush(self) -> None:
         if not self.write_enabled:

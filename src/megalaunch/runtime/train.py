@@ -18,7 +18,8 @@ and adds what the chain needs (docs/training.md):
 
 Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG, MEGALAUNCH_TEST_HANG,
 MEGALAUNCH_TEST_STEP_SLEEP_S, MEGALAUNCH_TEST_SLOW_FORWARD (RANK:SECONDS, a sleep in that rank's forward
-steps), MEGALAUNCH_TEST_SLOW_NODE and MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health.py)."""
+steps), MEGALAUNCH_TEST_SLOW_NODE and MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health.py),
+MEGALAUNCH_TEST_RENDEZVOUS_HANG."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ from megalaunch.runtime.timeline import STARTUP_PHASES, Timeline
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
 HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
+RENDEZVOUS_HANG_ENV = "MEGALAUNCH_TEST_RENDEZVOUS_HANG"
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
 PROFILE_ENV = "MEGALAUNCH_PROFILE_STARTUP"
 SLOW_FORWARD_ENV = "MEGALAUNCH_TEST_SLOW_FORWARD"
@@ -220,6 +222,7 @@ class Session:
     def before_save(self, iteration: int) -> None:
         self._save_started = time.monotonic()
         self._save_started_at = time.time()
+        self.timeline.save_started(iteration)
         if self.watchdog:
             self.watchdog.beat(f"save at iteration {iteration} started")
 
@@ -481,7 +484,24 @@ def _setup(session: Session) -> tuple[list[str], str]:
         _open_wandb(session)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
     session.timeline.mark("setup_done", gpu=gpu, attention=attention)
+    _maybe_skip_rendezvous(session)
     return argv, attention
+
+
+def _maybe_skip_rendezvous(session: Session) -> None:
+    """Test hook MEGALAUNCH_TEST_RENDEZVOUS_HANG=RANK: that rank never joins torch.distributed's
+    rendezvous, so the others wait in it forever, in the first segment that sees the hook only (a
+    marker under state/ remembers it)."""
+    text = os.environ.get(RENDEZVOUS_HANG_ENV)
+    if not text or int(text) != session.rank:
+        return
+    marker = session.paths.state / "test-rendezvous-hang"
+    if marker.exists():
+        return
+    marker.write_text(f"{session.job_id}\n")
+    session.log("test hook: never joining the rendezvous")
+    while True:
+        time.sleep(3600)
 
 
 def _open_wandb(session: Session) -> None:
@@ -570,7 +590,8 @@ def run_session(session: Session) -> int:
             session.ledger("hung", iteration=session.iteration, reason=reason)
 
     session.watchdog = Watchdog(paths.debug, rank=session.rank, job_id=session.job_id,
-                                timeout_s=session.settings.hang_timeout_s, on_hang=on_hang).start()
+                                timeout_s=session.settings.hang_timeout_s, on_hang=on_hang,
+                                ).start(stacks_file=paths.step_stacks(session.job_id or "nojob", session.rank))
     status, code = "failed", 1
     reason: str | None = "did not start"
     failure: Failure | None = None

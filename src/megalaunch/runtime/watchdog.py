@@ -5,12 +5,19 @@ Each rank runs its own watchdog thread. A rank stuck inside a step leaves the ot
 a collective, so every rank stops making progress and every rank dumps its stacks. The thread
 needs the GIL, which blocking collectives and sleeps release; as a backstop for a thread that
 holds the GIL forever, `faulthandler.dump_traceback_later` (a C thread) dumps and exits a little
-later without Python's help (no outcome then: the chain sees a segment that ended without one)."""
+later without Python's help (no outcome then: the chain sees a segment that ended without one).
+
+The watchdog also lets the hang watcher outside Python (runtime/hangwatch.py) ask for stacks: on
+STACKS_SIGNAL (SIGURG, whose default action is to be ignored, so it harms no other process of the step)
+faulthandler's C handler writes every thread's stack to RUN/debug/stacks-step-job<J>-rank<R>.txt, also
+while the main thread is blocked in C (a rendezvous, a collective)."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +26,18 @@ from pathlib import Path
 from typing import IO
 
 EXIT_HUNG = 75  # distinct from 0/1 so a log reader sees why the task ended
+STACKS_SIGNAL = signal.SIGURG  # ignored by default: harmless to every process that does not register it
+
+
+def check_period_s(timeout_s: float) -> float:
+    return min(30.0, max(0.5, timeout_s / 10))
+
+
+def backstop_after_s(timeout_s: float) -> float:
+    """When, without progress, a rank's watchdog has surely acted: the Python thread fires by timeout +
+    one check and exits a grace period later; the faulthandler backstop fires at this time."""
+    check = check_period_s(timeout_s)
+    return timeout_s + 2 * check + min(60.0, timeout_s)
 
 
 class Watchdog:
@@ -29,7 +48,7 @@ class Watchdog:
         self.rank = rank
         self.job_id = job_id or str(os.getpid())
         self.timeout_s = timeout_s
-        self.check_s = check_s if check_s is not None else min(30.0, max(0.5, timeout_s / 10))
+        self.check_s = check_s if check_s is not None else check_period_s(timeout_s)
         self.grace_s = min(60.0, 2 * self.check_s + 1)
         self.on_hang = on_hang
         self._exit = exit
@@ -39,12 +58,24 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="megalaunch-watchdog", daemon=True)
         self._backstop_file: IO[str] | None = None
         self._armed_at = 0.0
+        self._stacks_file: IO[str] | None = None
 
-    def start(self) -> Watchdog:
+    def start(self, stacks_file: Path | None = None) -> Watchdog:
+        """`stacks_file`: where the stacks go when the hang watcher sends STACKS_SIGNAL."""
         if self.timeout_s > 0:
             self._thread.start()
             self._arm_backstop()
+        if stacks_file is not None:
+            self._register_stacks_signal(stacks_file)
         return self
+
+    def _register_stacks_signal(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._stacks_file = open(path, "a")  # noqa: SIM115 (faulthandler writes to it until exit)
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
+        except (OSError, RuntimeError, ValueError) as e:  # stacks are a help, never a reason to fail
+            print(f"[megalaunch rank {self.rank}] no stacks on {STACKS_SIGNAL.name}: {e}", file=sys.stderr, flush=True)
 
     def beat(self, what: str = "") -> None:
         """Progress was made (an iteration ended, a save began or ended)."""
@@ -61,6 +92,13 @@ class Watchdog:
         if self._backstop_file is not None:
             self._backstop_file.close()
             self._backstop_file = None
+        if self._stacks_file is not None:
+            faulthandler.unregister(STACKS_SIGNAL)
+            self._stacks_file.close()
+            with contextlib.suppress(OSError):  # no dump was asked for: leave no empty file behind
+                if os.path.getsize(self._stacks_file.name) == 0:
+                    os.unlink(self._stacks_file.name)
+            self._stacks_file = None
 
     def stack_file(self, kind: str = "stacks") -> Path:
         return self.debug_dir / f"{kind}-job{self.job_id}-rank{self.rank}.txt"

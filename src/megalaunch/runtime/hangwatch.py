@@ -1,0 +1,330 @@
+"""The hang killer outside Python: `megalaunch job watch RUN --shell-pid PID`, started in the background
+by the job script just before `srun` and stopped when it returns. Standard library only.
+
+It watches rank 0's heartbeat (runtime/heartbeat.py). Two limits:
+- before the first iteration, `chain.startup_timeout_s` without a sign of life: the step's start, the
+  trainer's start, imports, rendezvous, NCCL init, model build, checkpoint load, data;
+- after it, `chain.hang_timeout_s` plus the time the in-Python watchdog (runtime/watchdog.py) needs to
+  dump its stacks and end the ranks itself, so that one always gets its chance first.
+
+On a hang it asks every process of the step for its Python stacks (`scancel --signal=URG JOB.STEP`:
+ignored by default, faulthandler's handler in the trainer), waits STACKS_WAIT_S, writes outcome `hung`
+(unless the segment already has an outcome) and kills the step (`scancel --signal=KILL JOB.STEP`: the
+step only, so the job script goes on to `job end`, the chain continues and the allocation is
+released). If Slurm does not answer, it retries, then makes the local `srun` end the step (two SIGINTs
+within a second), then kills `srun`.
+
+"Slurm did not answer" is never evidence: the watcher fires only on a stale heartbeat, and only while
+Slurm says the job RUNNING (a suspended job makes no progress). When Slurm does not answer, or the
+heartbeat cannot be read, it waits: it fires on that evidence alone only once the heartbeat has been
+silent for twice the limit."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megalaunch.rundir.files import append_jsonl
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import read_outcome, write_outcome
+from megalaunch.runtime.heartbeat import TRAINING_PHASES
+from megalaunch.runtime.watchdog import backstop_after_s
+
+OUTER_MARGIN_S = 30.0  # after the in-Python watchdog's backstop: it had its chance
+STACKS_WAIT_S = 5.0  # for faulthandler to write every rank's stacks
+SLURM_TIMEOUT_S = 15.0  # one squeue/scancel call
+KILL_TRIES = 3
+KILL_RETRY_S = 5.0
+SRUN_EXIT_WAIT_S = 30.0
+
+# what a segment does after each phase: a hang "after setup_done" is stuck in the rendezvous
+NEXT = {"step_start": "srun starting the tasks", "task_start": "the trainer's start",
+        "runtime_start": "importing torch", "torch_imported": "importing Megatron",
+        "megatron_imported": "setting up (W&B)", "setup_done": "the rendezvous and process groups (NCCL/gloo)",
+        "model_build_start": "building the model", "model_build_end": "choosing the checkpoint",
+        "load_start": "loading the checkpoint", "load_end": "building the datasets",
+        "data_start": "building the datasets", "data_end": "the first iteration",
+        "first_iteration_end": "an iteration", "iteration": "an iteration", "save_start": "a checkpoint save",
+        "save_end": "an iteration"}
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    startup_s: float
+    hang_s: float
+
+    @classmethod
+    def for_settings(cls, startup_timeout_s: float, hang_timeout_s: float) -> Limits:
+        return cls(startup_timeout_s, backstop_after_s(hang_timeout_s) + OUTER_MARGIN_S)
+
+
+@dataclass
+class HangWatch:
+    """The decision, fed with what was observed: no I/O of its own (tests drive it with a fake clock)."""
+
+    limits: Limits
+    last_change: float  # when the heartbeat last changed (the watcher's monotonic clock); start = a beat
+    phase: str = "step_start"
+    iteration: int | None = None
+    step_id: str | None = None
+    training: bool = False
+    unreadable: str | None = None  # why the heartbeat could not be read (unknown, not stale)
+    _seen: bytes | None = field(default=None, repr=False)
+
+    def observe(self, now: float, content: bytes | OSError | None) -> None:
+        """The heartbeat file's bytes (None: not written yet; an OSError: could not be read)."""
+        if isinstance(content, OSError):
+            self.unreadable = str(content)
+            return
+        self.unreadable = None
+        if content is None or content == self._seen:
+            return
+        self._seen, self.last_change = content, now
+        data = _json(content)
+        self.phase = str(data.get("phase") or self.phase)
+        self.iteration = data["iteration"] if isinstance(data.get("iteration"), int) else self.iteration
+        self.step_id = str(data["step_id"]) if data.get("step_id") not in (None, "") else self.step_id
+        self.training = self.training or self.phase in TRAINING_PHASES
+
+    @property
+    def limit_s(self) -> float:
+        return self.limits.hang_s if self.training else self.limits.startup_s
+
+    def idle_s(self, now: float) -> float:
+        return now - self.last_change
+
+    def decide(self, now: float, job_state: str | None) -> str:
+        """'ok', 'fire', 'unknown' (stale, but Slurm did not answer or the heartbeat could not be read:
+        wait) or 'paused' (Slurm says the job is not running: suspended, completing)."""
+        idle = self.idle_s(now)
+        if idle < self.limit_s:
+            return "ok"
+        if job_state is not None and job_state != "RUNNING":
+            return "paused"
+        if job_state is None or self.unreadable is not None:
+            return "fire" if idle >= 2 * self.limit_s else "unknown"
+        return "fire"
+
+    def resume_clock(self, now: float) -> None:
+        """Time the job spent not running (suspended) is not time without progress."""
+        self.last_change = now
+
+    def reason(self, now: float) -> str:
+        which = "hang_timeout_s" if self.training else "startup_timeout_s"
+        at = f" at iteration {self.iteration}" if self.training and self.iteration is not None else ""
+        return (f"no sign of life for {self.idle_s(now):.0f} s ({which} limit {self.limit_s:g} s): stuck in "
+                f"{NEXT.get(self.phase, 'what follows ' + self.phase)} (last phase: {self.phase}{at})")
+
+
+def _json(content: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_beat(path: Path) -> bytes | OSError | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e
+
+
+def record_hang(paths: RunPaths, job_id: str, reason: str, watch: HangWatch) -> None:
+    """Outcome `hung` (unless the segment has its own outcome) and a ledger line naming the stacks."""
+    stacks = sorted(str(p) for p in paths.debug.glob(f"stacks*-job{job_id}-rank*.txt") if _non_empty(p))
+    full = reason + (f"; stacks: {paths.debug}/stacks*-job{job_id}-*.txt" if stacks else "; no stacks could be gathered")
+    try:
+        if read_outcome(paths, job_id) is None:
+            write_outcome(paths, "hung", iteration=watch.iteration, reason=full, job_id=job_id, by="hang watcher",
+                          phase=watch.phase, stacks=stacks)
+        append_jsonl(paths.ledger, {"event": "hang_killed", "time": time.time(), "job_id": job_id, "reason": reason,
+                                    "phase": watch.phase, "iteration": watch.iteration, "stacks": stacks})
+    except OSError as e:
+        log(f"could not record the hang: {e}")
+
+
+def _non_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def log(message: str) -> None:
+    print(f"megalaunch hangwatch: {message}", file=sys.stderr, flush=True)
+
+
+class SlurmStep:
+    """The job's step as Slurm and this node see it; every Slurm call is timed and may fail (None/False)."""
+
+    def __init__(self, job_id: str, shell_pid: int, run: Run = subprocess.run) -> None:
+        self.job_id = job_id
+        self.shell_pid = shell_pid
+        self._run = run
+
+    def _slurm(self, args: Sequence[str]) -> str | None:
+        try:
+            p = self._run(list(args), capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"{args[0]} did not answer: {e}")
+            return None
+        if p.returncode != 0:
+            log(f"{' '.join(args)} failed ({p.returncode}): {(p.stderr or '').strip()[:200]}")
+            return None
+        return p.stdout
+
+    def job_state(self) -> str | None:
+        out = self._slurm(["squeue", "--noheader", "--jobs", self.job_id, "--format=%T"])
+        return out.split()[0] if out and out.split() else None
+
+    def step_ids(self) -> list[str]:
+        out = self._slurm(["squeue", "--noheader", "--steps", "--jobs", self.job_id, "--format=%i"]) or ""
+        return [s for s in out.split() if s.partition(".")[2].isdigit()]
+
+    def signal(self, sig: str, step: str) -> bool:
+        return self._slurm(["scancel", f"--signal={sig}", step]) is not None
+
+    def srun_pids(self) -> list[int]:
+        """The job script's srun (its child: the step's launcher on this node)."""
+        out = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.find(b"(") + 1:stat.rfind(b")")]
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if name == b"srun" and len(fields) > 1 and int(fields[1]) == self.shell_pid:
+                out.append(int(entry.name))
+        return out
+
+
+def _wait_gone(pids: list[int], timeout_s: float, sleep: Callable[[float], None]) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        sleep(0.5)
+    return not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_step(step: SlurmStep, step_ids: list[str], sleep: Callable[[float], None] = time.sleep) -> str:
+    """Kill the step through Slurm; else through the local srun. Returns how it went."""
+    sruns = step.srun_pids()
+    for attempt in range(KILL_TRIES):
+        if step_ids and all(step.signal("KILL", s) for s in step_ids):
+            if _wait_gone(sruns, SRUN_EXIT_WAIT_S, sleep):
+                return f"killed step {', '.join(step_ids)} (scancel --signal=KILL)"
+            log("srun still runs after the step was killed")
+            break
+        if attempt + 1 < KILL_TRIES:
+            sleep(KILL_RETRY_S)
+            step_ids = step_ids or step.step_ids()
+    # Slurm did not answer (or never named the step): srun ends the step itself on two SIGINTs within
+    # a second; as the last resort, srun is killed (the job script then goes on to `job end`).
+    for pid in sruns:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+            time.sleep(0.2)
+            os.kill(pid, signal.SIGINT)
+    if _wait_gone(sruns, SRUN_EXIT_WAIT_S, sleep):
+        return "srun ended the step (two SIGINTs)"
+    for pid in sruns:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return "killed srun (SIGKILL)"
+
+
+def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
+          check_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> str:
+    """Watch until the heartbeat goes stale, then gather stacks, record and kill. Returns what it did."""
+    check_s = check_s or max(1.0, min(10.0, limits.startup_s / 10, limits.hang_s / 10))
+    beat_file = paths.heartbeat(job_id)
+    hw = HangWatch(limits, clock())
+    told_unknown = False  # said once per silent spell that the evidence is unknown
+    while True:
+        sleep(check_s)
+        if step.shell_pid and not _alive(step.shell_pid):
+            return "the job script is gone"
+        now = clock()
+        hw.observe(now, read_beat(beat_file))
+        if hw.idle_s(now) < hw.limit_s:
+            told_unknown = False
+            continue
+        verdict = hw.decide(now, step.job_state())
+        if verdict == "paused":
+            hw.resume_clock(now)
+            continue
+        if verdict == "unknown":
+            if not told_unknown:
+                log(f"heartbeat silent for {hw.idle_s(now):.0f} s, but "
+                    + (f"it could not be read ({hw.unreadable})" if hw.unreadable else "Slurm did not answer")
+                    + f": unknown, not a hang; waiting (at most until {2 * hw.limit_s:g} s of silence)")
+                told_unknown = True
+            continue
+        return _fire(paths, job_id, hw, step, clock, sleep)
+
+
+def _fire(paths: RunPaths, job_id: str, hw: HangWatch, step: SlurmStep,
+          clock: Callable[[], float], sleep: Callable[[float], None]) -> str:
+    reason = hw.reason(clock())
+    log(f"HUNG: {reason}; asking every task for its stacks, then killing the step")
+    step_ids = [f"{job_id}.{hw.step_id}"] if hw.step_id else step.step_ids()
+    for s in step_ids:
+        step.signal("URG", s)  # faulthandler in each trainer: every thread's stack under RUN/debug/
+    sleep(STACKS_WAIT_S)
+    record_hang(paths, job_id, reason, hw)
+    how = kill_step(step, step_ids, sleep)
+    log(f"{how}; outcome hung; the job script goes on to `job end`")
+    return how
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megalaunch.runtime.settings import RuntimeSettings
+
+    parser = argparse.ArgumentParser(prog="megalaunch job watch", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--shell-pid", type=int, required=True, help="the job script's pid (srun's parent)")
+    opts = parser.parse_args(argv)
+    job_id = os.environ.get("MEGALAUNCH_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        parser.error("no SLURM_JOB_ID in the environment: the job script runs this")
+    paths = RunPaths(Path(opts.run_dir).absolute())
+    settings = RuntimeSettings.load(paths)
+    limits = Limits.for_settings(settings.startup_timeout_s, settings.hang_timeout_s)
+    log(f"watching {paths.heartbeat(job_id)}: startup limit {limits.startup_s:g} s, then {limits.hang_s:g} s")
+    watch(paths, job_id, limits, SlurmStep(job_id, opts.shell_pid))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
