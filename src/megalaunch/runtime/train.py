@@ -637,11 +637,11 @@ def run_session(session: Session) -> int:
     session.timeline.mark("exit", outcome=status)
     session.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
     if session.rank == 0:
+        figures: dict[str, Any] = {name: value for name, value in (("health_check", session.health),
+                                                                   ("stragglers", session.stragglers)) if value}
         write_outcome(paths, status, iteration=session.iteration, reason=reason, fix=fix,
                       kind="config" if status == "config_error" else None, resumed_from=session.resumed_from,
-                      save_times_s=[round(t, 3) for t in session.save_times],
-                      **({"health_check": session.health} if session.health else {}),
-                      **({"stragglers": session.stragglers} if session.stragglers else {}))
+                      save_times_s=[round(t, 3) for t in session.save_times], **figures)
     if session.wandb is not None:
         session.wandb.summarize({"segment/outcome": status, "segment/job_id": session.job_id,
                                  "segment/save_blocking_s": round(sum(session.save_times), 3),
