@@ -36,6 +36,10 @@ class RuntimeSettings:
     node_health_dir: str | None = None  # None: no node-health ledger (runs made before it existed)
     suspect_ttl_s: float = 12 * 3600.0
     exclude_suspects: bool = True
+    # evaluation (evaluation/): rank 0 queues RUN/evals/<iteration> after a save at a multiple of
+    # eval_interval (0: off) and, with a job script (Slurm), runs eval_submit + [iteration] in a thread
+    eval_interval: int = 0
+    eval_submit: list[str] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
