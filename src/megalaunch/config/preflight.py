@@ -355,6 +355,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     else:
         blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
+    check_validation(recipe)
     check_eval(recipe)
     return topo, blend
 
@@ -368,10 +369,25 @@ def eval_interval(recipe: Recipe) -> int:
 
 def validation_fraction(split: str) -> float:
     """The validation share of Megatron's --split ("98,2,0" -> 0.02)."""
-    parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        return 0.0
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
-    return parts[1] / total if total > 0 else 0.0
+    return parts[1] / total if total > 0 and len(parts) == 3 else 0.0
+
+
+def check_validation(recipe: Recipe) -> None:
+    """Megatron builds a validation loader whenever data.split has a validation share, and asserts
+    ("no sample to consume: 0") in the first segment when training.eval_iters is 0."""
+    if recipe.data.mock or validation_fraction(recipe.data.split) == 0:
+        return
+    _require(recipe.training.eval_iters > 0, "training.eval_iters",
+             f"data.split {recipe.data.split!r} holds a validation split but training.eval_iters is 0: Megatron "
+             "would stop at start-up (no sample to consume)", ">= 1 (Megatron's validation batches per evaluation)",
+             "--set training.eval_iters=1 (with a large training.eval_interval: Megatron validates rarely), "
+             "or --set data.split=100,0,0")
 
 
 def check_eval(recipe: Recipe) -> None:
