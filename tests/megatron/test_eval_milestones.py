@@ -30,7 +30,8 @@ from tests.support.eval_data import EvalData, make_eval_data
 pytestmark = pytest.mark.megatron
 
 
-def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str, str]]) -> Path:
+def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str, str]],
+            **eval_: Any) -> Path:
     recipe = {
         "include": ["tiny"], "name": "evaltiny", "run": {"root": str(tmp / "runs")},
         "cluster": {"python": sys.executable, "time": "00:10:00", "env": {"OMP_NUM_THREADS": "1"}},
@@ -40,7 +41,7 @@ def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str
         "training": {"train_iters": train_iters, "micro_batch_size": 8, "global_batch_size": 8, "log_interval": 10,
                      "eval_iters": 1},
         "checkpoint": {"save_interval": 50, "milestone_interval": 50, "keep_last": 1},
-        "eval": {"enabled": True, "heldout_sequences": 16, "local_tasks": tasks},
+        "eval": {"enabled": True, "heldout_sequences": 16, "local_tasks": tasks, **eval_},
     }
     path = tmp / "evaltiny.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -108,7 +109,8 @@ def test_each_milestone_is_evaluated_once_and_perplexity_falls(tmp_path: Path) -
 def test_a_broken_task_fails_its_evals_not_training(tmp_path: Path) -> None:
     data = make_eval_data(tmp_path / "data")
     tasks = [{"name": "next_word", "path": str(data.task)}, {"name": "broken", "path": str(data.broken_task)}]
-    paths = _submit(_recipe(tmp_path, data, train_iters=100, tasks=tasks), tmp_path)
+    paths = _submit(_recipe(tmp_path, data, train_iters=100, tasks=tasks, task_paths=[str(data.lm_eval_tasks)]),
+                    tmp_path)
     outcome = read_json(paths.outcome)
     assert outcome["status"] == "finished" and outcome["iteration"] == 100
     records = _wait_settled(paths, [50, 100])
@@ -117,8 +119,11 @@ def test_a_broken_task_fails_its_evals_not_training(tmp_path: Path) -> None:
     status = _cli("eval", "status", str(paths.root)).stdout
     assert "iteration 50: failed" in status and "answer 7 is not an index" in status
     assert not EvalPaths(paths, 50).hf.exists()
-    # by hand, the good task only: the same iteration evaluates now (here, in the foreground)
-    by_hand = _cli("eval", str(paths.root), "--iteration", "50", "--tasks", "next_word")
+    # by hand, the good task and the same questions as an lm-eval task (a YAML of eval.task_paths over the
+    # local JSON file): the same iteration evaluates now, here in the foreground, offline
+    by_hand = _cli("eval", str(paths.root), "--iteration", "50", "--tasks", "next_word,cycle_mc")
     assert "evaluated iteration 50" in by_hand.stdout
     assert EvalPaths(paths, 50).read_state()["state"] == "done"
-    assert set(json.loads(EvalPaths(paths, 50).results.read_text())["tasks"]) == {"next_word"}
+    tasks_run = json.loads(EvalPaths(paths, 50).results.read_text())["tasks"]
+    assert set(tasks_run) == {"next_word", "cycle_mc"} and tasks_run["cycle_mc"]["runner"] == "lm-eval"
+    assert tasks_run["cycle_mc"]["acc"] == pytest.approx(tasks_run["next_word"]["acc"])  # two runners, one answer

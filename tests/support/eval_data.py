@@ -19,6 +19,7 @@ class EvalData:
     prefix: Path  # dataset prefix (.bin/.idx)
     task: Path  # a good local task: which word follows
     broken_task: Path  # answer index out of range on line 2
+    lm_eval_tasks: Path  # a directory with one lm-eval task YAML (cycle_mc) over the good task's JSON file
 
 
 def documents(n_docs: int, seed: int = 0) -> list[str]:
@@ -64,4 +65,24 @@ def make_eval_data(folder: Path, *, n_docs: int = 300) -> EvalData:
     lines = task_lines(3)
     lines[1]["answer"] = 7
     broken.write_text("".join(json.dumps(q) + "\n" for q in lines))
-    return EvalData(tokenizer=tok_path, prefix=prefix, task=task, broken_task=broken)
+    lm_tasks = folder / "lm_eval_tasks"
+    lm_tasks.mkdir(exist_ok=True)
+    (lm_tasks / "cycle_mc.yaml").write_text(LM_EVAL_TASK.format(data=json.dumps(str(task))))
+    return EvalData(tokenizer=tok_path, prefix=prefix, task=task, broken_task=broken, lm_eval_tasks=lm_tasks)
+
+
+# lm-eval-harness's task format over a local JSON-lines file (the `json` loader of `datasets`: no download)
+LM_EVAL_TASK = """task: cycle_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    higher_is_better: true
+"""

@@ -208,6 +208,7 @@ def check_sbatch_values(recipe: Recipe) -> None:
     values = {f"cluster.{k}": getattr(cl, k) for k in ("partition", "account", "qos", "reservation",
                                                         "constraint", "mem", "time")}
     values.update({f"cluster.sbatch_extra.{k}": v for k, v in cl.sbatch_extra.items()})
+    values.update({"eval.partition": recipe.eval.partition, "eval.time": recipe.eval.time})  # eval.sbatch's
     for field, value in values.items():
         if value is not None and not SBATCH_SAFE.match(str(value)):
             raise PreflightError(f"{value!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
