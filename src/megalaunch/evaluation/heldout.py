@@ -16,16 +16,17 @@ from megalaunch.errors import PreflightError
 
 
 def split_bounds(split: str, n_docs: int) -> list[int]:
-    """Document boundaries [0, train_end, valid_end, n] as Megatron computes them."""
+    """Document boundaries [0, train_end, valid_end, test_end] as Megatron cuts them: cumulative shares
+    of the normalised split, each boundary `int(round(share * n))`
+    (megatron/core/datasets/blended_megatron_dataset_builder.py, 0.19.2)."""
     weights = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
-    fractions = [w / total for w in weights]
-    bounds = [0]
-    for f in fractions:
-        bounds.append(bounds[-1] + round(f * float(n_docs)))
-    diff = bounds[-1] - n_docs
-    return [bounds[0], *(b - diff for b in bounds[1:])]
+    bounds, cumulative = [0], 0.0
+    for w in weights:
+        cumulative += w / total
+        bounds.append(int(round(cumulative * float(n_docs))))  # noqa: RUF046 (Megatron's own expression)
+    return bounds
 
 
 def heldout_sequences(prefixes: list[str], *, split: str | None, count: int, seq_length: int) -> list[list[int]]:

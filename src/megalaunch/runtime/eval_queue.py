@@ -39,10 +39,11 @@ class EvalQueue:
         state = (ep.read_state() or {}).get("state")
         if state == "done" or (state in ACTIVE and state != "queued"):
             return
-        ep.write_state("queued", by=f"job {self.job_id}")
-        append_jsonl(self.paths.ledger, {"event": "eval_queued", "time": time.time(), "by_job": self.job_id,
-                                         "iteration": iteration})
-        self.log(f"eval of iteration {iteration} queued ({ep.root})")
+        if state != "queued":  # queued already (its submission failed): only the submission is retried
+            ep.write_state("queued", by=f"job {self.job_id}")
+            append_jsonl(self.paths.ledger, {"event": "eval_queued", "time": time.time(), "by_job": self.job_id,
+                                             "iteration": iteration})
+            self.log(f"eval of iteration {iteration} queued ({ep.root})")
         if self.submit:
             t = threading.Thread(target=self._submit, args=(iteration,), name=f"eval-submit-{iteration}", daemon=True)
             t.start()
