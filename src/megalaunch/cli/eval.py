@@ -107,10 +107,7 @@ def run_(
         say(f"submitted eval of iteration {iteration}: job {job_id}, script {ep.job_script}, logs {ep.logs}/")
         say(f"next: megalaunch eval status {paths.root}")
         return
-    from megalaunch.evaluation.stage import run_stage
-
-    ep.write_state("queued", by="megalaunch eval")
-    results = run_stage(paths, iteration, tasks=names, log=say)
+    results = submit.run_here(paths, iteration, names, log=say)
     say(f"evaluated iteration {iteration} in {results['wall_s']:.1f} s: {ep.results}")
     say(f"next: megalaunch eval status {paths.root}")
 

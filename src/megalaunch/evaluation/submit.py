@@ -94,14 +94,28 @@ def live_records(paths: RunPaths, recipe: Recipe | None = None, slurm: Any = Non
     return records
 
 
+def _worker_lock(paths: RunPaths) -> Any:
+    paths.evals.mkdir(parents=True, exist_ok=True)
+    return open(paths.evals / ".worker.lock", "a")
+
+
+def run_here(paths: RunPaths, iteration: int, tasks: list[str] | None, log: Any = print) -> dict[str, Any]:
+    """`megalaunch eval RUN` on a local run: in this process, after the background worker (one eval
+    of a run at a time on this machine)."""
+    from megalaunch.evaluation.stage import run_stage
+
+    with _worker_lock(paths) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return run_stage(paths, iteration, tasks=tasks, log=log)
+
+
 def run_queued_locally(paths: RunPaths, log: Any = print) -> list[int]:
     """The local backend's queue worker: one at a time per run (a lock), every queued eval, oldest
     first, until none is left. A failed eval is recorded and the next one runs."""
     from megalaunch.evaluation.stage import run_stage
 
-    paths.evals.mkdir(parents=True, exist_ok=True)
     done: list[int] = []
-    with open(paths.evals / ".worker.lock", "a") as lock:
+    with _worker_lock(paths) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         while todo := queued(paths):
             try:
