@@ -98,6 +98,9 @@ def test_each_milestone_is_evaluated_once_and_perplexity_falls(tmp_path: Path) -
     status = _cli("eval", "status", str(paths.root)).stdout
     assert "iteration 50: done" in status and "held-out ppl" in status and "next_word acc" in status
     assert "evals:" in _cli("status", str(paths.root), "--evals").stdout
+    _cli("report", str(paths.root), "--out", str(tmp_path / "report"))  # and in the report
+    html = next((tmp_path / "report").glob("*.html")).read_text()
+    assert 'id="evals"' in html and html.count('class="eval-row"') == 4 and f"{ppl[-1]:.4g}" in html
     # by hand, again: idempotent (nothing re-run), unless --force
     before = EvalPaths(paths, 100).results.stat().st_mtime_ns
     again = _cli("eval", str(paths.root), "--iteration", "100")
