@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=480, help="seconds to wait for the eval after training")
     ap.add_argument("--smoke", action="store_true", help="the tiny model on the CPU (checks the script, no GPU)")
     args = ap.parse_args()
+    if args.smoke:
+        args.seq = 64
 
     import yaml
     from tests.support.eval_data import make_eval_data
@@ -66,7 +68,7 @@ def main() -> int:
     }
     if args.smoke:
         recipe.update(include=["models/tiny", "training/tiny", "clusters/local"], name="evalsmoke",
-                      model={"seq_length": 64, "max_position_embeddings": 64})
+                      model={"seq_length": args.seq, "max_position_embeddings": args.seq})
         recipe["cluster"].update(gpus_per_node=0, cpus_per_task=1)
         recipe["training"].update(micro_batch_size=8, global_batch_size=8)
     recipe_path = out / "eval1b.yaml"
