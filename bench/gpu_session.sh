@@ -5,12 +5,17 @@
 #   bash bench/gpu_session.sh setup tests        # install (offline), GPU tests   (~6-8 min on an H100)
 #   bash bench/gpu_session.sh throughput         # megalaunch vs bare pretrain     (~4-5 min)
 #   bash bench/gpu_session.sh save               # sync/async save, signal-to-exit (~2-3 min)
+#   bash bench/gpu_session.sh eval               # the 1B model's milestone eval (~3-4 min): docs/eval.md
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
 # torch is preinstalled there. Wheels needed (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 -d .carry/wheels ...): megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe
 # packaging pytest pluggy iniconfig pytest-timeout. numpy must be there already (torch images have it).
+# The eval stage also needs (same command): typer annotated-doc click rich markdown-it-py mdurl pygments
+# shellingham transformers tokenizers safetensors huggingface-hub hf-xet httpx2 httpcore2 h11 anyio idna
+# truststore filelock fsspec regex tqdm typing-extensions (no lm-eval: held-out perplexity and the
+# local task runner need none; EVAL_ARGS=--lm-eval needs lm-eval, accelerate and their dependencies).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -53,12 +58,23 @@ stage_save() {
     2>&1 | tee "$OUT/save.txt"
 }
 
+stage_eval() {
+  if ! "$PY" -c "import transformers, tokenizers, typer" 2>/dev/null; then
+    "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" \
+      typer annotated-doc click rich markdown-it-py mdurl pygments shellingham transformers tokenizers \
+      safetensors huggingface-hub hf-xet httpx2 httpcore2 h11 anyio idna truststore filelock fsspec regex tqdm \
+      typing-extensions 2>&1 | tail -n 3
+  fi
+  # shellcheck disable=SC2086
+  "$PY" bench/eval_milestone.py --out "$OUT/eval" ${EVAL_ARGS:-} 2>&1 | tee "$OUT/eval.txt" | tail -n 40
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -18,7 +18,7 @@ from megalaunch.launcher.prepare import prepare_run, write_run
 EXPECTED_PATH_FIELDS = {
     "run.root", "checkpoint.load", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
     "cluster.megalaunch", "cluster.container.image", "cluster.container.mounts", "cluster.container.environment",
-    "debug.code_snapshot",
+    "debug.code_snapshot", "eval.heldout_blend", "eval.task_paths", "eval.local_tasks[].path",
 }
 
 

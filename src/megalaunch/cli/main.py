@@ -30,7 +30,8 @@ app.add_typer(job.app, name="job", help="Called by the job script inside each se
 for _name, _help in (("tokenize", "Tokenize raw text into Megatron .bin/.idx with datatrove."),
                      ("data", "Check datasets, build data blends and mixtures."),
                      ("convert", "Convert checkpoints between Hugging Face and Megatron-core."),
-                     ("nodes", "Suspect nodes of the team's node-health ledger (list, clear).")):
+                     ("nodes", "Suspect nodes of the team's node-health ledger (list, clear)."),
+                     ("eval", "Evaluate checkpoints (held-out perplexity, tasks): eval RUN, eval status RUN.")):
     app.add_typer(importlib.import_module(f"megalaunch.cli.{_name}").app, name=_name, help=_help)
 
 

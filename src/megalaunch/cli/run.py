@@ -61,6 +61,7 @@ def status(
     run: Annotated[str | None, typer.Argument(help="Run directory or name; none: all of your runs.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     watch: Annotated[float | None, typer.Option("--watch", help="Refresh every N seconds (Ctrl-C to stop).")] = None,
+    evals: Annotated[bool, typer.Option("--evals", help="Also the run's evaluations (megalaunch eval status).")] = False,
 ) -> None:
     """Show a run's chain (segments, iteration, checkpoint, triggers, guard) or all of your runs."""
     from megalaunch.launcher.control import find_run
@@ -70,8 +71,21 @@ def status(
 
     def once() -> None:
         if run is not None:
-            st = run_status(find_run(run))
-            emit_json(st) if as_json else say(format_run_status(st))
+            paths = find_run(run)
+            st = run_status(paths)
+            if evals:
+                from megalaunch.evaluation.submit import live_records
+                from megalaunch.rundir.evals import format_eval_records
+
+                st["evals"] = live_records(paths)
+            if as_json:
+                emit_json(st)
+                return
+            say(format_run_status(st))
+            if evals:
+                say("  evals:" + ("" if st["evals"] else " none yet"))
+                for line in format_eval_records(st["evals"]):
+                    say(f"    {line}")
             return
         rows = all_runs_status([RunPaths(p) for p in known_runs()])
         if as_json:

@@ -208,6 +208,7 @@ def check_sbatch_values(recipe: Recipe) -> None:
     values = {f"cluster.{k}": getattr(cl, k) for k in ("partition", "account", "qos", "reservation",
                                                         "constraint", "mem", "time")}
     values.update({f"cluster.sbatch_extra.{k}": v for k, v in cl.sbatch_extra.items()})
+    values.update({"eval.partition": recipe.eval.partition, "eval.time": recipe.eval.time})  # eval.sbatch's
     for field, value in values.items():
         if value is not None and not SBATCH_SAFE.match(str(value)):
             raise PreflightError(f"{value!r} cannot go into an #SBATCH line (spaces, quotes, $, ; or newlines)",
@@ -355,7 +356,78 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     else:
         blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
+    check_validation(recipe)
+    check_eval(recipe)
     from megalaunch.config.fit import check_memory
 
     check_memory(recipe, topo.dp, topo.num_microbatches, tokenizer_vocab_size(recipe, spec))
     return topo, blend
+
+
+def eval_interval(recipe: Recipe) -> int:
+    """Iterations between evaluations: eval.interval, else the milestones; 0 when evaluation is off."""
+    if not recipe.eval.enabled:
+        return 0
+    return recipe.eval.interval or recipe.checkpoint.milestone_interval
+
+
+def validation_fraction(split: str) -> float:
+    """The validation share of Megatron's --split ("98,2,0" -> 0.02)."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        return 0.0
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return parts[1] / total if total > 0 and len(parts) == 3 else 0.0
+
+
+def check_validation(recipe: Recipe) -> None:
+    """Megatron builds a validation loader whenever data.split has a validation share, and asserts
+    ("no sample to consume: 0") in the first segment when training.eval_iters is 0."""
+    if recipe.data.mock or validation_fraction(recipe.data.split) == 0:
+        return
+    _require(recipe.training.eval_iters > 0, "training.eval_iters",
+             f"data.split {recipe.data.split!r} holds a validation split but training.eval_iters is 0: Megatron "
+             "would stop at start-up (no sample to consume)", ">= 1 (Megatron's validation batches per evaluation)",
+             "--set training.eval_iters=1 (with a large training.eval_interval: Megatron validates rarely), "
+             "or --set data.split=100,0,0")
+
+
+def check_eval(recipe: Recipe) -> None:
+    """The eval section: an eval iteration must be a checkpoint; held-out perplexity needs held-out
+    tokens; text tasks need a tokenizer; local task files must exist (their content is the eval's)."""
+    ev = recipe.eval
+    if not ev.enabled:
+        return
+    interval = eval_interval(recipe)
+    _require(interval > 0, "eval.interval", "evaluation is on but no iteration is evaluated",
+             "eval.interval > 0, or checkpoint.milestone_interval > 0",
+             "--set checkpoint.milestone_interval=N (evaluate each milestone) or --set eval.interval=N")
+    save = recipe.checkpoint.save_interval
+    _require(interval % save == 0, "eval.interval", f"{interval} is not a multiple of checkpoint.save_interval "
+             f"{save}: there would be no checkpoint to evaluate", f"a multiple of {save}",
+             f"--set eval.interval={max(save, interval // save * save)}")
+    if ev.heldout_sequences > 0 and not ev.heldout_blend:
+        _require(not recipe.data.mock, "eval.heldout_sequences", "held-out perplexity needs real data; this run "
+                 "trains on mock data", "data.blend with a validation split, or eval.heldout_blend",
+                 "--set eval.heldout_sequences=0, or --set 'eval.heldout_blend=[PREFIX]'")
+        _require(validation_fraction(recipe.data.split) > 0, "data.split",
+                 f"{recipe.data.split!r} has no validation split for held-out perplexity",
+                 "train,valid,test with valid > 0 (e.g. 98,2,0)",
+                 "--set data.split=98,2,0, or --set 'eval.heldout_blend=[PREFIX]', or --set eval.heldout_sequences=0")
+    for prefix in ev.heldout_blend:
+        _require(os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"), "eval.heldout_blend",
+                 f"{prefix} has no .bin/.idx", "dataset prefixes (PATH for PATH.bin + PATH.idx)",
+                 "fix the path (megalaunch data check DIR lists the prefixes)")
+    text_tasks = [t.name for t in ev.local_tasks] + list(ev.tasks)
+    if text_tasks:
+        _require(recipe.data.tokenizer_type == "HuggingFaceTokenizer", "eval.local_tasks",
+                 f"tasks {', '.join(text_tasks)} are text but the run has no tokenizer (NullTokenizer)",
+                 "data.tokenizer_type: HuggingFaceTokenizer", "train with a tokenizer, or drop the tasks")
+    for i, task in enumerate(ev.local_tasks):
+        _require(os.path.isfile(task.path), f"eval.local_tasks[{i}].path", f"{task.path} is not a file",
+                 "a JSON-lines file of {context, choices, answer}", "fix the path")
+    for path in ev.task_paths:
+        _require(os.path.isdir(path), "eval.task_paths", f"{path} is not a directory",
+                 "a directory of lm-eval task YAMLs", "fix the path")

@@ -25,6 +25,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain import Chain, Verdict
 from megalaunch.launcher.prepare import PreparedRun, job_command, task_supervisor, write_run
+from megalaunch.rundir.evals import queued
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
@@ -147,11 +148,28 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
             echo(f"chain stopped: {verdict.reason}")
             return verdict
         code = run_segment(paths, recipe, job_id, chain_name, echo)
+        start_eval_worker(paths, echo)
         verdict = chain.end(job_id, code)
         echo(f"segment {job_id} done (exit status {code}): {verdict.reason}")
         if not verdict.proceed:
             return verdict
         n += 1
+
+
+def start_eval_worker(paths: RunPaths, echo: Callable[[str], None] = print) -> int | None:
+    """After a segment: the evals it queued run in a background worker (`megalaunch eval run-queued`:
+    one at a time, nice 19, a session of its own), so the next segment starts at once and a failed
+    eval touches nothing of the chain."""
+    if not queued(paths):
+        return None
+    paths.evals.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(paths.evals / "local-worker.log", "ab") as log:
+        p = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "megalaunch.cli.main", "eval", "run-queued",
+                              str(paths.root)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+    echo(f"evals of iterations {queued(paths)} run in the background (pid {p.pid}): megalaunch eval status {paths.root}")
+    return p.pid
 
 
 class LocalBackend:

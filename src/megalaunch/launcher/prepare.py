@@ -18,7 +18,7 @@ from typing import Any
 from megalaunch import __version__
 from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
-from megalaunch.config.preflight import Topology, preflight, recipe_tokenizer, signal_lead_s
+from megalaunch.config.preflight import Topology, eval_interval, preflight, recipe_tokenizer, signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.errors import PreflightError, RunDirError
@@ -83,7 +83,7 @@ def task_supervisor(recipe: Recipe) -> list[str]:
     return [home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
 
 
-def runtime_settings(recipe: Recipe) -> RuntimeSettings:
+def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSettings:
     return RuntimeSettings(
         train_iters=recipe.training.train_iters, save_interval=recipe.checkpoint.save_interval,
         log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
@@ -103,7 +103,16 @@ def runtime_settings(recipe: Recipe) -> RuntimeSettings:
                                                              and recipe.cluster.gpus_per_node > 0),
         health_check_margin=recipe.cluster.health_check_margin,
         straggler_threshold=recipe.cluster.straggler_threshold,
+        eval_interval=eval_interval(recipe),
+        eval_submit=eval_submit_command(recipe, paths) if paths is not None and recipe.cluster.traits.job_script
+        else None,
     )
+
+
+def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:
+    """What rank 0 runs (in a thread, never blocking training) to submit a queued eval as a Slurm job."""
+    return [home(recipe.cluster.python), "-m", "megalaunch.cli.main", "eval", "submit-queued", str(paths.root),
+            "--iteration"]
 
 
 def node_health_dir(recipe: Recipe) -> str:
@@ -160,7 +169,7 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
     files = {
         "run.yaml": run_yaml,
         "megatron.args": args_file_text(megatron_args(recipe, paths)),
-        "runtime.json": runtime_settings(recipe).to_json(),
+        "runtime.json": runtime_settings(recipe, paths).to_json(),
     }
     if recipe.cluster.traits.job_script:
         files["job.sbatch"] = render("train.sbatch.j2", **script_context(recipe, paths, chain_name,

@@ -30,6 +30,7 @@ from megalaunch.launcher.goodput import (
     mfu,
     peak_tflops,
 )
+from megalaunch.rundir.evals import eval_records
 from megalaunch.rundir.files import atomic_write_text, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -176,7 +177,7 @@ def gather(paths: RunPaths, now: float | None = None) -> dict[str, Any]:
         "target": target, "generated": now, "chain": chain, "metrics": metrics, "step_s": step_s,
         "hint": checkpoint_interval_hint(chain, step_s), "checkpoints": checkpoints(paths, chain, events),
         "triggers": triggers(paths), "running": any(s["running"] for s in chain["segments"]),
-        "stopped": stopped,
+        "stopped": stopped, "evals": eval_records(paths),
     }
 
 
@@ -537,6 +538,7 @@ def render_html(data: dict[str, Any], figures: dict[str, Path]) -> str:
     out += ['<h2 id="checkpoints">Checkpoints</h2>', _checkpoint_table(data),
             '<h2 id="interval">Checkpoint interval (Young/Daly)</h2>', _hint_html(data),
             '<h2 id="triggers">Trigger audit</h2>', _trigger_table(data),
+            *(['<h2 id="evals">Evaluations</h2>', _eval_table(data)] if data.get("evals") else []),
             '<p class="foot">Definitions: docs/goodput.md. Written by <code>megalaunch report</code>.</p>',
             "</body>", "</html>"]
     return "\n".join(out) + "\n"
@@ -587,6 +589,21 @@ def _mfu_table(data: dict[str, Any]) -> str:
                     "peak TFLOP/s (dense bf16)", "MFU"], rows, "mfu")
             + "<p>MFU = model TFLOP/s per GPU / the device's dense bf16 peak (docs/goodput.md); no peak is known "
               "for CPUs and unlisted devices.</p>")
+
+
+def _eval_table(data: dict[str, Any]) -> str:
+    """One row per evaluated iteration (RUN/evals/, docs/eval.md): held-out perplexity, task accuracies."""
+    tasks = sorted({t for r in data["evals"] for t in (r.get("tasks") or {})})
+    rows = []
+    for r in data["evals"]:
+        ppl = r.get("heldout_ppl")
+        accs = [(r.get("tasks") or {}).get(t) for t in tasks]
+        rows.append(f'<tr class="eval-row"><td class="num">{r["iteration"]}</td><td>{_e(r["state"])}</td>'
+                    f'<td class="num">{_e(f"{ppl:.4g}" if _num(ppl) else None)}</td>'
+                    + "".join(f'<td class="num">{_e(f"{a:.3f}" if _num(a) else None)}</td>' for a in accs)
+                    + f"<td>{_e(r.get('reason'))}</td></tr>")
+    return _table(["iteration", "state", "held-out perplexity", *[f"{t} acc" for t in tasks], "why it failed"],
+                  rows, "evals")
 
 
 def _checkpoint_table(data: dict[str, Any]) -> str:

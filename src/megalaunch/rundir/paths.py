@@ -169,6 +169,11 @@ class RunPaths:
         return self.debug / f"stacks-job{job_id}-rank{rank}.txt"
 
     @property
+    def evals(self) -> Path:
+        """One directory per evaluated iteration (rundir/evals.py: EvalPaths)."""
+        return self.root / "evals"
+
+    @property
     def code_snapshot(self) -> Path:
         return self.root / "code"
 

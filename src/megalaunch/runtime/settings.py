@@ -40,6 +40,10 @@ class RuntimeSettings:
     health_check: bool = False  # cluster.health_check resolved: auto is on with GPUs (runtime/health.py)
     health_check_margin: float = 0.2
     straggler_threshold: float = 0.1
+    # evaluation (evaluation/): rank 0 queues RUN/evals/<iteration> after a save at a multiple of
+    # eval_interval (0: off) and, with a job script (Slurm), runs eval_submit + [iteration] in a thread
+    eval_interval: int = 0
+    eval_submit: list[str] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

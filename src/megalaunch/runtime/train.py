@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megalaunch.rundir.evals import pending_iterations
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, progress_at_save, write_outcome, write_progress
@@ -97,6 +98,7 @@ class Session:
         self.stragglers: dict[str, Any] | None = None  # the latest step-time spread summary
         self.watchdog: Any = None
         self.wandb: Any = None
+        self.evals: Any = None  # runtime/eval_queue.EvalQueue on rank 0 when evaluation is on
         self.profiler: StartupProfile | None = None
         self.timeline = Timeline(paths, self.job_id, write=rank == 0)
         self._wandb_started = False
@@ -235,9 +237,16 @@ class Session:
         if self.rank == 0:
             self.log(f"checkpoint at iteration {iteration}: {elapsed:.2f} s blocking")
             progress_at_save(self.paths, iteration)  # status never shows progress behind the checkpoint
+            protect = {self.resumed_from} if self.resumed_from else set()
+            if self.evals is not None:
+                try:
+                    self.evals.after_save(iteration)
+                except OSError as e:  # an eval never stops training
+                    self.log(f"eval of iteration {iteration} not queued: {e}")
+                protect |= pending_iterations(self.paths)  # an eval still to run keeps its checkpoint
             deleted = resume.prune(self.paths, keep_last=self.settings.keep_last,
                                    milestone_interval=self.settings.milestone_interval,
-                                   protect={self.resumed_from} if self.resumed_from else set(), job_id=self.job_id)
+                                   protect=protect, job_id=self.job_id)
             if deleted:
                 self.log(f"retention: deleted checkpoints {deleted}")
         # the save's interval on the timeline includes retention: deleting an old checkpoint blocks too
@@ -543,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = opts.resume_from if opts.resume_from is not None else -1
     session = Session(paths, settings, flag, rank=rank, world=world, resume_from=None if resume_from < 0 else resume_from)
     session.profiler = profiler
+    if rank == 0 and settings.eval_interval > 0:
+        from megalaunch.runtime.eval_queue import EvalQueue
+
+        session.evals = EvalQueue(paths, interval=settings.eval_interval, submit=settings.eval_submit,
+                                  job_id=session.job_id, log=session.log)
     return run_session(session)
 
 
@@ -642,6 +656,8 @@ def run_session(session: Session) -> int:
         write_outcome(paths, status, iteration=session.iteration, reason=reason, fix=fix,
                       kind="config" if status == "config_error" else None, resumed_from=session.resumed_from,
                       save_times_s=[round(t, 3) for t in session.save_times], **figures)
+    if session.evals is not None:
+        session.evals.join()
     if session.wandb is not None:
         session.wandb.summarize({"segment/outcome": status, "segment/job_id": session.job_id,
                                  "segment/save_blocking_s": round(sum(session.save_times), 3),

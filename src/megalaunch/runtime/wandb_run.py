@@ -90,6 +90,33 @@ class WandbRun:
             print(f"[megalaunch] W&B finish failed: {e}", flush=True)
 
 
+def log_eval(paths: RunPaths, *, metrics: dict[str, Any], project: str, entity: str | None, mode: str) -> str:
+    """An eval stage's results into the chain's W&B run (the id in state/wandb.json; created if no
+    segment logged yet), on axes of their own: every `eval/*` metric is plotted against
+    `eval/iteration` (`eval/tokens` is logged alongside for a tokens x axis). W&B's own step is not
+    used, so the training segments' iteration steps are never disturbed."""
+    import wandb
+
+    state = read_json(state_file(paths)) or {}
+    if not state.get("id"):
+        state = {"id": new_run_id(), "created": time.time(), "last_step": -1, "project": project,
+                 "entity": entity, "mode": mode}
+        paths.state.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(state_file(paths), state)
+    if mode == "online" and offline_by_default():
+        mode = "offline"
+    run = wandb.init(project=project, entity=entity, id=state["id"], resume="allow",
+                     mode="offline" if mode == "offline" else "online", dir=str(wandb_dir(paths)),
+                     settings=wandb.Settings(console="off", silent=True))
+    try:
+        run.define_metric("eval/iteration")
+        run.define_metric("eval/*", step_metric="eval/iteration")
+        run.log({k: v for k, v in metrics.items() if v is not None}, commit=True)
+    finally:
+        run.finish()
+    return str(state["id"])
+
+
 def new_run_id() -> str:
     """Eight lowercase letters and digits, like W&B's own ids."""
     import secrets
