@@ -97,7 +97,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSe
         auto_requeue=recipe.chain.auto_requeue,
         max_segments_without_progress=recipe.chain.max_segments_without_progress,
         nodes=recipe.cluster.nodes, partition=recipe.cluster.partition,
-        node_health_dir=node_health_dir(recipe), suspect_ttl_s=recipe.cluster.suspect_ttl_h * 3600.0,
+        node_health_dir=node_health_dir(recipe, paths.root.parent if paths is not None else None), suspect_ttl_s=recipe.cluster.suspect_ttl_h * 3600.0,
         exclude_suspects=recipe.cluster.exclude_suspects,
         health_check=recipe.cluster.health_check is True or (recipe.cluster.health_check == "auto"
                                                              and recipe.cluster.gpus_per_node > 0),
@@ -115,9 +115,10 @@ def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:
             "--iteration"]
 
 
-def node_health_dir(recipe: Recipe) -> str:
-    """The team's node-health ledger (launcher/nodes.py): the cluster's, or one next to the runs."""
-    return recipe.cluster.node_health_dir or os.path.join(recipe.run.root, ".node-health")
+def node_health_dir(recipe: Recipe, runs: Path | None = None) -> str:
+    """The team's node-health ledger (launcher/nodes.py): the cluster's, or one next to the runs (`runs`:
+    the directory the run directory is actually in, where a caller put it elsewhere than run.root)."""
+    return recipe.cluster.node_health_dir or os.path.join(runs or recipe.run.root, ".node-health")
 
 
 def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:
