@@ -182,3 +182,38 @@ def test_recompute_maps_to_megatron_flags(tmp_path: Path) -> None:
     full = args("full")
     assert full[full.index("--recompute-method") + 1] == "uniform"
     assert full[full.index("--recompute-num-layers") + 1] == "1"
+
+
+# Measured on 2x H200 (docs/results.md, bench/memory_calib.py and bench/plan.py, 2026-11-26): llama3-8b's
+# width with 8 of its 32 layers, global batch 8 x 8192 tokens, bf16, distributed optimizer, torch SDPA.
+# (TP, PP, VPP, micro-batch, recompute, SP) -> tokens/s per GPU, and max allocated GiB where measured.
+MEASURED_8B8L_H200 = {
+    (1, 1, None, 4, "none", False): (30_975, 105.9), (1, 1, None, 2, "none", False): (30_599, 68.6),
+    (1, 1, None, 4, "selective", False): (30_005, 105.9), (1, 1, None, 2, "selective", False): (29_719, 68.6),
+    (1, 1, None, 1, "none", False): (30_062, 50.0), (2, 1, None, 8, "none", True): (29_083, 98.6),
+    (2, 1, None, 1, "none", True): (28_007, 32.9), (2, 1, None, 1, "none", False): (28_248, 33.9),
+    (1, 2, 4, 1, "none", False): (24_749, 40.9), (1, 1, None, 1, "full", False): (24_638, 37.8),
+    (1, 2, 2, 1, "none", False): (24_461, 40.1), (1, 2, None, 1, "none", False): (23_745, 36.7),
+}
+
+
+def test_the_models_agree_with_the_layouts_measured_on_h200() -> None:
+    """Calibration as a regression: every measured layout's predicted speed within 6 % and memory within
+    10 %, and the planner's best measured layout is the fastest measured (pipeline layouts, 20 % slower
+    than their bubble alone says because the last stage also runs the output layer, included)."""
+    recipe = load_recipe("llama3-8b", ["cluster.nodes=1", "cluster.gpus_per_node=2", "model.num_layers=8",
+                                       "training.global_batch_size=8", "training.attention=sdpa"]).recipe
+    plan = plan_recipe(recipe, 128256, gpu="H200")
+    seen: dict[tuple[object, ...], tuple[float, float]] = {}
+    for c in plan.candidates:
+        L = c.layout
+        key = (L.tp, L.pp, L.vpp, L.micro_batch, L.recompute, bool(L.sequence_parallel))
+        if key in MEASURED_8B8L_H200 and key not in seen:
+            seen[key] = (c.tokens_per_s, c.memory.total / GIB)
+    assert set(seen) == set(MEASURED_8B8L_H200)
+    for key, (tokens, gib) in seen.items():
+        measured_tokens, measured_gib = MEASURED_8B8L_H200[key]
+        assert abs(tokens / measured_tokens - 1) < 0.06, (key, tokens, measured_tokens)
+        assert abs(gib / measured_gib - 1) < 0.10, (key, gib, measured_gib)
+    predicted_first = max(seen, key=lambda k: seen[k][0])
+    assert predicted_first == max(MEASURED_8B8L_H200, key=lambda k: MEASURED_8B8L_H200[k][0])

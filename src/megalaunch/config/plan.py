@@ -3,9 +3,10 @@ and its predicted speed, ranked. Plain arithmetic: it runs on login nodes.
 
 The throughput model, per optimizer step on one GPU:
 - compute: the model's FLOPs (matmuls 6 N per token, causal attention, the output layer; recompute adds a
-  forward) over the GPU's peak times an efficiency: `GEMM_EFFICIENCY` (measured with torch SDPA and
-  Megatron's local layers: 49 % MFU on an H200 for llama3-8b at TP 1, docs/results.md), lowered for
-  narrower matrices (TP) and short micro-batches;
+  forward) over the GPU's peak times an efficiency: `GEMM_EFFICIENCY` (fitted to layouts measured with
+  torch SDPA and Megatron's local layers on H200s, docs/results.md), lowered for narrower matrices (TP)
+  and short micro-batches; the slowest pipeline stage sets the pace (the last one also runs the output
+  layer and the loss);
 - TP: 4 collectives per layer and micro-batch (2 forward, 2 backward; + 2 per recomputed forward) of the
   layer's activations, ring cost 2 (t-1)/t x bytes over the node's GPU bandwidth, not overlapped;
 - CP: the KV exchange of the ring attention, half hidden behind compute;
@@ -23,11 +24,13 @@ from megalaunch.config.memory import RECOMPUTES, Layout, MemoryEstimate, ModelSh
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
-GEMM_EFFICIENCY = 0.51  # of the dense peak, wide matmuls, 8k tokens per micro-batch: 3.47 s/step measured (H200)
+# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted to 12 layouts measured on 2x H200
+# (docs/results.md, within -3..+6 %) and the 4x H200 llama3-8b TP 1 x DP 4 step of issue 13 (3.47 s; +4 %).
+GEMM_EFFICIENCY = 0.49
 TP_EFFICIENCY_LOSS = 0.05  # per doubling of TP: narrower matmuls
 MICROBATCH_TOKENS_HALF = 512  # tokens per micro-batch at which matmul efficiency would halve
 INTERNODE_GBPS = 40.0  # per GPU across nodes (400 Gb/s InfiniBand / RoCE), achievable
-SELECTIVE_RECOMPUTE_COST = 0.02  # of compute: the core attention's forward again (flash kernels)
+SELECTIVE_RECOMPUTE_COST = 0.03  # of compute: the core attention's forward again (measured 3 %, SDPA, H200)
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,16 @@ class Candidate:
     fits: bool
 
 
+def flops_parts(shape: ModelShape) -> tuple[float, float]:
+    """(one transformer layer, the output layer) FLOPs of one training token, forward + backward."""
+    layer = 3 * (2 * shape.layer_matmul_params() + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
+    return layer, 3 * 2 * shape.hidden * shape.padded_vocab(1)
+
+
 def flops_per_token(shape: ModelShape) -> float:
     """Model FLOPs of one training token (forward + backward), without recompute."""
-    matmul = shape.layers * shape.layer_matmul_params()
-    attention = shape.layers * 2 * 2 * shape.seq * shape.q_size * 0.5  # QK^T and PV, causal half
-    logits = shape.hidden * shape.padded_vocab(1)
-    return 3 * (2 * matmul + attention + 2 * logits)
+    layer, logits = flops_parts(shape)
+    return shape.layers * layer + logits
 
 
 def _divisors(n: int) -> list[int]:
@@ -102,8 +109,12 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     eff *= (1 - TP_EFFICIENCY_LOSS) ** (L.tp.bit_length() - 1)
     if L.attention == "local":
         eff *= 0.55  # Megatron's unfused attention: half the speed at long sequences (docs/results.md)
-    model_flops = flops_per_token(shape) * tokens_mb * m / (L.tp * L.pp)
-    compute = model_flops * recompute_factor / (gpu.peak_tflops * 1e12 * eff)
+    # The slowest pipeline stage sets the pace: the last one also runs the output layer and the loss
+    # (Megatron splits the layers evenly; measured on 2x H200, 8 of llama3-8b's layers: PP 2 ran 20 %
+    # below DP 2, where an even split predicts the 1F1B bubble alone, 12 %; docs/results.md).
+    layer_flops, logits_flops = flops_parts(shape)
+    stage_flops = (layer_flops * shape.layers / L.pp * recompute_factor + logits_flops) / L.tp
+    compute = stage_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
     layers = shape.layers / L.pp
     act_bytes = 2 * tokens_mb * shape.hidden
     forwards = 2 if L.recompute == "full" else 1
