@@ -134,3 +134,17 @@ def test_a_megatron_argument_in_the_reason_is_traced_to_the_recipe_field_that_se
     assert fix == ("check training.min_lr (now 0.5), training.lr (now 0.1) in the recipe: Megatron refused it; "
                    "correct it and submit again")
     assert recipe_field_fix("AssertionError: assert args.foo", recipe) is None
+
+
+def test_a_package_version_clash_in_the_job_environment_is_not_blamed_on_the_checkpoint() -> None:
+    """Seen on the device: nvidia-resiliency-ext 0.4 installed next to megatron-core 0.19.2 broke Megatron's
+    import inside megatron/core/dist_checkpointing: the fix is the package, not the checkpoint."""
+    from megalaunch.runtime.failures import known_fix
+
+    nvrx = ("AttributeError: module 'nvidia_resiliency_ext' has no attribute '__version__' | "
+            "megatron/core/dist_checkpointing/strategies/nvrx.py:85")
+    assert "nvidia-resiliency-ext >= 0.6" in (known_fix(nvrx) or "")
+    other = "ImportError: cannot import name 'foo' from 'bar' | megatron/core/dist_checkpointing/x.py:3"
+    fix = known_fix(other) or ""
+    assert "version megatron-core expects" in fix and "checkpoint" not in fix
+    assert "checkpoint does not match" in (known_fix("RuntimeError: size mismatch for x | megatron/a.py:1") or "")

@@ -167,3 +167,23 @@ def test_goodput_counts_the_health_check_apart(tmp_path, monkeypatch) -> None:
     seg2 = segment_time("2", started, {"time": 140.0, "outcome": "saved"}, tl2, [], 200.0)
     assert seg2.parts["health_check"] == pytest.approx(25.0) and seg2.parts["init"] == pytest.approx(3.0)
     assert sum(seg2.parts.values()) == pytest.approx(40.0)
+
+
+def test_nvrx_scores_leave_out_sections_without_new_timings(monkeypatch) -> None:
+    """nvidia-resiliency-ext 0.7 (run on 2x H200) scored {0: 0.948, 1: 1.0} at a save and NaN for both
+    ranks at the segment's end right after it; NaN is not JSON, so such sections are left out."""
+    import json
+    import types
+
+    from megalaunch.runtime import stragglers
+
+    def detector(scores: dict[str, dict[int, float]]) -> types.SimpleNamespace:
+        report = types.SimpleNamespace(section_relative_perf_scores=scores)
+        return types.SimpleNamespace(Detector=types.SimpleNamespace(generate_report=lambda: report))
+
+    monkeypatch.setattr(stragglers, "_nvrx", detector({"forward": {0: 0.948, 1: 1.0}}))
+    assert stragglers.nvrx_scores() == {"forward": {"0": 0.948, "1": 1.0}}
+    monkeypatch.setattr(stragglers, "_nvrx", detector({"forward": {0: float("nan"), 1: float("nan")}}))
+    assert stragglers.nvrx_scores() is None
+    monkeypatch.setattr(stragglers, "_nvrx", detector({"forward": {0: 0.5, 1: float("nan")}, "x": {}}))
+    assert json.loads(json.dumps(stragglers.nvrx_scores(), allow_nan=False)) == {"forward": {"0": 0.5}}

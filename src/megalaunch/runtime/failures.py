@@ -62,6 +62,12 @@ KNOWN_FIXES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I
      "(training.attention=sdpa uses torch's fused attention), or install flash-attn"),
     (r"apex", "apex is not installed on this node: use training.transformer_impl=local and drop the apex-only "
               "flags from megatron_args"),
+    (r"nvidia_resiliency_ext|nvrx",
+     "megatron-core 0.19 needs nvidia-resiliency-ext >= 0.6 when it is installed (older ones break its import): "
+     "pip install -U nvidia-resiliency-ext in the job's environment, or uninstall it"),
+    (r"module '[\w.]+' has no attribute|cannot import name",
+     "a package in the job's Python environment is not the version megatron-core expects (the reason names "
+     "it): install the version megatron-core supports in cluster.venv / the container, or uninstall it"),
     (r"sequence.?parallel", "--set parallel.sequence_parallel=false"),
     (r"lr_warmup|warmup", "training.lr_warmup_iters must be smaller than the decay iterations "
                           "(training.lr_decay_iters, default train_iters)"),

@@ -126,10 +126,13 @@ _nvrx: Any = None
 def nvrx_start() -> bool:
     """Initialise nvidia-resiliency-ext's Detector if the package is importable (every rank)."""
     global _nvrx
-    try:
-        from nvidia_resiliency_ext import straggler  # type: ignore[import-not-found]
+    try:  # 0.7 moved it under attribution/; megatron-core 0.19 refuses (at import) an nvrx older than 0.6
+        from nvidia_resiliency_ext.attribution import straggler  # type: ignore[import-not-found]
     except ImportError:
-        return False
+        try:
+            from nvidia_resiliency_ext import straggler  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return False
     try:
         straggler.Detector.initialize(scores_to_compute=["relative_perf_scores"], gather_on_rank0=True)
     except Exception:  # another version's API: our own measurement stands alone
@@ -158,5 +161,9 @@ def nvrx_scores() -> dict[str, Any] | None:
     if report is None:  # ranks other than 0 with gather_on_rank0
         return None
     scores = getattr(report, "section_relative_perf_scores", None) or {}
-    return {str(section): {str(r): round(float(v), 3) for r, v in per_rank.items()}
-            for section, per_rank in scores.items()}
+    # A section with no new timings since the last report scores NaN (seen at a segment's end right after
+    # a save, nvrx 0.7): leave it out, so that the ledger stays valid JSON.
+    out = {str(section): {str(r): round(float(v), 3) for r, v in per_rank.items() if math.isfinite(float(v))}
+           for section, per_rank in scores.items()}
+    out = {section: per_rank for section, per_rank in out.items() if per_rank}
+    return out or None
