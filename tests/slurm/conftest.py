@@ -106,3 +106,21 @@ def _cancel_leftover_chains(path: Path) -> None:
     ids = out.stdout.split()
     if ids:
         subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def node_names_resolve() -> None:
+    """Jobs that run torch.distributed: their MASTER_ADDR is the first node's Slurm name (as on any real
+    cluster), so every node name must resolve."""
+    import socket
+    import subprocess
+
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=15,
+                           check=True).stdout.split()
+    for node in sorted(set(nodes)):
+        try:
+            socket.gethostbyname(node)
+        except OSError:
+            pytest.fail(f"Slurm node name {node!r} does not resolve, so the job's MASTER_ADDR is unreachable "
+                        f"and torch.distributed cannot rendezvous: add '127.0.0.1 {' '.join(sorted(set(nodes)))}' "
+                        "to /etc/hosts (as real clusters resolve their node names)", pytrace=False)

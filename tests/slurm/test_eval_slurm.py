@@ -11,7 +11,6 @@ import importlib.util
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from megalaunch.runtime.dist_env import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 pytestmark = [
     pytest.mark.megatron,
+    pytest.mark.usefixtures("node_names_resolve"),
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("torch", "megatron", "transformers",
                                                                          "tokenizers")),
                        reason="needs the [train] and [convert] extras"),
@@ -42,17 +42,6 @@ def megalaunch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return run_as(None, [MEGALAUNCH, *args], env, cwd=cwd, timeout=120)
-
-
-@pytest.fixture(autouse=True)
-def _node_names_resolve() -> None:
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=15,
-                           check=True).stdout.split()
-    for node in sorted(set(nodes)):
-        try:
-            socket.gethostbyname(node)
-        except OSError:
-            pytest.fail(f"Slurm node name {node!r} does not resolve: add it to /etc/hosts", pytrace=False)
 
 
 def _recipe(tmp: Path) -> Path:

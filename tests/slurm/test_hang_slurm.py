@@ -19,6 +19,7 @@ from test_train_slurm import STEP_SLEEP_S, _chain_done, _events, _tail, train_re
 
 pytestmark = [
     pytest.mark.megatron,
+    pytest.mark.usefixtures("node_names_resolve"),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None,
                        reason="needs torch + megatron-core (the [train] extra)"),
 ]

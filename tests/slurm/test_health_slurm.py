@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from cluster import run_as, sbatch, show_job, wait_for
 from launch import MEGALAUNCH, ledger, run_dir_of, submitted_ids
-from test_train_slurm import _node_names_resolve, train_recipe  # noqa: F401 - the fixture is autouse
+from test_train_slurm import train_recipe
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("node_names_resolve")]
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(REPO / "src")}  # this checkout's code, for the CLI and the jobs it submits
 

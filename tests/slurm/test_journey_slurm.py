@@ -44,6 +44,7 @@ from megalaunch.runtime.dist_env import free_port
 
 pytestmark = [
     pytest.mark.megatron,
+    pytest.mark.usefixtures("node_names_resolve"),
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                            ("torch", "megatron", "datatrove", "tokenizers", "transformers", "pyarrow")),
                        reason="needs the [train], [tokenize] and [convert] extras"),

@@ -16,8 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from megalaunch.runtime.resume import checkpoint_iterations, is_complete
 
 pytestmark = [
     pytest.mark.megatron,
+    pytest.mark.usefixtures("node_names_resolve"),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("megatron") is None,
                        reason="needs torch + megatron-core (the [train] extra)"),
 ]
@@ -66,20 +65,6 @@ ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 SAVED_LINE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
 
 
-
-
-@pytest.fixture(autouse=True)
-def _node_names_resolve() -> None:
-    """The job's MASTER_ADDR is the first node's Slurm name (as on any real cluster): it must resolve."""
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=15,
-                           check=True).stdout.split()
-    for node in sorted(set(nodes)):
-        try:
-            socket.gethostbyname(node)
-        except OSError:
-            pytest.fail(f"Slurm node name {node!r} does not resolve, so the job's MASTER_ADDR is unreachable "
-                        f"and torch.distributed cannot rendezvous: add '127.0.0.1 {' '.join(sorted(set(nodes)))}' "
-                        "to /etc/hosts (as real clusters resolve their node names)", pytrace=False)
 
 
 def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s: float = STEP_SLEEP_S,

@@ -37,6 +37,7 @@ from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
 from megalaunch.runtime.heartbeat import TRAINING_PHASES
+from megalaunch.runtime.task import proc_stats
 from megalaunch.runtime.watchdog import backstop_after_s
 
 OUTER_MARGIN_S = 30.0  # after the in-Python watchdog's backstop: it had its chance
@@ -203,20 +204,8 @@ class SlurmStep:
 
     def srun_pids(self) -> list[int]:
         """The job script's srun (its child: the step's launcher on this node)."""
-        out = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            name = stat[stat.find(b"(") + 1:stat.rfind(b")")]
-            fields = stat[stat.rfind(b")") + 2:].split()
-            if name == b"srun" and len(fields) > 1 and int(fields[1]) == self.shell_pid:
-                out.append(int(entry.name))
-        return out
+        return [pid for pid, name, fields in proc_stats()
+                if name == b"srun" and len(fields) > 1 and int(fields[1]) == self.shell_pid]
 
 
 def _wait_gone(pids: list[int], timeout_s: float, sleep: Callable[[float], None]) -> bool:

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from megalaunch.rundir.files import atomic_write_json
@@ -57,12 +58,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def descendants(pid: int, *, group: int | None = None) -> list[int]:
-    """Every live process below `pid`, and every other one in process group `group`, from one walk of
-    /proc. The group catches a process that left the tree in a race (re-parented to init while its
-    parent died) but not the task's process group."""
-    children: dict[int, list[int]] = {}
-    members: list[int] = []
+def proc_stats() -> Iterator[tuple[int, bytes, list[bytes]]]:
+    """(pid, command name, the fields after the name: state, parent, group, ...) of every process, from
+    /proc/PID/stat. The name is in parentheses and may hold spaces; the fields after it are fixed."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -71,12 +69,20 @@ def descendants(pid: int, *, group: int | None = None) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        # the command name is in parentheses and may hold spaces: the fields after it are fixed
-        fields = stat[stat.rfind(b")") + 2:].split()
+        yield int(entry.name), stat[stat.find(b"(") + 1:stat.rfind(b")")], stat[stat.rfind(b")") + 2:].split()
+
+
+def descendants(pid: int, *, group: int | None = None) -> list[int]:
+    """Every live process below `pid`, and every other one in process group `group`, from one walk of
+    /proc. The group catches a process that left the tree in a race (re-parented to init while its
+    parent died) but not the task's process group."""
+    children: dict[int, list[int]] = {}
+    members: list[int] = []
+    for proc, _name, fields in proc_stats():
         if len(fields) > 2 and fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-            if group is not None and int(fields[2]) == group and int(entry.name) != pid:
-                members.append(int(entry.name))
+            children.setdefault(int(fields[1]), []).append(proc)
+            if group is not None and int(fields[2]) == group and proc != pid:
+                members.append(proc)
     out: list[int] = []
     todo = [pid]
     while todo:
