@@ -187,3 +187,27 @@ def test_nvrx_scores_leave_out_sections_without_new_timings(monkeypatch) -> None
     assert stragglers.nvrx_scores() is None
     monkeypatch.setattr(stragglers, "_nvrx", detector({"forward": {0: 0.5, 1: float("nan")}, "x": {}}))
     assert json.loads(json.dumps(stragglers.nvrx_scores(), allow_nan=False)) == {"forward": {"0": 0.5}}
+
+
+def test_the_first_healthy_check_leaves_the_node_health_dir_writable_for_the_group(tmp_path) -> None:
+    """Jobs run with umask 027. The usual first writer of a cluster's node-health directory is a healthy
+    check recording its figure: the directory must stay group-writable (setgid) and the file 0660, or a
+    colleague's job could neither record its figure nor mark a bad node."""
+    import os
+    import stat
+
+    from megalaunch.launcher.nodes import NodeHealth
+    from megalaunch.runtime.health import Baselines
+
+    directory = tmp_path / "node-health"
+    old = os.umask(0o027)
+    try:
+        Baselines(directory).record("cpu fp32 n=256", 0.1, run="r", job_id="1", nodes=["node1"])
+        NodeHealth(directory).suspect("node2", reason="x", evidence=[], run="r", job_id="2", ttl_s=60)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o2770
+    for name in ("health_baselines.jsonl", "suspects.jsonl"):
+        assert stat.S_IMODE((directory / name).stat().st_mode) == 0o660, name
+    assert Baselines(directory).reference("cpu fp32 n=256") == 0.1
+    assert list(NodeHealth(directory).active()) == ["node2"]

@@ -18,7 +18,6 @@ fewer than the job's nodes remain."""
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import re
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.launcher.evidence import TaskEnd
+from megalaunch.rundir.files import append_team_jsonl, read_jsonl
 
 LEDGER_FILE = "suspects.jsonl"
 
@@ -76,17 +76,7 @@ class NodeHealth:
 
     # --- writing ------------------------------------------------------------------------------
     def _append(self, record: dict[str, Any]) -> None:
-        if not self.directory.is_dir():
-            self.directory.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.directory, 0o2770)  # the group shares it (umask 027 would drop group write)
-        line = (json.dumps(record, sort_keys=True) + "\n").encode()
-        fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
-        try:
-            if os.fstat(fd).st_size == 0:
-                os.fchmod(fd, 0o660)
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_team_jsonl(self.file, record)
 
     def suspect(self, node: str, *, reason: str, evidence: list[str], run: str, job_id: str, ttl_s: float,
                 now: float | None = None) -> Suspect:
@@ -102,19 +92,7 @@ class NodeHealth:
 
     # --- reading ------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
-        try:
-            text = self.file.read_text()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in text.splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a torn last line of a crashed writer: skip it
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("node"), str):
-                out.append(rec)
-        return out
+        return [rec for rec in read_jsonl(self.file) if isinstance(rec, dict) and isinstance(rec.get("node"), str)]
 
     def active(self, now: float | None = None) -> dict[str, Suspect]:
         """Suspect nodes now: latest suspect event unexpired and not cleared since."""

@@ -65,6 +65,24 @@ def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def append_team_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """`append_jsonl` for a file every member of the group appends to (the node-health ledger, the health
+    check's recorded figures): a missing directory is created setgid and group-writable (2770) and a new
+    file 0660, whatever the writer's umask (027 in jobs would leave colleagues read-only)."""
+    directory = os.path.dirname(os.fspath(path)) or "."
+    if not os.path.isdir(directory):
+        os.makedirs(directory, exist_ok=True)
+        os.chmod(directory, 0o2770)
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
+    try:
+        if os.fstat(fd).st_size == 0:
+            os.fchmod(fd, 0o660)
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All complete records; a torn last line (crash mid-write) is ignored."""
     out: list[dict[str, Any]] = []

@@ -21,14 +21,16 @@ makes the check raise on NODE. NODE may also be `rankN` (one rank, for tests on 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from megalaunch.rundir.files import append_team_jsonl, read_jsonl
 
 SLOW_NODE_ENV = "MEGALAUNCH_TEST_SLOW_NODE"
 FAIL_NODE_ENV = "MEGALAUNCH_TEST_HEALTH_FAIL"
@@ -87,11 +89,8 @@ def _round(v: float | None) -> float | None:
 
 
 def _median(values: list[float | None]) -> float | None:
-    xs = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
-    if not xs:
-        return None
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    xs = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median(xs) if xs else None
 
 
 def judge(figures: list[RankFigures], *, margin: float, baseline: float | None = None) -> HealthVerdict:
@@ -124,29 +123,14 @@ class Baselines:
         self.file = Path(directory) / BASELINE_FILE
 
     def reference(self, device: str) -> float | None:
-        try:
-            lines = self.file.read_text().splitlines()
-        except OSError:
-            return None
-        values = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a torn line of a crashed writer
-                continue
-            if isinstance(rec, dict) and rec.get("device") == device and isinstance(rec.get("tflops"), (int, float)):
-                values.append(float(rec["tflops"]))
+        values = [float(rec["tflops"]) for rec in read_jsonl(self.file)
+                  if isinstance(rec, dict) and rec.get("device") == device
+                  and isinstance(rec.get("tflops"), (int, float))]
         return _median(values[-BASELINE_WINDOW:])  # type: ignore[arg-type]
 
     def record(self, device: str, tflops: float, *, run: str, job_id: str | None, nodes: list[str]) -> None:
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"device": device, "tflops": round(tflops, 4), "time": time.time(), "run": run,
-                           "job_id": job_id, "nodes": nodes}, sort_keys=True) + "\n"
-        fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
-        try:
-            os.write(fd, line.encode())  # one short line with O_APPEND: atomic, no lock (launcher/nodes.py)
-        finally:
-            os.close(fd)
+        append_team_jsonl(self.file, {"device": device, "tflops": round(tflops, 4), "time": time.time(), "run": run,
+                                      "job_id": job_id, "nodes": nodes})
 
 
 # --- measuring --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ added to the summary (`nvrx_scores`); it is optional, never a dependency."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from array import array
 from typing import Any
@@ -81,9 +82,7 @@ def summarize(ranks: list[dict[str, Any]], *, threshold: float) -> dict[str, Any
     timed = [r for r in ranks if isinstance(r.get("mean_s"), (int, float)) and math.isfinite(r["mean_s"])]
     if not timed:
         return None
-    means = sorted(float(r["mean_s"]) for r in timed)
-    mid = len(means) // 2
-    median = means[mid] if len(means) % 2 else (means[mid - 1] + means[mid]) / 2
+    median = statistics.median(float(r["mean_s"]) for r in timed)
     slowest = max(timed, key=lambda r: (r["mean_s"], -r["rank"]))
     fastest = min(timed, key=lambda r: (r["mean_s"], r["rank"]))
     spread = (float(slowest["mean_s"]) - median) / median if median > 0 else 0.0
