@@ -193,33 +193,28 @@ class Chain:
 
     def _suspect_nodes(self, job_id: str, ends: list[TaskEnd], nodes: list[str]) -> None:
         """A failed segment (on `nodes`): record the node(s) it points at in the team's node-health ledger."""
-        health = self._node_health()
-        if health is None:
+        if (health := self._node_health()) is None:
             return
         att = attribute(ends, self.paths.segment_log(job_id), nodes)
-        for node, evidence in att.suspects.items():
-            try:
-                s = health.suspect(node, reason=att.reason, evidence=evidence, run=self.paths.root.name,
-                                   job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
-            except OSError as e:  # the ledger must never change what the chain does
-                log(f"could not record suspect node {node} in {health.file}: {e}")
-                continue
-            self.ledger.append("node_suspected", job_id=job_id, node=node, reason=att.reason, evidence=evidence,
-                               expires=s.expires, ledger=str(health.file))
-            log(f"suspect node {node}: {att.reason}")
+        self._record_suspects(health, job_id, [(node, att.reason, ev) for node, ev in att.suspects.items()])
 
     def _suspect_unhealthy(self, job_id: str, outcome: dict[str, object]) -> None:
         """A segment the health check ended (runtime/health.py): its unhealthy node(s) become suspect,
         with every rank's figures on them as the evidence."""
-        health = self._node_health()
-        check = outcome.get("health_check")
+        health, check = self._node_health(), outcome.get("health_check")
         if health is None or not isinstance(check, dict):
             return
+        suspects = []
         for node in check.get("unhealthy_nodes") or []:
             evidence = [health_evidence(r, check) for r in check.get("ranks") or [] if r.get("node") == node]
-            reason = "health check: " + "; ".join(evidence[:4])
+            suspects.append((str(node), "health check: " + "; ".join(evidence[:4]), evidence))
+        self._record_suspects(health, job_id, suspects)
+
+    def _record_suspects(self, health: NodeHealth, job_id: str, suspects: list[tuple[str, str, list[str]]]) -> None:
+        """(node, reason, evidence) each into the node-health ledger and the run's ledger."""
+        for node, reason, evidence in suspects:
             try:
-                s = health.suspect(str(node), reason=reason, evidence=evidence, run=self.paths.root.name,
+                s = health.suspect(node, reason=reason, evidence=evidence, run=self.paths.root.name,
                                    job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
             except OSError as e:  # the ledger must never change what the chain does
                 log(f"could not record suspect node {node} in {health.file}: {e}")
