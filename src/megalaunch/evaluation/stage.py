@@ -16,6 +16,7 @@ from megalaunch.errors import MegalaunchError
 from megalaunch.rundir.evals import EvalPaths
 from megalaunch.rundir.files import append_jsonl, atomic_write_json
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.resume import one_line
 
 POLL_S = 2.0
 
@@ -64,7 +65,7 @@ def run_stage(paths: RunPaths, iteration: int, *, tasks: list[str] | None = None
     try:
         results = _evaluate(paths, recipe, ep, iteration, tasks, log)
     except BaseException as e:
-        reason = _one_line(e)
+        reason = one_line(e)
         ep.write_state("failed", job_id=job, reason=reason)
         _ledger(paths, "eval_failed", iteration, job, reason=reason)
         if not recipe.eval.keep_hf:
@@ -167,7 +168,7 @@ def _log_wandb(paths: RunPaths, recipe: Recipe, results: dict[str, Any], log: An
                           entity=recipe.logging.wandb_entity, mode=recipe.logging.wandb_mode)
         log(f"eval {results['iteration']}: logged to W&B run {run_id}")
     except Exception as e:
-        log(f"eval {results['iteration']}: W&B logging failed: {_one_line(e)}")
+        log(f"eval {results['iteration']}: W&B logging failed: {one_line(e)}")
 
 
 def eval_metrics(results: dict[str, Any]) -> dict[str, Any]:
@@ -185,12 +186,6 @@ def eval_metrics(results: dict[str, Any]) -> dict[str, Any]:
 def _ledger(paths: RunPaths, event: str, iteration: int, job: str, **data: Any) -> None:
     # `eval_job`, not `job_id`: the ledger's job ids are the chain's segments
     append_jsonl(paths.ledger, {"event": event, "time": time.time(), "eval_job": job, "iteration": iteration, **data})
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text and not isinstance(e, MegalaunchError) else (
-        text[0] if text else type(e).__name__)
 
 
 def hf_dir(paths: RunPaths, iteration: int) -> Path:

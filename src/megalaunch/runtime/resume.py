@@ -243,7 +243,11 @@ def fall_back_from(paths: RunPaths, iteration: int, error: BaseException, job_id
 
 
 def one_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    """The error's first line with its class; a megalaunch error's own sentence (field, fix) as it is."""
+    from megalaunch.errors import MegalaunchError
+
+    prefix = "" if isinstance(error, MegalaunchError) else f"{type(error).__name__}: "
+    text = f"{prefix}{error}".strip().splitlines()
     return (text[0] if text else type(error).__name__)[:300]
 
 
