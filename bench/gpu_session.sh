@@ -6,6 +6,8 @@
 #   bash bench/gpu_session.sh throughput         # megalaunch vs bare pretrain     (~4-5 min)
 #   bash bench/gpu_session.sh save               # sync/async save, signal-to-exit (~2-3 min)
 #   bash bench/gpu_session.sh eval               # the 1B model's milestone eval (~3-4 min): docs/eval.md
+#   bash bench/gpu_session.sh speed              # 4 GPUs: SDPA kernels, speed flags, 8B MFU (~6 min)
+#   bash bench/gpu_session.sh plan               # 4 GPUs: the planner's 8B ranking, trained (~8 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -69,12 +71,39 @@ stage_eval() {
   "$PY" bench/eval_milestone.py --out "$OUT/eval" ${EVAL_ARGS:-} 2>&1 | tee "$OUT/eval.txt" | tail -n 40
 }
 
+# The device's GPU type for the planner (memory and speed): H200 or H100.
+gpu_type() { nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -q H200 && echo H200 || echo H100; }
+
+# Bulky run directories go to $WORK; $OUT gets the tables, the JSON and the logs as one archive.
+WORK=${WORK:-/tmp/megalaunch-bench}
+
+stage_speed() {  # issue 13: the kernels side by side, the flags on one GPU each, the 8B before/after
+  "$PY" bench/sdpa_backends.py 2>&1 | tee "$OUT/sdpa_backends.txt"
+  "$PY" bench/speed_flags.py --stage flags --out "$WORK/flags" 2>&1 | tee "$OUT/speed_flags.txt" | grep -v "^  "
+  local layout=()  # the whole 8B with TP 1 needs ~127 GiB: on 80 GB cards, the planner's TP 2 + SP
+  [ "$(gpu_type)" = H200 ] || layout=(--layout parallel.tensor_model_parallel_size=2 --layout parallel.sequence_parallel=true)
+  # shellcheck disable=SC2086
+  "$PY" bench/speed_flags.py --stage full --gpus "$(nvidia-smi -L | wc -l)" "${layout[@]}" ${SPEED_ARGS:-} \
+    --out "$WORK/full" 2>&1 | tee -a "$OUT/speed_flags.txt" | grep -v "^  "
+  cp "$WORK"/flags/*.json "$WORK"/full/*.json "$OUT"/ 2>/dev/null || true
+  tar -czf "$OUT/speed_logs.tgz" -C "$WORK" --exclude runs flags full 2>/dev/null || true
+}
+
+stage_plan() {  # issue 13: the planner's ranking of the whole 8B on this node, each layout trained
+  # shellcheck disable=SC2086
+  "$PY" bench/plan.py --recipe train/llama3-8b --gpus "$(nvidia-smi -L | wc -l)" --gpu "$(gpu_type)" \
+    --set training.global_batch_size=${PLAN_GBS:-16} ${PLAN_ARGS:---top 5 --families} --iters 6 \
+    --out "$WORK/plan" 2>&1 | tee "$OUT/plan.txt" | grep -v "^  "
+  cp "$WORK"/plan/*.json "$OUT"/ 2>/dev/null || true
+  tar -czf "$OUT/plan_logs.tgz" -C "$WORK" --exclude runs plan 2>/dev/null || true
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -79,11 +79,12 @@ def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> t
     return write_run(prepare_run(loaded, root=root)).root, est
 
 
-def launch(run: Path, devices: list[int], log: Path, port: int) -> list[subprocess.Popen[bytes]]:
+def launch(run: Path, devices: list[int], log: Path, port: int,
+           extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
     procs = []
     f = open(log, "wb")  # noqa: SIM115 (shared by the ranks, closed with the process)
     for rank in range(len(devices)):
-        env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
+        env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
                "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # as the local backend and the job script set it (TP needs it)
                "MEGALAUNCH_RUN_DIR": str(run), "MEGALAUNCH_JOB_ID": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
@@ -105,7 +106,9 @@ def measure(log: Path, iters: int) -> dict[str, Any] | None:
 
 
 def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, timeout: float,
-              cases: dict[str, tuple[str, int, list[str]]] = CASES) -> list[dict[str, Any]]:
+              cases: dict[str, tuple[Any, ...]] = CASES) -> list[dict[str, Any]]:
+    """Train each case (recipe, GPUs, overrides[, environment]) until `iters` iterations are logged,
+    as many at once as the GPUs allow; one row per case."""
     pending = list(names)
     running: list[tuple[str, list[int], list[subprocess.Popen[bytes]], Path, Any, float]] = []
     results = []
@@ -113,13 +116,13 @@ def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, time
     port = 29600
     while pending or running:
         for name in list(pending):
-            recipe, gpus, sets = cases[name]
+            recipe, gpus, sets, *env = cases[name]
             if gpus <= len(free):
                 devs, free = free[:gpus], free[gpus:]
                 run, est = prepare(out / "runs", recipe, gpus, sets, name)
                 port += 1
                 log = out / f"{name}.log"
-                running.append((name, devs, launch(run, devs, log, port), log, est, time.monotonic()))
+                running.append((name, devs, launch(run, devs, log, port, *env), log, est, time.monotonic()))
                 pending.remove(name)
         time.sleep(2)
         for item in list(running):

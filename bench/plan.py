@@ -53,13 +53,14 @@ def main() -> int:
         if key not in seen:
             seen.add(key)
             picks.append((i, c))
+    distinct = list(picks)
     if a.families:  # the planner's best of each split (TP, PP, VPP, CP) first, then the next ranks
         best_of: dict[tuple[object, ...], tuple[int, object]] = {}
         for i, c in picks:
             best_of.setdefault((c.layout.tp, c.layout.pp, c.layout.vpp, c.layout.cp), (i, c))
         heads = list(best_of.values())
         picks = sorted(heads + [p for p in picks if p not in heads][:max(0, a.top - len(heads))], key=lambda p: p[0])
-    chosen = picks[:a.top] + [p for p in picks if str(p[0]) in a.also.split(",") and p not in picks[:a.top]]
+    chosen = picks[:a.top] + [p for p in distinct if str(p[0]) in a.also.split(",") and p not in picks[:a.top]]
     cases = {f"plan-{i}": (a.recipe, a.gpus, [*a.set, *set_lines(c.layout)]) for i, c in chosen}
     for i, c in chosen:
         print(f"rank {i:>3}: {c.layout.describe():<50} predicted {c.tokens_per_s:,.0f} tokens/s/GPU, "

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalaunch.config.gpus import GIB, gpu_spec, known_gpus
+from megalaunch.config.megatron_args import fused_kernels
 from megalaunch.config.memory import Layout, MemoryEstimate, ModelShape, estimate
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
@@ -29,7 +30,7 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
-                  attention="local" if t.attention == "local" else "sdpa")
+                  attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe))
 
 
 @dataclass(frozen=True)

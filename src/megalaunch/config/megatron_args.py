@@ -15,7 +15,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_TRAINING_OWN = {"precision", "attention", "recompute", "log_interval", "eval_interval", "eval_iters"}
+_TRAINING_OWN = {"precision", "attention", "recompute", "fused_kernels", "log_interval", "eval_interval", "eval_iters"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
                    "async_save"}
 
@@ -66,6 +66,12 @@ def recompute_args(mode: str) -> list[str]:
     return []
 
 
+def fused_kernels(recipe: Recipe) -> bool:
+    """training.fused_kernels resolved: auto is on with GPUs (Triton compiles them), off on the CPU."""
+    value = recipe.training.fused_kernels
+    return recipe.cluster.gpus_per_node > 0 if value == "auto" else bool(value)
+
+
 def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     """The full Megatron argument list for this recipe and run directory."""
     out = _model_args(recipe)
@@ -87,10 +93,16 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _emit(out, "log_interval", t.log_interval)
     _emit(out, "eval_interval", t.eval_interval)
     _emit(out, "eval_iters", t.eval_iters)
+    fused = fused_kernels(recipe)
     if t.transformer_impl == "local":
-        # Megatron's fused paths need apex/TE; the local implementation needs them off (docs/training.md).
+        # These fused paths need apex/TE; the local implementation needs them off (docs/training.md).
         out += ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-                "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
+                "--no-rope-fusion"]
+        if not fused:  # torch.compile'd (megatron.core.jit): no apex/TE, but a compiler on the GPU
+            out += ["--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+    if fused:
+        # Megatron refuses TE's (unstable), and the native one is torch.compile'd like the rest.
+        out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
 
     c = recipe.checkpoint
     out += ["--save", str(paths.checkpoints), "--load", str(paths.checkpoints)]

@@ -13,7 +13,7 @@ without transformer-engine): per token and layer, in elements of 2 bytes,
   (torch's RMSNorm keeps both) and the inputs of the QKV and FC1 linears: 6 h;
 - sharded by TP: the QKV output (q + 2 kv), RoPE's rotated halves and outputs (2 (q + kv)), the core
   attention's output and linear_proj's input (2 q), the MLP (SwiGLU: FC1 output 2 f, SiLU output f,
-  FC2 input f; GELU: 2 f);
+  FC2 input f, of which the fused SwiGLU of `training.fused_kernels` keeps no SiLU output; GELU: 2 f);
 - Megatron's local attention (no fused kernel) also keeps the softmax probabilities: 2 bytes x heads
   x sequence per token, unless selective recompute drops them;
 - full recompute keeps each layer's input (h) and rebuilds one layer at a time in the backward.
@@ -103,6 +103,7 @@ class Layout:
     distributed_optimizer: bool = True
     precision: str = "bf16"
     attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
+    fused: bool = False  # training.fused_kernels: the fused SwiGLU keeps its input only (3 f, not 4 f)
 
     @property
     def world(self) -> int:
@@ -177,7 +178,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
     sp = layout.sequence_parallel and t > 1
     rep = shape.hidden * 6 / (t if sp else 1)
     q, kv = shape.q_size, shape.kv_size
-    mlp = (4 if shape.swiglu else 2) * shape.ffn
+    mlp = ((3 if layout.fused else 4) if shape.swiglu else 2) * shape.ffn
     sharded = ((q + 2 * kv) + 2 * (q + kv) + 2 * q + mlp) / t
     full = (rep + sharded) * 2 * tokens
     if layout.attention == "local":  # softmax probabilities, [b, heads/t, s, s] in bf16 (causal: all stored)

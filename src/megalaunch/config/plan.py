@@ -61,7 +61,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
-            precision: str = "bf16", distributed_optimizer: bool = True) -> list[Layout]:
+            precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False) -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
     micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
@@ -91,7 +91,7 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                                 out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb,
                                                   num_microbatches=m, recompute=rc, sequence_parallel=sp,
                                                   distributed_optimizer=distributed_optimizer,
-                                                  precision=precision, attention=attention))
+                                                  precision=precision, attention=attention, fused=fused))
     return out
 
 
@@ -139,11 +139,13 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
 
 
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
-         attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True) -> list[Candidate]:
+         attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
+         fused: bool = False) -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
-                          attention=attention, precision=precision, distributed_optimizer=distributed_optimizer):
+                          attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
+                          fused=fused):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         step = sum(parts.values())
@@ -196,6 +198,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
     recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
     from megalaunch.config.fit import model_shape
+    from megalaunch.config.megatron_args import fused_kernels
 
     cl = recipe.cluster
     nodes = nodes or cl.nodes
@@ -214,7 +217,8 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     attention = "local" if t.attention == "local" else ("te" if t.attention == "te" else "sdpa")
     cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                  global_batch=t.global_batch_size, attention=attention, precision=t.precision,
-                 distributed_optimizer=recipe.parallel.use_distributed_optimizer)
+                 distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+                 fused=fused_kernels(recipe) if gpn > 0 else False)
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",

@@ -103,6 +103,9 @@ class TrainingConfig:
         "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
         "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
+    fused_kernels: bool | Literal["auto"] = doc(
+        "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
+        "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,28 @@ def flash_attention_class() -> type:
     return _FLASH_CLASS
 
 
+SDPA_BACKENDS_ENV = "MEGALAUNCH_SDPA_BACKENDS"
+
+
+def sdpa_kernel_context() -> Any:
+    """A context that orders torch's SDPA backends as MEGALAUNCH_SDPA_BACKENDS says (comma-separated
+    `torch.nn.attention.SDPBackend` names, e.g. `cudnn_attention,flash_attention`; torch skips a backend
+    that cannot take the inputs), or none when it is unset (torch's own order)."""
+    import os
+
+    names = [n.strip().upper() for n in os.environ.get(SDPA_BACKENDS_ENV, "").split(",") if n.strip()]
+    if not names:
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        backends = [getattr(SDPBackend, n) for n in names]
+    except AttributeError as e:
+        valid = ", ".join(n.lower() for n in SDPBackend.__members__ if n != "ERROR")
+        raise ValueError(f"{SDPA_BACKENDS_ENV}={os.environ[SDPA_BACKENDS_ENV]!r}: valid names are {valid}") from e
+    return lambda: sdpa_kernel(backends, set_priority=True)
+
+
 def _make_sdpa_class() -> type:
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -89,6 +112,9 @@ def _make_sdpa_class() -> type:
                 raise ValueError(f"attention: sdpa supports causal attention only, got {attn_mask_type}")
             self.dropout_p = config.attention_dropout if kwargs.get("attention_dropout") is None \
                 else kwargs["attention_dropout"]
+            self.kernels = sdpa_kernel_context()
+            # cuDNN's kernel takes no GQA: it runs (and wins) only with the KV heads expanded.
+            self.expand_kv = "CUDNN" in os.environ.get(SDPA_BACKENDS_ENV, "").upper().split(",")[0]
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
@@ -102,14 +128,16 @@ def _make_sdpa_class() -> type:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             # torch >= 2.5 shares each KV head among its query heads without copying (GQA).
             gqa = np_ != k.shape[1]
+            if gqa and self.expand_kv:
+                k, v = (t.repeat_interleave(np_ // t.shape[1], dim=1) for t in (k, v))
+                gqa = False
             dropout_p = self.dropout_p if self.training else 0.0
+            rng: Any = contextlib.nullcontext()
             if dropout_p > 0.0 and not self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                         scale=self.softmax_scale, enable_gqa=gqa)
-            else:
+                rng = tensor_parallel.get_cuda_rng_tracker().fork()
+            with rng, self.kernels():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                      scale=self.softmax_scale, enable_gqa=gqa)
             # [b, h, s, d] -> [s, b, h * d]
