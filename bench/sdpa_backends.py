@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--contiguous", action="store_true", help="[b, heads, s, d] tensors, not Megatron's views")
+    p.add_argument("--model", action="store_true", help="also megalaunch's SDPA module, both backend orders")
     a = p.parse_args()
     import torch
     import torch.nn.functional as F
@@ -67,7 +68,54 @@ def main() -> int:
             torch.cuda.synchronize()
             ms = start.elapsed_time(end) / a.iters
             print(f"{label} {ms:8.2f} ms fwd+bwd  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    if a.model:
+        model_attention(a)
     return 0
+
+
+def model_attention(a: argparse.Namespace) -> None:
+    """megalaunch's SDPA core attention as the model runs it (Megatron's [s, b, heads, d] inputs), with
+    torch's default backend order and with MEGALAUNCH_SDPA_BACKENDS=cudnn first: time and kernels."""
+    import os
+
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
+    from megalaunch.runtime import model as mm
+
+    with mm.megatron_parallel_state():
+        cfg = TransformerConfig(num_layers=1, hidden_size=a.heads * a.head_dim, num_attention_heads=a.heads,
+                                num_query_groups=a.kv_heads, bf16=True, params_dtype=torch.bfloat16)
+        shape = (a.seq, a.batch, a.heads, a.head_dim)
+        q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(a.seq, a.batch, a.kv_heads, a.head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        for env in ("", "cudnn_attention,flash_attention,efficient_attention"):
+            os.environ[mm.SDPA_BACKENDS_ENV] = env
+            attn = mm.sdpa_attention_class()(cfg, 1, AttnMaskType.causal)
+
+            def step(attn: torch.nn.Module = attn) -> None:
+                out = attn(q, k, v, None)
+                out.backward(torch.ones_like(out))
+
+            step()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            kernels = sorted({e.name[:60] for e in prof.events() if "attention" in e.name.lower()
+                              or "fmha" in e.name.lower() or "cudnn" in e.name.lower() or "flash" in e.name.lower()})
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(a.iters):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"model SDPA, {mm.SDPA_BACKENDS_ENV}={env or '(unset)'}: {start.elapsed_time(end) / a.iters:.2f} ms "
+                  f"fwd+bwd; kernels: {kernels}", flush=True)
 
 
 if __name__ == "__main__":

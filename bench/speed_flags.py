@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--gbs", type=int, default=32)
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--best", default="fused,gc,cudnn", help="for --stage full: of fused, gc, cudnn")
+    parser.add_argument("--after-only", action="store_true", help="for --stage full: only the run with --best")
     parser.add_argument("--layout", action="append", default=[], help="more --set lines for --stage full")
     parser.add_argument("--cases", default="unfused,fused,fused-gc,fused-gc-cudnn", help="for --stage flags")
     parser.add_argument("--iters", type=int, default=6)
@@ -69,6 +70,8 @@ def main() -> int:
         env = CUDNN if "cudnn" in a.best.split(",") else {}
         cases = {"8b-before": ("train/llama3-8b", a.gpus, [*full, "training.fused_kernels=false"]),
                  "8b-after": ("train/llama3-8b", a.gpus, [*full, *best], env)}
+        if a.after_only:
+            del cases["8b-before"]
         tokens = a.gbs * 8192
     a.out.mkdir(parents=True, exist_ok=True)
     rows = calib.run_cases(list(cases), a.out, a.iters, torch.cuda.device_count(), 420, cases=cases)
