@@ -95,7 +95,7 @@ def model_attention(a: argparse.Namespace) -> None:
         v = torch.randn_like(k, requires_grad=True)
         for env in ("", "cudnn_attention,flash_attention,efficient_attention"):
             os.environ[mm.SDPA_BACKENDS_ENV] = env
-            attn = mm.sdpa_attention_class()(cfg, 1, AttnMaskType.causal)
+            attn = mm.sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
 
             def step(attn: torch.nn.Module = attn) -> None:
                 out = attn(q, k, v, None)
