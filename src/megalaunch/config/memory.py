@@ -176,7 +176,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
     tokens = layout.micro_batch * shape.seq / layout.cp
     t = layout.tp
     sp = layout.sequence_parallel and t > 1
-    rep = shape.hidden * 6 / (t if sp else 1)
+    rep = shape.hidden * (4 if layout.fused else 6) / (t if sp else 1)
     q, kv = shape.q_size, shape.kv_size
     mlp = ((3 if layout.fused else 4) if shape.swiglu else 2) * shape.ffn
     sharded = ((q + 2 * kv) + 2 * (q + kv) + 2 * q + mlp) / t
@@ -197,11 +197,12 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
 
 def in_flight(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations pipeline stage `stage` holds at once (1F1B schedules)."""
-    pp, m = layout.pp, layout.num_microbatches
+    pp, m, v = layout.pp, layout.num_microbatches, layout.vpp
     if pp == 1:
         return 1.0
-    if layout.vpp:  # interleaved: Megatron's memory penalty 1 + (p - 1) / (p v), on the first stage
-        return (pp - stage) * (1 + (pp - 1) / (pp * layout.vpp)) if stage == 0 else float(min(pp - stage, m))
+    if v:  # interleaved: Megatron's warm-up forwards of model chunks (schedules.py), + the one in its steady state
+        chunks = min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
+        return chunks / v
     return float(min(pp - stage, m))
 
 

@@ -24,13 +24,17 @@ from megalaunch.config.memory import RECOMPUTES, Layout, MemoryEstimate, ModelSh
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
-# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted to 12 layouts measured on 2x H200
-# (docs/results.md, within -3..+6 %) and the 4x H200 llama3-8b TP 1 x DP 4 step of issue 13 (3.47 s; +4 %).
+# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted to 23 runs measured on 1, 2 and 4 H200s
+# (docs/results.md: 8 and 32 layers of llama3-8b, 9 layouts, fused and not; all within -5.7..+4.7 %).
 GEMM_EFFICIENCY = 0.49
 TP_EFFICIENCY_LOSS = 0.05  # per doubling of TP: narrower matmuls
 MICROBATCH_TOKENS_HALF = 512  # tokens per micro-batch at which matmul efficiency would halve
 INTERNODE_GBPS = 40.0  # per GPU across nodes (400 Gb/s InfiniBand / RoCE), achievable
 SELECTIVE_RECOMPUTE_COST = 0.03  # of compute: the core attention's forward again (measured 3 %, SDPA, H200)
+# training.fused_kernels (the torch.compile'd SwiGLU, bias-dropout-add and cross entropy): measured +2.6 %
+# (llama3-8b, 4x H200) to +5.2 % (its 8-layer cut, whose cross entropy weighs more) tokens/s.
+FUSED_GAIN = 0.03
+PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     recompute_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_COST, "full": 4.0 / 3.0}[L.recompute]
     eff = GEMM_EFFICIENCY * tokens_mb / (tokens_mb + MICROBATCH_TOKENS_HALF) * (8192 + MICROBATCH_TOKENS_HALF) / 8192
     eff *= (1 - TP_EFFICIENCY_LOSS) ** (L.tp.bit_length() - 1)
+    if L.fused:
+        eff *= 1 + FUSED_GAIN
     if L.attention == "local":
         eff *= 0.55  # Megatron's unfused attention: half the speed at long sequences (docs/results.md)
     # The slowest pipeline stage sets the pace: the last one also runs the output layer and the loss
@@ -138,6 +144,15 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
             "optimizer": optimizer}
 
 
+def memory_pressure(used: float) -> float:
+    """The slowdown charged to a layout that needs `used` of the GPU's memory: none up to
+    `PRESSURE_FROM`, then rising linearly to `PRESSURE_COST` at 100 %. Near the limit the caching
+    allocator frees and retries (`num_alloc_retries`), a checkpoint save's buffers or a longer
+    document may not fit, and the memory model's own error (-3..+8 % measured) decides whether it
+    fits at all: a layout a few percent faster on paper is not worth that (a heuristic, not measured)."""
+    return PRESSURE_COST * min(1.0, max(0.0, (used - PRESSURE_FROM) / (1 - PRESSURE_FROM)))
+
+
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
          fused: bool = False) -> list[Candidate]:
@@ -148,6 +163,7 @@ def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus
                           fused=fused):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
+        parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
         step = sum(parts.values())
         tokens = global_batch * shape.seq / step / world
         out.append(Candidate(layout=layout, memory=mem, step_s=step, tokens_per_s=tokens,
@@ -175,7 +191,9 @@ def table(cands: list[Candidate], top: int) -> list[str]:
         p = c.parts
         lines.append(f"{i:>3} {c.layout.describe():<52} {c.memory.needed_gib():>6.1f} GiB {c.step_s:>7.2f} "
                      f"{c.tokens_per_s:>12,.0f} {c.tflops:>8.0f}  {p['compute']:.2f}/{p['tp']:.2f}/"
-                     f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}" + ("" if c.fits else "  (does not fit)"))
+                     f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}"
+                     + (f" +{p['memory_pressure']:.2f} memory pressure" if p.get("memory_pressure") else "")
+                     + ("" if c.fits else "  (does not fit)"))
     return lines
 
 

@@ -72,10 +72,10 @@ SDPA_BACKENDS_ENV = "MEGALAUNCH_SDPA_BACKENDS"
 
 def sdpa_kernel_context() -> Any:
     """A context that orders torch's SDPA backends as MEGALAUNCH_SDPA_BACKENDS says (comma-separated
-    `torch.nn.attention.SDPBackend` names, e.g. `cudnn_attention,flash_attention`; torch skips a backend
-    that cannot take the inputs), or none when it is unset (torch's own order)."""
-    import os
-
+    `torch.nn.attention.SDPBackend` names, e.g. `flash_attention,cudnn_attention`; torch skips a backend
+    that cannot take the inputs), or none when it is unset: torch's own order, which on an H200 (torch
+    2.11) already runs cuDNN's attention for llama3-8b's shapes, the fastest there (bench/sdpa_backends.py,
+    docs/results.md). A way round a backend that misbehaves, without a code change."""
     names = [n.strip().upper() for n in os.environ.get(SDPA_BACKENDS_ENV, "").split(",") if n.strip()]
     if not names:
         return contextlib.nullcontext
@@ -113,8 +113,6 @@ def _make_sdpa_class() -> type:
             self.dropout_p = config.attention_dropout if kwargs.get("attention_dropout") is None \
                 else kwargs["attention_dropout"]
             self.kernels = sdpa_kernel_context()
-            # cuDNN's kernel takes no GQA: it runs (and wins) only with the KV heads expanded.
-            self.expand_kv = "CUDNN" in os.environ.get(SDPA_BACKENDS_ENV, "").upper().split(",")[0]
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
@@ -128,9 +126,6 @@ def _make_sdpa_class() -> type:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             # torch >= 2.5 shares each KV head among its query heads without copying (GQA).
             gqa = np_ != k.shape[1]
-            if gqa and self.expand_kv:
-                k, v = (t.repeat_interleave(np_ // t.shape[1], dim=1) for t in (k, v))
-                gqa = False
             dropout_p = self.dropout_p if self.training else 0.0
             rng: Any = contextlib.nullcontext()
             if dropout_p > 0.0 and not self.config.sequence_parallel:
