@@ -1,0 +1,71 @@
+"""config/memory.py's model state (weights, fp32 main gradients, optimizer) against Megatron's own
+theoretical-memory code (`megatron.training.theoretical_memory_usage`), which megalaunch's login-node
+path cannot import: the same bytes for the most loaded GPU of every shipped GPU recipe's layout, and of
+the layouts that `megalaunch plan` ranks for llama3-8b on one node."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megalaunch.config.fit import model_shape, recipe_layout
+from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.config.memory import estimate_stage, stage_params
+from megalaunch.config.plan import plan_recipe
+from megalaunch.config.preflight import topology
+
+pytestmark = pytest.mark.megatron
+
+TRAIN_GPU = [k for k in sorted(shipped_recipes()) if k.startswith("train/")
+             and load_recipe(k).recipe.cluster.gpus_per_node > 0]
+
+
+def megatron_weight_and_optimizer_bytes(shape, layout) -> float:
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    args = SimpleNamespace(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        kv_channels=shape.head_dim, group_query_attention=shape.kv_heads != shape.heads,
+        num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn, swiglu=shape.swiglu,
+        padded_vocab_size=shape.padded_vocab(layout.tp), normalization=shape.norm,
+        add_bias_linear=shape.bias, untie_embeddings_and_output_weights=not shape.tied,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, data_parallel_size=layout.dp * layout.cp,
+        world_size=layout.world, use_distributed_optimizer=layout.distributed_optimizer,
+        num_experts=None, moe_shared_expert_intermediate_size=None, mtp_num_layers=None,
+        multi_latent_attention=False, expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+        moe_layer_freq=1, moe_ffn_hidden_size=None, moe_router_topk=1, moe_latent_size=None,
+        q_lora_rank=None, kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None, v_head_dim=None)
+    return compute_weight_and_optimizer_memory(args)
+
+
+def ours(shape, layout) -> float:
+    """params + grads + optimizer of the stage holding the most parameters, as Megatron counts it."""
+    worst = max(range(layout.pp), key=lambda s: stage_params(shape, layout, s))
+    s = estimate_stage(shape, layout, worst)
+    return s.params + s.grads + s.optimizer
+
+
+@pytest.mark.parametrize("ref", TRAIN_GPU)
+def test_model_state_matches_megatron_for_the_shipped_layouts(ref: str) -> None:
+    recipe = load_recipe(ref).recipe
+    topo = topology(recipe)
+    shape = model_shape(recipe, recipe.data.vocab_size)
+    layout = recipe_layout(recipe, topo.dp, topo.num_microbatches)
+    assert ours(shape, layout) == pytest.approx(megatron_weight_and_optimizer_bytes(shape, layout), rel=0.01)
+
+
+def test_model_state_matches_megatron_for_the_planned_layouts_of_llama3_8b() -> None:
+    recipe = load_recipe("llama3-8b", ["cluster.nodes=1", "cluster.gpus_per_node=4",
+                                       "training.global_batch_size=16"]).recipe
+    shape = model_shape(recipe, 128256)
+    seen = set()
+    for c in plan_recipe(recipe, 128256, gpu="H200").candidates:
+        key = (c.layout.tp, c.layout.pp, c.layout.dp, c.layout.distributed_optimizer)
+        if key in seen:
+            continue
+        seen.add(key)
+        assert ours(shape, c.layout) == pytest.approx(megatron_weight_and_optimizer_bytes(shape, c.layout),
+                                                      rel=0.01), c.layout.describe()
+    assert len(seen) >= 5
