@@ -11,19 +11,13 @@ per GPU, estimated and measured memory; writes OUT/plan_bench.json."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if p not in ("", str(HERE))]
-sys.path.insert(0, str(HERE.parent / "src"))
-spec = importlib.util.spec_from_file_location("memory_calib", HERE / "memory_calib.py")
-assert spec is not None and spec.loader is not None
-calib = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(calib)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory_calib as calib  # bench/: it puts src/ on the path and takes bench/ off again
 
 
 def main() -> int:

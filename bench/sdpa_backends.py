@@ -11,6 +11,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+
+
+def cuda_ms(step: Callable[[], None], iters: int) -> float:
+    """Milliseconds per call of `step`, timed with CUDA events over `iters` calls."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def main() -> int:
@@ -60,13 +74,7 @@ def main() -> int:
             except RuntimeError as e:
                 print(f"{label} unavailable: {str(e).splitlines()[0][:100]}")
                 continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(a.iters):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / a.iters
+            ms = cuda_ms(step, a.iters)
             print(f"{label} {ms:8.2f} ms fwd+bwd  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
     if a.model:
         model_attention(a)
@@ -108,13 +116,7 @@ def model_attention(a: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             kernels = sorted({e.name[:60] for e in prof.events() if "attention" in e.name.lower()
                               or "fmha" in e.name.lower() or "cudnn" in e.name.lower() or "flash" in e.name.lower()})
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(a.iters):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            print(f"model SDPA, {mm.SDPA_BACKENDS_ENV}={env or '(unset)'}: {start.elapsed_time(end) / a.iters:.2f} ms "
+            print(f"model SDPA, {mm.SDPA_BACKENDS_ENV}={env or '(unset)'}: {cuda_ms(step, a.iters):.2f} ms "
                   f"fwd+bwd; kernels: {kernels}", flush=True)
 
 
