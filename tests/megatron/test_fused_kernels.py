@@ -1,6 +1,7 @@
-"""training.fused_kernels: Megatron's torch.compile'd SwiGLU, bias-dropout-add and cross entropy, which
-need neither transformer-engine nor apex, train the same model to the same losses as the unfused
-local layers (on the CPU here; the speed and memory they save on H200s are in docs/results.md)."""
+"""training.fused_kernels: Megatron's torch.compile'd SwiGLU and bias-dropout-add, which need neither
+transformer-engine nor apex, train the same model to the same losses as the unfused local layers (on the
+CPU here, in fp32; the fused cross entropy is bf16-only, so GPU runs cover it: tests/gpu resumes exactly
+with it, and the speed and memory the fusions save on H200s are in docs/results.md)."""
 
 from __future__ import annotations
 
@@ -37,5 +38,7 @@ def test_fused_kernels_train_to_the_same_losses(tmp_path: Path) -> None:
     assert sorted(fused) == sorted(plain) == [1, 2, 3]
     for it in plain:  # same initialisation and data: only the kernels differ (float rounding)
         assert fused[it] == pytest.approx(plain[it], rel=1e-4), (it, fused, plain)
-    for name in ("cross_entropy_loss_fusion", "bias_swiglu_fusion", "bias_dropout_fusion"):
+    for name in ("bias_swiglu_fusion", "bias_dropout_fusion"):
         assert (megatron_arg(fused_log, name), megatron_arg(plain_log, name)) == ("True", "False"), name
+    # The fused cross entropy returns a bf16 gradient: only bf16 training (a GPU) gets it.
+    assert megatron_arg(fused_log, "cross_entropy_loss_fusion") == "False"

@@ -11,10 +11,12 @@ from megalaunch.cli.main import main
 from megalaunch.config.fit import model_shape, recipe_layout
 from megalaunch.config.gpus import GIB, gpu_spec
 from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.memory import Layout, ModelShape, estimate
 from megalaunch.config.plan import plan_recipe, set_lines
 from megalaunch.config.preflight import preflight
 from megalaunch.errors import PreflightError
+from megalaunch.rundir.paths import RunPaths
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
 ONE_NODE = ["cluster.nodes=1", "cluster.gpus_per_node=4", "parallel.sequence_parallel=false"]
@@ -91,6 +93,15 @@ def test_submit_refuses_out_of_memory_and_writes_nothing(tmp_path: Path, capsys)
 def test_unknown_gpu_is_refused_naming_the_field() -> None:
     with pytest.raises(PreflightError, match=r"cluster\.gpu: 'X1' is not a GPU.*valid: .*H100.*fix: "):
         preflight(load_recipe("llama3-8b", ["cluster.gpu=X1"]).recipe)
+
+
+def test_mixture_of_experts_is_not_planned_nor_refused_with_dense_figures() -> None:
+    """The memory model is dense: an MoE recipe gets no fit check (not a dense model's figures) and
+    `plan` refuses it naming the field. 64 experts of llama3-8b's MLP would not fit a dense estimate."""
+    moe = load_recipe("llama3-8b", ["model.num_experts=64", "parallel.expert_model_parallel_size=8"]).recipe
+    preflight(moe)
+    with pytest.raises(PreflightError, match=r"model\.num_experts: .*mixture-of-experts"):
+        plan_recipe(moe, 128256)
 
 
 def test_no_gpu_type_means_no_memory_check() -> None:
@@ -237,3 +248,18 @@ def test_the_models_agree_with_the_layouts_measured_on_h200(measured: dict, sets
         assert abs(gib / measured_gib - 1) < 0.10, (key, gib, measured_gib)
     predicted_first = max(seen, key=lambda k: seen[k][0])
     assert predicted_first == max(measured, key=lambda k: measured[k][0])
+
+
+@pytest.mark.parametrize(("gpus", "fused", "precision", "expect_fused", "expect_ce"), [
+    (4, "auto", "bf16", True, True), (0, "auto", "fp32", False, False), (4, "false", "bf16", False, False),
+    (0, "true", "fp32", True, False), (4, "true", "fp16", True, False)])
+def test_fused_kernels_map_to_megatron_flags(tmp_path: Path, gpus: int, fused: str, precision: str,
+                                             expect_fused: bool, expect_ce: bool) -> None:
+    """auto: on with GPUs; the cross-entropy fusion only in bf16 (its backward returns a bf16 gradient)."""
+    recipe = load_recipe("tiny", [f"cluster.gpus_per_node={gpus}", f"training.fused_kernels={fused}",
+                                  f"training.precision={precision}"]).recipe
+    args = megatron_args(recipe, RunPaths(tmp_path))
+    assert ("--no-bias-swiglu-fusion" not in args) == expect_fused
+    assert ("--no-bias-dropout-fusion" not in args) == expect_fused
+    assert ("--cross-entropy-loss-fusion" in args) == expect_ce
+    assert "--fused-kernels" not in args

@@ -87,9 +87,11 @@ def _alternatives(recipe: Recipe, layout: Layout) -> list[tuple[str, Layout]]:
 
 
 def check_memory(recipe: Recipe, dp: int, num_microbatches: int, vocab_size: int | None) -> MemoryEstimate | None:
-    """Refuse a layout whose estimated peak does not fit the GPU, with the breakdown and what would fit."""
+    """Refuse a layout whose estimated peak does not fit the GPU, with the breakdown and what would fit.
+    Mixture-of-experts models are not modelled (experts, their parallelism and token routing): no check,
+    rather than a dense model's figures for them (`megalaunch plan` refuses them outright)."""
     mem = gpu_memory(recipe)
-    if mem is None or recipe.workload:
+    if mem is None or recipe.workload or recipe.model.num_experts:
         return None
     shape = model_shape(recipe, vocab_size)
     layout = recipe_layout(recipe, dp, num_microbatches)

@@ -100,8 +100,9 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
                 "--no-rope-fusion"]
         if not fused:  # torch.compile'd (megatron.core.jit): no apex/TE, but a compiler on the GPU
             out += ["--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
-    if fused:
-        # Megatron refuses TE's (unstable), and the native one is torch.compile'd like the rest.
+    if fused and t.precision == "bf16":
+        # Megatron refuses TE's (unstable), and the native one is torch.compile'd like the rest. bf16 only:
+        # its backward hands the logits' gradient back in bf16, which fp32 and fp16 training would not want.
         out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
 
     c = recipe.checkpoint

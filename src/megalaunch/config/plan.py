@@ -219,6 +219,11 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     from megalaunch.config.megatron_args import fused_kernels
 
     cl = recipe.cluster
+    if recipe.model.num_experts:
+        raise PreflightError(f"{recipe.name} is a mixture-of-experts model ({recipe.model.num_experts} experts): "
+                             "the memory and speed models cover dense transformers only", field="model.num_experts",
+                             valid="a dense model (num_experts unset)",
+                             fix="plan the dense model of the same width, or size the MoE layout by hand")
     nodes = nodes or cl.nodes
     gpn = gpus_per_node if gpus_per_node is not None else cl.gpus_per_node
     if nodes < 1 or gpn < 1:
