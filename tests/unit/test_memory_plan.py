@@ -13,7 +13,7 @@ from megalaunch.config.gpus import GIB, gpu_spec
 from megalaunch.config.loader import load_recipe, shipped_recipes
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.memory import Layout, ModelShape, estimate
-from megalaunch.config.plan import plan_recipe, set_lines
+from megalaunch.config.plan import plan_recipe, set_lines, step_key
 from megalaunch.config.preflight import preflight
 from megalaunch.errors import PreflightError
 from megalaunch.rundir.paths import RunPaths
@@ -113,7 +113,7 @@ def test_plan_on_shipped_recipes_ranks_layouts_whose_first_passes_preflight(ref:
     recipe = load_recipe(ref).recipe
     result = plan_recipe(recipe, recipe.data.vocab_size)
     assert result.best is not None
-    steps = [round(c.step_s, 3) for c in result.candidates if c.fits]  # ties: less memory first
+    steps = [step_key(c.step_s) for c in result.candidates if c.fits]  # ties: less memory first
     assert steps == sorted(steps)
     assert all(c.fits for c in result.candidates[:len(steps)])
     applied = load_recipe(ref, set_lines(result.best.layout)).recipe

@@ -44,7 +44,7 @@ class Candidate:
     step_s: float
     tokens_per_s: float  # per GPU
     tflops: float  # model TFLOP/s per GPU
-    parts: dict[str, float]  # seconds per step: compute, tp, cp, pp_bubble, dp, optimizer
+    parts: dict[str, float]  # seconds per step: compute, tp, cp, pp_bubble, dp, optimizer, memory_pressure
     fits: bool
 
 
@@ -153,6 +153,12 @@ def memory_pressure(used: float) -> float:
     return PRESSURE_COST * min(1.0, max(0.0, (used - PRESSURE_FROM) / (1 - PRESSURE_FROM)))
 
 
+def step_key(step_s: float) -> float:
+    """Step times equal to 4 significant digits are a tie (SP on or off, say), which less memory wins;
+    relative, so that a tiny model's microseconds still rank."""
+    return float(f"{step_s:.4g}")
+
+
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
          fused: bool = False) -> list[Candidate]:
@@ -169,7 +175,7 @@ def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus
         out.append(Candidate(layout=layout, memory=mem, step_s=step, tokens_per_s=tokens,
                              tflops=tokens * flops_per_token(shape) / 1e12, parts=parts,
                              fits=mem.needed_gib() <= memory_gib))
-    out.sort(key=lambda c: (not c.fits, round(c.step_s, 3), c.memory.needed_gib()))
+    out.sort(key=lambda c: (not c.fits, step_key(c.step_s), c.memory.needed_gib()))
     return out
 
 
@@ -216,7 +222,6 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
     recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
     from megalaunch.config.fit import model_shape
-    from megalaunch.config.megatron_args import fused_kernels
 
     cl = recipe.cluster
     if recipe.model.num_experts:
@@ -241,7 +246,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                  global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                  distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                 fused=fused_kernels(recipe) if gpn > 0 else False)
+                 fused=bool(t.fused_kernels) if t.fused_kernels != "auto" else True)  # auto: on with GPUs
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
