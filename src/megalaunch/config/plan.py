@@ -88,7 +88,7 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                     m = global_batch // (dp * mb)
                     vpps: list[int | None] = [None]
                     if pp > 1:
-                        vpps += [v for v in (2, 4, 8) if shape.layers % (pp * v) == 0 and m % pp == 0]
+                        vpps += [v for v in range(2, 9) if shape.layers % (pp * v) == 0 and m % pp == 0]
                     for vpp in vpps:
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for rc in RECOMPUTES:
