@@ -83,7 +83,8 @@ def main() -> int:
 
 def model_attention(a: argparse.Namespace) -> None:
     """megalaunch's SDPA core attention as the model runs it (Megatron's [s, b, heads, d] inputs), with
-    torch's default backend order and with MEGALAUNCH_SDPA_BACKENDS=cudnn first: time and kernels."""
+    torch's default backend order and with MEGALAUNCH_SDPA_BACKENDS=cudnn first: time and kernels. (The
+    5.61 ms of docs/results.md for the second was measured with a KV-head expansion since dropped.)"""
     import os
 
     import torch

@@ -40,11 +40,32 @@ with megatron_parallel_state():
 """
 
 
-def test_sdpa_matches_local_attention() -> None:
+@pytest.mark.parametrize("backends", [None, "math", "cudnn_attention,math"])
+def test_sdpa_matches_local_attention(backends: str | None) -> None:
+    """Also with torch's backends reordered by MEGALAUNCH_SDPA_BACKENDS (torch skips one that cannot
+    take the inputs: cuDNN's on a CPU)."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env.pop("MEGALAUNCH_SDPA_BACKENDS", None)
+    if backends:
+        env["MEGALAUNCH_SDPA_BACKENDS"] = backends
     p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["shape"] == [3, 32, 256]  # batch, sequence, vocabulary padded to a multiple of 64
     assert r["sdpa"] and r["keys"]  # same checkpoint layout: attention choice is not a checkpoint change
     assert r["diff"] <= 1e-5 * max(1.0, r["scale"]), r
+
+
+def test_an_unknown_sdpa_backend_is_refused_with_the_valid_names() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MEGALAUNCH_SDPA_BACKENDS": "cudnn,math"}
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert "ValueError: MEGALAUNCH_SDPA_BACKENDS='cudnn,math': valid names are" in p.stderr
+    assert "cudnn_attention" in p.stderr.splitlines()[-1]
+
+
+def test_the_backend_order_reaches_the_attention_call() -> None:
+    """cuDNN's attention alone cannot run on a CPU: the forward fails, so the order was applied there."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MEGALAUNCH_SDPA_BACKENDS": "cudnn_attention"}
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0 and "No viable backend for scaled_dot_product_attention" in p.stderr, p.stderr[-2000:]

@@ -96,9 +96,13 @@ def test_unknown_gpu_is_refused_naming_the_field() -> None:
 
 
 def test_mixture_of_experts_is_not_planned_nor_refused_with_dense_figures() -> None:
-    """The memory model is dense: an MoE recipe gets no fit check (not a dense model's figures) and
-    `plan` refuses it naming the field. 64 experts of llama3-8b's MLP would not fit a dense estimate."""
-    moe = load_recipe("llama3-8b", ["model.num_experts=64", "parallel.expert_model_parallel_size=8"]).recipe
+    """The memory model is dense: an MoE recipe gets no fit check (not a dense model's figures, which
+    refuse this layout) and `plan` refuses it naming the field."""
+    layout = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+              "training.micro_batch_size=4"]
+    with pytest.raises(PreflightError, match=r"^parallel: .*needs ~"):  # the dense model does not fit an H100
+        preflight(load_recipe("llama3-8b", layout).recipe)
+    moe = load_recipe("llama3-8b", [*layout, "model.num_experts=64", "parallel.expert_model_parallel_size=8"]).recipe
     preflight(moe)
     with pytest.raises(PreflightError, match=r"model\.num_experts: .*mixture-of-experts"):
         plan_recipe(moe, 128256)
@@ -248,6 +252,17 @@ def test_the_models_agree_with_the_layouts_measured_on_h200(measured: dict, sets
         assert abs(gib / measured_gib - 1) < 0.10, (key, gib, measured_gib)
     predicted_first = max(seen, key=lambda k: seen[k][0])
     assert predicted_first == max(measured, key=lambda k: measured[k][0])
+
+
+def test_plan_resolves_fused_kernels_for_the_planned_gpus() -> None:
+    """`fused_kernels: auto` on a CPU recipe planned for GPUs is on (the memory it saves counts)."""
+    cpu = load_recipe("tiny").recipe
+    assert cpu.cluster.gpus_per_node == 0
+    plan = plan_recipe(cpu, 512, nodes=1, gpus_per_node=4, gpu="H100")
+    assert all(c.layout.fused for c in plan.candidates)
+    off = plan_recipe(load_recipe("tiny", ["training.fused_kernels=false"]).recipe, 512, nodes=1, gpus_per_node=4,
+                      gpu="H100")
+    assert not any(c.layout.fused for c in off.candidates)
 
 
 @pytest.mark.parametrize(("gpus", "fused", "precision", "expect_fused", "expect_ce"), [

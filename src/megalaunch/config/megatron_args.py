@@ -66,10 +66,12 @@ def recompute_args(mode: str) -> list[str]:
     return []
 
 
-def fused_kernels(recipe: Recipe) -> bool:
-    """training.fused_kernels resolved: auto is on with GPUs (Triton compiles them), off on the CPU."""
+def fused_kernels(recipe: Recipe, gpus_per_node: int | None = None) -> bool:
+    """training.fused_kernels resolved: auto is on with GPUs (Triton compiles them), off on the CPU; GPUs
+    per node are the recipe's unless given (`megalaunch plan --gpus-per-node`)."""
     value = recipe.training.fused_kernels
-    return recipe.cluster.gpus_per_node > 0 if value == "auto" else bool(value)
+    gpus = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    return gpus > 0 if value == "auto" else bool(value)
 
 
 def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:

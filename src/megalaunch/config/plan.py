@@ -222,6 +222,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
     recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
     from megalaunch.config.fit import model_shape
+    from megalaunch.config.megatron_args import fused_kernels
 
     cl = recipe.cluster
     if recipe.model.num_experts:
@@ -246,7 +247,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                  global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                  distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                 fused=bool(t.fused_kernels) if t.fused_kernels != "auto" else True)  # auto: on with GPUs
+                 fused=fused_kernels(recipe, gpn))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
