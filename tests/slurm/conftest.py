@@ -73,7 +73,7 @@ _FAILED = pytest.StashKey[bool]()
 
 @pytest.fixture
 def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
-    """A fresh directory (mode 0777) under a base every user can traverse.
+    """A fresh directory (mode 1777, like /tmp) under a base every user can traverse.
 
     Use it as the cwd / run directory of jobs submitted as mlalice, mlbob or mleve; chmod it
     yourself for permission tests. Removed after a passing test, kept after a failure.
@@ -84,7 +84,7 @@ def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
         SLURM_TMP_BASE.chmod(0o1777)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.name)[:60]
     path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=SLURM_TMP_BASE))
-    path.chmod(0o777)
+    path.chmod(0o1777)  # sticky: a run root nobody else can rename is what megalaunch requires (docs/security.md)
     yield path
     _cancel_leftover_chains(path)
     if not request.node.stash.get(_FAILED, True):

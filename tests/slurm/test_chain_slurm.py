@@ -69,7 +69,8 @@ def test_team_triggers_across_users(slurm_tmp: Path) -> None:
     proc = megalaunch("mlalice", "submit", str(recipe), cwd=slurm_tmp)
     assert proc.returncode == 0, proc.stderr
     run = run_dir_of(slurm_tmp)
-    assert oct(run.stat().st_mode & 0o7777) == "0o2770"
+    assert oct(run.stat().st_mode & 0o7777) == "0o2750"  # the owner writes, the group reads
+    assert oct((run / "triggers").stat().st_mode & 0o7777) == "0o3770"  # members write triggers only
     assert run.stat().st_gid == __import__("grp").getgrnam("mlteam").gr_gid
     _wait_iteration(run, 20)
     wait_for(lambda: len(submitted_ids(run)) >= 2, 60, what="the successor to be queued")

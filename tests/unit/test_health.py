@@ -206,7 +206,7 @@ def test_the_first_healthy_check_leaves_the_node_health_dir_writable_for_the_gro
         NodeHealth(directory).suspect("node2", reason="x", evidence=[], run="r", job_id="2", ttl_s=60)
     finally:
         os.umask(old)
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o2770
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o3770  # sticky: nobody replaces a colleague's file
     for name in ("health_baselines.jsonl", "suspects.jsonl"):
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o660, name
     assert Baselines(directory).reference("cpu fp32 n=256") == 0.1

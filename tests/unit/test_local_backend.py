@@ -190,6 +190,9 @@ def test_cancel_from_another_shell_stops_a_local_chain(tmp_path: Path) -> None:
     segs = Ledger(paths).segments()
     assert [s.job_id for s in segs] == [seg.job_id]
     assert Ledger(paths).stopped()["reason"].startswith("cancelled by")
+    # a cancel is nobody's node fault: the machine is no suspect (Slurm's path never runs `job end`)
+    assert segs[0].ended["outcome"] == "cancelled", segs[0].ended
+    assert not [e for e in Ledger(paths).events() if e["event"] == "node_suspected"]
     record = json.loads(paths.task_record(seg.job_id, 0).read_text())
     assert record["signal"] == "SIGTERM"  # the segment's task was stopped as scancel stops it, not left running
     outcome = json.loads(paths.outcome.read_text()) if paths.outcome.exists() else None

@@ -73,10 +73,13 @@ def run_(
     from megalaunch.errors import MegalaunchError
     from megalaunch.evaluation import submit
     from megalaunch.launcher.control import find_run
+    from megalaunch.rundir.access import require_owner
     from megalaunch.rundir.evals import EvalPaths
     from megalaunch.runtime.resume import checkpoint_iterations, is_complete
 
     paths = find_run(run)
+    require_owner(paths.root, "evaluate", "the run's milestone evals run by themselves (eval.enabled); or evaluate a "
+                  f"converted copy: megalaunch convert mcore-to-hf {paths.root} --out DIR")
     recipe = load_run_recipe(paths)
     names = _tasks(tasks)
     _check_tasks(recipe, names)

@@ -168,8 +168,11 @@ def cancel(run: RunArg) -> None:
     from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.control import find_run
+    from megalaunch.rundir.access import require_owner
 
     paths = find_run(run)
+    require_owner(paths.root, "cancel", f"a member stops the run with: megalaunch trigger exit {paths.root} "
+                  f"(save, then stop) or megalaunch trigger abort {paths.root} (stop now)")
     ids = backend_for(load_run_recipe(paths).cluster.backend).cancel(paths)
     say(f"cancelled {', '.join(ids) if ids else 'nothing (no job of this run was queued or running)'}")
     say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
@@ -197,13 +200,14 @@ def resume(
         prepare_change,
     )
     from megalaunch.launcher.resume_from import check_not_live, check_resume_from, resume_chain
-    from megalaunch.rundir.access import require_writable
+    from megalaunch.rundir.access import require_owner
 
     paths = find_run(run)
+    require_owner(paths.root, "resume", f"ask its owner; a member can stop it (megalaunch trigger exit {paths.root}) "
+                  "or submit their own run from its checkpoint (--set checkpoint.load=" f"{paths.checkpoints})")
     recipe = load_run_recipe(paths)
     change = None
     if set_:
-        require_writable(paths.root, paths.state)
         change = prepare_change(paths, set_)
         check_not_live(paths, backend_for(recipe.cluster.backend), "resume --set changes")
         recipe = change.prepared.recipe

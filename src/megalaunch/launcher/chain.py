@@ -18,6 +18,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
+from megalaunch.rundir.trust import check_layout, check_path, tighten, verify_trusted
 from megalaunch.runtime.settings import RuntimeSettings
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
@@ -44,6 +45,9 @@ class Chain:
     # ----------------------------------------------------------------------------------- begin
     def begin(self, job_id: str) -> Verdict:
         """Run at the start of every segment, before training."""
+        untrusted = self._check_trust(job_id)
+        if untrusted is not None:
+            return untrusted
         self._account_for_vanished(job_id)
         restart = os.environ.get("SLURM_RESTART_COUNT")
         stopped = self.ledger.stopped()
@@ -84,6 +88,31 @@ class Chain:
         log(f"segment {job_id} starts at checkpoint iteration {iteration}")
         return Verdict(True, "train")
 
+    def _check_trust(self, job_id: str) -> Verdict | None:
+        """Before anything runs: the run directory is the owner's and nobody else can swap it, and every
+        file the job executes or reads as configuration is the one the owner recorded
+        (docs/security.md). A run made by an older megalaunch gets the current modes first."""
+        from megalaunch.errors import RunDirError
+
+        try:
+            check_path(self.paths.root)
+        except (RunDirError, OSError) as e:  # not the owner's run: write nothing into it
+            log(f"refusing to run: {getattr(e, 'message', e)}" + (f"\n  fix: {e.fix}" if getattr(e, "fix", None) else ""))
+            return Verdict(False, f"untrusted run directory: {getattr(e, 'message', e)}")
+        try:
+            changed = tighten(self.paths)
+            if changed:
+                self.ledger.append("modes_tightened", job_id=job_id, changed=changed)
+                log(f"run directory modes tightened: {', '.join(changed)}")
+            check_layout(self.paths)
+            verify_trusted(self.paths)
+        except (RunDirError, OSError) as e:
+            reason = e.message if isinstance(e, RunDirError) else str(e)
+            log(f"refusing to run: {reason}")
+            return self.stop(job_id, f"untrusted run directory: {reason}",
+                             fix=getattr(e, "fix", None) or "submit the recipe again")
+        return None
+
     def _account_for_vanished(self, current: str) -> None:
         """A segment that started but never reached `job end` (killed, node failure) is recorded as
         ended by the next segment, so the crash-loop budget sees it."""
@@ -111,7 +140,9 @@ class Chain:
         if status == "failed" and (outcome or {}).get("kind") == "config":
             status = "config_error"  # an outcome written before the config_error status existed
         ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
-        if status == "failed" and (err := config_error(self.paths, job_id)) is not None:
+        if status in ("failed", "hung") and self.paths.cancel_requested.exists():
+            status, reason = "cancelled", _cancelled_by(self.paths)  # a cancel is nobody's node fault
+        elif status == "failed" and (err := config_error(self.paths, job_id)) is not None:
             # a rank failed on the configuration and took the segment down before rank 0 could say so
             status, fix = "config_error", err.get("fix")
             reason = f"rank {err.get('rank')}: {err.get('reason')}"
@@ -139,7 +170,7 @@ class Chain:
             return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
                              fix=str(fix) if fix else "correct the recipe, then submit it again")
         if self.paths.cancel_requested.exists():
-            return self.stop(job_id, "cancel requested")
+            return self.stop(job_id, reason if status == "cancelled" else "cancel requested")
         if now is not None and now >= self.settings.train_iters:
             return self.stop(job_id, f"training reached its target (iteration {now})")
         stopped_by_guard = self._guard(job_id, record_continue=True)
@@ -298,6 +329,15 @@ class Chain:
         log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
             + (f"\n  fix: {fix}" if fix else ""))
         return Verdict(False, reason)
+
+
+def _cancelled_by(paths: RunPaths) -> str:
+    """`megalaunch cancel` left its name in state/cancel_requested ("USER TIME")."""
+    try:
+        who = paths.cancel_requested.read_text().split()[0]
+    except (OSError, IndexError):
+        return "cancelled"
+    return f"cancelled by {who}"
 
 
 def health_evidence(rank: dict[str, object], check: dict[str, object]) -> str:

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.launcher.evidence import TaskEnd
-from megalaunch.rundir.files import append_team_jsonl, read_jsonl
+from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 
 LEDGER_FILE = "suspects.jsonl"
+# A node name as Slurm and DNS allow it: what the team ledger names (members write it) reaches `--exclude`.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # Log signatures of a sick node, most specific first: (label, pattern).
 SIGNATURES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -92,7 +94,8 @@ class NodeHealth:
 
     # --- reading ------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
-        return [rec for rec in read_jsonl(self.file) if isinstance(rec, dict) and isinstance(rec.get("node"), str)]
+        return [rec for rec in read_team_jsonl(self.file) if isinstance(rec.get("node"), str)
+                and NODE_NAME.fullmatch(rec["node"])]
 
     def active(self, now: float | None = None) -> dict[str, Suspect]:
         """Suspect nodes now: latest suspect event unexpired and not cleared since."""

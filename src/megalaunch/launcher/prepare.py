@@ -27,9 +27,14 @@ from megalaunch.launcher.render import render
 from megalaunch.launcher.sbatch import JobHeader, cluster_options, environment_context, home
 from megalaunch.rundir.files import args_file_text
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.trust import (
+    RUN_DIR_MODE,
+    TEAM_DIR_MODE,
+    TRIGGER_DIR_MODE,
+    check_ancestors,
+    file_hashes,
+)
 from megalaunch.runtime.settings import RuntimeSettings
-
-RUN_DIR_MODE = 0o2770  # group-private, setgid so everything inside stays in the run's group
 
 
 @dataclass(frozen=True)
@@ -198,19 +203,21 @@ def _group_id(group: str | None) -> int | None:
 
 
 def write_run(prepared: PreparedRun) -> RunPaths:
-    """Create the run directory atomically (temp dir + rename), group-private (umask 027, 2770)."""
+    """Create the run directory atomically (temp dir + rename): the owner writes, the run's group reads
+    (umask 027, 2750), members write only triggers/ (3770; docs/security.md)."""
     recipe = prepared.recipe
     paths = prepared.paths
     gid = _group_id(recipe.run.group)
     root = paths.root.parent
+    check_ancestors(paths.root)  # nobody else can rename the run (or a directory above it) away
     old_umask = os.umask(0o027)
     try:
         try:
             if not root.exists():
                 root.mkdir(parents=True)
-                if gid is not None:  # the team must be able to reach its runs
+                if gid is not None:  # the team reaches its runs; sticky: nobody renames another's
                     os.chown(root, -1, gid)
-                    os.chmod(root, RUN_DIR_MODE)
+                    os.chmod(root, TEAM_DIR_MODE)
         except OSError as e:
             raise RunDirError(f"cannot create the run root {root}: {e.strerror}", field="run.root",
                               fix="choose a writable directory: --set run.root=/path") from None
@@ -240,9 +247,8 @@ def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
     t = RunPaths(tmp)
     for d in (t.triggers, t.consumed_triggers, t.checkpoints, t.logs, t.state, t.debug):
         d.mkdir(parents=True)
-    # triggers are written by any group member: group-writable whatever the umask
-    for d in (t.triggers, t.consumed_triggers):
-        os.chmod(d, RUN_DIR_MODE)
+    # the only place members write: group-writable whatever the umask, sticky (consumed/ is the owner's)
+    os.chmod(t.triggers, TRIGGER_DIR_MODE)
     for rel, content in prepared.files.items():
         (tmp / rel).write_text(content)
     if "job.sbatch" in prepared.files:
@@ -264,6 +270,7 @@ def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
         "recipe_source": prepared.loaded.source,
         "recipe_sha256": hashlib.sha256(prepared.files["run.yaml"].encode()).hexdigest(),
         "data_blend_sha256": prepared.blend_sha256,
+        "trusted_sha256": file_hashes(prepared.files),  # what the job checks before it runs anything
         "tokenizer": prepared.tokenizer.record() if prepared.tokenizer is not None else None,
         "backend": recipe.cluster.backend,
         "code": code_revision(Path(os.path.expanduser(snapshot))) if snapshot
@@ -275,7 +282,7 @@ def _populate(tmp: Path, prepared: PreparedRun, gid: int | None) -> None:
 
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     t.ledger.touch()
-    os.chmod(t.ledger, 0o660)
+    os.chmod(t.ledger, 0o640)
 
 
 def _snapshot_code(src: Path, dst: Path) -> None:

@@ -153,10 +153,13 @@ def check_resumable(paths: RunPaths, recipe: Recipe, *, from_iteration: int | No
 
 
 def apply_change(paths: RunPaths, change: SettingsChange) -> None:
-    """Replace the run's rendered files (each atomically, keeping its mode), then record the change."""
+    """Replace the run's rendered files (each atomically, keeping its mode, never writable by others),
+    then record the change and the new files' hashes, which the job checks (rundir/trust.py)."""
+    from megalaunch.rundir.trust import file_hashes, recorded_hashes
+
     for rel, content in change.prepared.files.items():
         target = paths.root / rel
-        mode = os.stat(target).st_mode & 0o7777 if target.exists() else 0o640
+        mode = os.stat(target).st_mode & 0o7755 if target.exists() else 0o640
         atomic_write_text(target, content, mode=mode)
     record = {"changes": change.changes, "blend_sha256": change.blend_sha256,
               "recipe_sha256": change.recipe_sha256}
@@ -164,6 +167,7 @@ def apply_change(paths: RunPaths, change: SettingsChange) -> None:
     manifest = read_json(paths.manifest) or {}
     manifest["recipe_sha256"] = change.recipe_sha256["new"]
     manifest["data_blend_sha256"] = change.blend_sha256["new"]
+    manifest["trusted_sha256"] = {**(recorded_hashes(paths) or {}), **file_hashes(change.prepared.files)}
     manifest["changes"] = [*manifest.get("changes", []),
                            {**record, "user": event["user"], "host": event["host"], "time": event["time"]}]
     atomic_write_json(paths.manifest, manifest, mode=os.stat(paths.manifest).st_mode & 0o7777)

@@ -40,14 +40,15 @@ class SlurmClient:
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
 
-    def _run(self, argv: Sequence[str], *, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def _run(self, argv: Sequence[str], *, check: bool = True, cwd: Path | None = None,
+             stdin_text: str | None = None) -> subprocess.CompletedProcess[str]:
         exe = argv[0]
         if shutil.which(exe) is None:
             raise SlurmError(f"'{exe}' was not found on PATH: Slurm is not installed here",
                              fix="run on a Slurm login node, or use --backend local")
         try:
-            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=self.timeout_s,
-                                  cwd=cwd, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=self.timeout_s, cwd=cwd,
+                                  **({"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}))
         except subprocess.TimeoutExpired:
             raise SlurmError(f"'{' '.join(argv[:2])}' did not answer within {self.timeout_s:.0f} s: "
                              "the Slurm controller is slow or down", fix="retry later; check `sinfo`") from None
@@ -62,12 +63,14 @@ class SlurmClient:
         self._run(["sinfo", "--version"])
 
     def sbatch(self, script: Path, extra_args: Iterable[str] = (), *, cwd: Path | None = None,
-               env: dict[str, str] | None = None) -> str:
-        """Submit `script`; returns the job id. `--parsable` prints `id[;cluster]`."""
-        argv = ["sbatch", "--parsable", *extra_args, str(script)]
+               env: dict[str, str] | None = None, text: str | None = None) -> str:
+        """Submit `script`; returns the job id. `--parsable` prints `id[;cluster]`. With `text`, sbatch reads
+        the script from its standard input instead: the bytes the caller checked are the ones that run
+        (`script` then only names it in errors)."""
+        argv = ["sbatch", "--parsable", *extra_args, *([] if text is not None else [str(script)])]
         if env is not None:
             argv.insert(1, "--export=ALL," + ",".join(f"{k}={v}" for k, v in env.items()))
-        proc = self._run(argv, cwd=cwd)
+        proc = self._run(argv, cwd=cwd, stdin_text=text)
         job_id = proc.stdout.strip().split(";")[0]
         if not job_id.split("_")[0].isdigit():
             raise SlurmError(f"sbatch printed no job id: {proc.stdout.strip()!r}")

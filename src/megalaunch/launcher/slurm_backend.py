@@ -49,7 +49,7 @@ class SlurmBackend:
         paths = write_run(prepared)
         plan = self._plan(paths, echo)
         try:
-            job_id = self.client.sbatch(paths.job_script, _exclude_args(plan), cwd=paths.root)
+            job_id = self._sbatch(paths, _exclude_args(plan))
         except BaseException:
             shutil.rmtree(paths.root, ignore_errors=True)  # nothing written unless submitted
             raise
@@ -66,7 +66,7 @@ class SlurmBackend:
         ledger = Ledger(paths)
         ledger.append("chain_resumed", **resumed_event(from_iteration))
         plan = self._plan(paths, echo)
-        job_id = self.client.sbatch(paths.job_script, ["--dependency=singleton", *_exclude_args(plan)], cwd=paths.root)
+        job_id = self._sbatch(paths, ["--dependency=singleton", *_exclude_args(plan)])
         ledger.append("submitted", job_id=job_id, by="megalaunch resume")
         _record(paths, job_id, plan)
         return Started(paths, job_id)
@@ -111,7 +111,15 @@ class SlurmBackend:
 
     def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
         extra = ["--dependency=singleton", *([f"--exclude={','.join(exclude)}"] if exclude else [])]
-        return self.client.sbatch(paths.job_script, extra, cwd=paths.root)
+        return self._sbatch(paths, extra)
+
+    def _sbatch(self, paths: RunPaths, extra: list[str]) -> str:
+        """Queue the run's job script as the owner recorded it (rundir/trust.py): the checked bytes go to
+        sbatch on its standard input, so a file swapped after the check is never what runs."""
+        from megalaunch.rundir.trust import read_trusted
+
+        text = read_trusted(paths, "job.sbatch").decode()
+        return self.client.sbatch(paths.job_script, extra, cwd=paths.root, text=text)
 
     def known_nodes(self, partition: str | None) -> list[str] | None:
         from megalaunch.errors import SlurmError

@@ -91,6 +91,8 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": TriggerBox(paths).pending(),
         "consumed_triggers": len(TriggerBox(paths).consumed()),
+        "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
+                             for e in events if e.get("event") == "trigger_refused"],
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
         "nodes": _node_decisions(events),
         "health": _health_lines(events),
@@ -182,6 +184,8 @@ def format_run_status(st: dict[str, Any]) -> str:
                      f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
                      f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
     lines.append(f"  triggers pending: {', '.join(st['pending_triggers']) or 'none'}   consumed: {st['consumed_triggers']}")
+    for r in st.get("refused_triggers") or []:
+        lines.append(f"  refused trigger '{r['name']}' planted by {r['planted_by']}: {r['why']} (ignored)")
     g = st["last_guard"]
     if g:
         lines.append(f"  last guard decision: {g['decision']} ({g['failures']}/{g['budget']} segments without "

@@ -36,3 +36,27 @@ def require_writable(*directories: Path) -> None:
         if not os.access(d, os.W_OK | os.X_OK):
             raise RunDirError(f"you ({getpass.getuser()}) cannot write {d}: only members of the run's group "
                               f"'{group_name(d)}' can", fix="ask the run's owner to add you to that group")
+
+
+def run_owner(root: Path) -> str:
+    import pwd
+
+    uid = root.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def require_owner(root: Path, action: str, member_fix: str) -> None:
+    """Actions that queue jobs or change what the owner's job trusts are the owner's alone
+    (docs/security.md, "What members may do"): a member gets one line naming the owner and what a member
+    can do instead. Root may act for anyone."""
+    try:
+        uid = root.stat().st_uid
+    except OSError:
+        return  # find_run already said what is wrong with the path
+    if os.getuid() in (0, uid):
+        return
+    raise RunDirError(f"only the run's owner ({run_owner(root)}) can {action} it: that queues jobs and changes files "
+                      "the owner's job trusts", fix=member_fix)

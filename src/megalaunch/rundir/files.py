@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,10 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
 
 
 def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
-    """Append one JSON line with a single write() on an O_APPEND descriptor (atomic for small lines)."""
+    """Append one JSON line with a single write() on an O_APPEND descriptor (atomic for small lines);
+    a link in its place is never followed."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
     try:
         os.write(fd, line)
     finally:
@@ -67,37 +69,70 @@ def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
 
 def append_team_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """`append_jsonl` for a file every member of the group appends to (the node-health ledger, the health
-    check's recorded figures): a missing directory is created setgid and group-writable (2770) and a new
-    file 0660, whatever the writer's umask (027 in jobs would leave colleagues read-only)."""
+    check's recorded figures). A missing directory is created 3770 (setgid, group-writable, sticky: nobody
+    removes or replaces another member's file) and a new file 0660, whatever the writer's umask (027 in
+    jobs would leave colleagues read-only). What a member may have planted there is never followed: the
+    file is opened without following links and without blocking, and written only if it is a regular
+    file with a single name (docs/security.md)."""
+    import stat
+
+    from megalaunch.errors import RunDirError
+
     directory = os.path.dirname(os.fspath(path)) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
-        os.chmod(directory, 0o2770)
+        os.chmod(directory, 0o3770)
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o660)
     try:
-        if os.fstat(fd).st_size == 0:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o660)
+    except OSError as e:
+        raise RunDirError(f"{path} cannot be appended to safely ({e.strerror}): a link or a FIFO in the team's "
+                          "directory", fix=f"remove {path}; it is recreated") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise RunDirError(f"{path} is not a regular file with one name: not written",
+                              fix=f"remove {path}; it is recreated")
+        if st.st_size == 0:
             os.fchmod(fd, 0o660)
         os.write(fd, line)
     finally:
         os.close(fd)
 
 
+def read_team_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """`read_jsonl` of a file other members write: never follows a link, never blocks, reads at most
+    `MAX_TEAM_LEDGER_BYTES`; a planted non-file reads as empty (rundir/untrusted.py)."""
+    from megalaunch.rundir.untrusted import MAX_TEAM_LEDGER_BYTES, MemberFile, open_member_file
+
+    found = open_member_file(path, MAX_TEAM_LEDGER_BYTES)
+    if not isinstance(found, MemberFile):
+        return []
+    return _parse_jsonl(found.data.decode("utf-8", errors="replace").splitlines())
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All complete records; a torn last line (crash mid-write) is ignored."""
-    out: list[dict[str, Any]] = []
     try:
         with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            return _parse_jsonl(f)
     except FileNotFoundError:
-        pass
+        return []
+
+
+def _parse_jsonl(lines: Iterable[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 

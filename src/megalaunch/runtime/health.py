@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megalaunch.rundir.files import append_team_jsonl, read_jsonl
+from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 
 SLOW_NODE_ENV = "MEGALAUNCH_TEST_SLOW_NODE"
 FAIL_NODE_ENV = "MEGALAUNCH_TEST_HEALTH_FAIL"
@@ -123,7 +123,7 @@ class Baselines:
         self.file = Path(directory) / BASELINE_FILE
 
     def reference(self, device: str) -> float | None:
-        values = [float(rec["tflops"]) for rec in read_jsonl(self.file)
+        values = [float(rec["tflops"]) for rec in read_team_jsonl(self.file)
                   if isinstance(rec, dict) and rec.get("device") == device
                   and isinstance(rec.get("tflops"), (int, float))]
         return _median(values[-BASELINE_WINDOW:])  # type: ignore[arg-type]

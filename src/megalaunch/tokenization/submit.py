@@ -19,7 +19,7 @@ from megalaunch.rundir.tokenize import TokenizeRun
 from megalaunch.tokenization.plan import Plan, load_plan, make_plan
 from megalaunch.tokenization.recipe import TokenizeRecipe, load_run_recipe
 
-RUN_DIR_MODE = 0o2770
+RUN_DIR_MODE = 0o2750  # the owner writes, the group reads (docs/security.md)
 
 
 def create_run(recipe: TokenizeRecipe, run_dir: str | os.PathLike[str]) -> tuple[TokenizeRun, Plan]:
