@@ -221,12 +221,12 @@ class TriggerBox:
             return None
         record = {**req.record(), "consumed_at": time.time(), "consumed_iteration": iteration,
                   "consumed_by_job": job_id, "consumed_on": socket.gethostname()}
+        self._write_consumed(verb, record)  # first: whoever sees the trigger gone finds its record
+        self._last.valid.pop(verb, None)
         try:
             os.unlink(path)
         except FileNotFoundError:
             return None
-        self._last.valid.pop(verb, None)
-        self._write_consumed(verb, record)
         return record
 
     def _write_consumed(self, verb: str, record: dict[str, Any]) -> None:
