@@ -209,3 +209,21 @@ def test_team_jsonl_never_follows_a_planted_link_or_blocks(tmp_path: Path, priva
     with pytest.raises(RunDirError):
         append_team_jsonl(ledger, {"node": "n1"})  # O_NONBLOCK: no reader, no hang
     assert read_team_jsonl(ledger) == []
+
+
+def test_a_colleagues_run_with_a_planted_fifo_is_left_out_of_the_listing(tmp_path: Path, monkeypatch) -> None:
+    from megalaunch.rundir.registry import ROOTS_ENV, known_runs
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    root = tmp_path / "runs"
+    loaded = load_recipe("tiny", [f"run.root={root}"])
+    mine = write_run(prepare_run(loaded)).root
+    theirs = root / "theirs-1234"
+    theirs.mkdir()
+    (theirs / "run.yaml").write_text("name: theirs\n")
+    (theirs / "manifest.json").write_text("{}")
+    (theirs / "state").mkdir()
+    os.mkfifo(theirs / "state" / "ledger.jsonl")
+    os.chown(theirs, 65534, 65534)  # a colleague's run
+    monkeypatch.setenv(ROOTS_ENV, str(root))
+    assert known_runs() == [mine]

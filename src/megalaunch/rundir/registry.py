@@ -54,9 +54,28 @@ def remember_root(run_dir: Path) -> None:
         _append_line(roots_file(), root)
 
 
+# What a run listing reads of every run: in a colleague's run these must be plain files (or absent), or a
+# FIFO or link they planted there would hang or redirect the listing (docs/security.md).
+LISTED_FILES = ("run.yaml", "manifest.json", "runtime.json", "state/ledger.jsonl", "state/progress.json",
+                "state/outcome.json", "state/metrics.jsonl", "state/goodput.json",
+                "checkpoints/latest_checkpointed_iteration.txt")
+
+
 def _readable_run(p: Path) -> bool:
+    import stat
+
     try:
-        return os.access(p / "run.yaml", os.R_OK)
+        if not os.access(p / "run.yaml", os.R_OK):
+            return False
+        if os.lstat(p).st_uid == os.getuid():
+            return True
+        for rel in LISTED_FILES:
+            try:
+                if not stat.S_ISREG(os.lstat(p / rel).st_mode):
+                    return False
+            except FileNotFoundError:
+                continue
+        return True
     except OSError:
         return False
 
