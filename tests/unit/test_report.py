@@ -20,6 +20,7 @@ from tests.unit.report_chain import CRASH_AT, TRIGGER_REASON, build_chain
 
 from megalaunch.launcher import report as report_mod
 from megalaunch.launcher.goodput import COMPONENTS
+from megalaunch.launcher.report_data import gather
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 
@@ -134,7 +135,7 @@ def test_report_of_a_chain(run: RunPaths, tmp_path: Path) -> None:
     (trig,) = page.triggers
     assert trig[0] == "save" and trig[2] == TRIGGER_REASON and trig[4].startswith("iteration 0 (job local-1")
     # Young/Daly: one failure observed, so a suggestion with its inputs
-    data = report_mod.gather(run)
+    data = gather(run)
     hint = data["hint"]
     assert hint["failures"] == 1 and hint["mtbf_s"] and hint["interval_s"] and hint["interval_iters"]
     assert f"= about <b>{hint['interval_iters']}</b> iterations" in html_text
