@@ -97,7 +97,8 @@ class Chain:
         try:
             check_path(self.paths.root)
         except (RunDirError, OSError) as e:  # not the owner's run: write nothing into it
-            log(f"refusing to run: {getattr(e, 'message', e)}" + (f"\n  fix: {e.fix}" if getattr(e, "fix", None) else ""))
+            fix = getattr(e, "fix", None)
+            log(f"refusing to run: {getattr(e, 'message', e)}" + (f"\n  fix: {fix}" if fix else ""))
             return Verdict(False, f"untrusted run directory: {getattr(e, 'message', e)}")
         try:
             changed = tighten(self.paths)
@@ -170,7 +171,7 @@ class Chain:
             return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
                              fix=str(fix) if fix else "correct the recipe, then submit it again")
         if self.paths.cancel_requested.exists():
-            return self.stop(job_id, reason if status == "cancelled" else "cancel requested")
+            return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested")
         if now is not None and now >= self.settings.train_iters:
             return self.stop(job_id, f"training reached its target (iteration {now})")
         stopped_by_guard = self._guard(job_id, record_continue=True)
