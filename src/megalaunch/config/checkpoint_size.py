@@ -194,3 +194,8 @@ def recipe_peak(recipe: Recipe, vocab_size: int | None) -> DiskPeak:
     return disk_peak(size, shape, train_iters=recipe.training.train_iters, save_interval=c.save_interval,
                      keep_last=c.keep_last, milestone_interval=c.milestone_interval,
                      eval_interval=eval_interval(recipe), keep_hf=recipe.eval.keep_hf)
+
+
+def peak_lines(peak: DiskPeak) -> list[str]:
+    """What `plan`, `submit` and its dry run show: the size of one checkpoint, and the peak on disk."""
+    return [f"checkpoint: {peak.checkpoint.describe()}", f"disk peak: {peak.describe()}"]

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from megalaunch.config.checkpoint_size import DiskPeak, recipe_peak
+from megalaunch.config.checkpoint_size import DiskPeak, peak_lines, recipe_peak
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 from megalaunch.runtime.storage import Filesystem, filesystem_of, free_bytes, gb
@@ -121,9 +121,7 @@ class DiskBudget:
 
     def lines(self) -> list[str]:
         """What plan, submit and the dry run show."""
-        out = [f"checkpoint: {self.peak.checkpoint.describe()}",
-               f"disk peak: {self.peak.describe()}",
-               f"disk: {self.room()}: " + ("fits" if self.fits else "DOES NOT FIT")]
+        out = [*peak_lines(self.peak), f"disk: {self.room()}: " + ("fits" if self.fits else "DOES NOT FIT")]
         per_file = self.peak.checkpoint.total
         if self.fullest_target_free is not None and self.fullest_target_free < per_file:
             out.append(f"disk: the fullest storage target of {self.filesystem.mount} has "

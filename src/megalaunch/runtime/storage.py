@@ -63,7 +63,7 @@ def storage_error(error: BaseException) -> str | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        if isinstance(e, OSError) and e.errno is not None and e.errno in STORAGE_ERRNOS:
             where = f": {e.filename}" if e.filename else ""
             return f"[Errno {e.errno}] {os.strerror(e.errno)}{where}"
         found = storage_evidence(f"{type(e).__name__}: {e}")
