@@ -128,13 +128,18 @@ def storage_full(paths: RunPaths, job_id: str, outcome: dict[str, Any] | None) -
         evidence = str(outcome.get("reason") or "storage_full")
     if evidence is None:
         evidence = storage_evidence(_log_tail(paths.segment_log(job_id)))
-    if evidence is None:
-        return None
     peak = predicted_peak(paths)
     need = outcome.get("need_bytes") if isinstance(outcome.get("need_bytes"), (int, float)) else None
-    return StorageFull(evidence=evidence, filesystem=filesystem_of(paths.checkpoints),
-                       free_at_end=free_bytes(paths.checkpoints),
-                       checkpoint_bytes=need or (peak.checkpoint.total if peak else None), peak=peak)
+    need = need or (peak.checkpoint.total if peak else None)
+    free = free_bytes(paths.checkpoints)
+    if evidence is None and not outcome and not any(texts) and need and free < need:
+        # A full filesystem can keep the trainer from writing its outcome, error record and log at all
+        # (they live on it too): a failed segment on a filesystem with less room than one checkpoint.
+        evidence = f"{gb(free)} free, less than one checkpoint needs ({gb(need)}); the trainer left no reason"
+    if evidence is None:
+        return None
+    return StorageFull(evidence=evidence, filesystem=filesystem_of(paths.checkpoints), free_at_end=free,
+                       checkpoint_bytes=need, peak=peak)
 
 
 def storage_fix(paths: RunPaths) -> str:
