@@ -120,19 +120,28 @@ def _log_tail(path: Path) -> str:
 
 def storage_full(paths: RunPaths, job_id: str, outcome: dict[str, Any] | None) -> StorageFull | None:
     """Whether segment `job_id` failed on a full filesystem or quota: the trainer's outcome (its status,
-    or the reason of a failure), the ranks' own error records, or the end of the segment's log."""
-    outcome = outcome or {}
+    or the reason of a failure), the ranks' own error records, or the end of the segment's log. Never
+    raises: what cannot be read is no evidence (the chain's decision must not depend on it)."""
+    try:
+        return _storage_full(paths, job_id, outcome or {})
+    except (OSError, ValueError, TypeError, MegalaunchError):
+        return None
+
+
+def _storage_full(paths: RunPaths, job_id: str, outcome: dict[str, Any]) -> StorageFull | None:
     texts = [str(outcome.get("reason") or "")] + [str(r.get("reason") or "") for r in rank_errors(paths, job_id)]
     evidence = next((e for t in texts if (e := storage_evidence(t)) is not None), None)
     if evidence is None and outcome.get("status") == "storage_full":
         evidence = str(outcome.get("reason") or "storage_full")
     if evidence is None:
         evidence = storage_evidence(_log_tail(paths.segment_log(job_id)))
+    if evidence is None and (outcome or any(texts)):
+        return None  # the trainer said why, and it was not storage
     peak = predicted_peak(paths)
     need = outcome.get("need_bytes") if isinstance(outcome.get("need_bytes"), (int, float)) else None
     need = need or (peak.checkpoint.total if peak else None)
     free = free_bytes(paths.checkpoints)
-    if evidence is None and not outcome and not any(texts) and need and free < need:
+    if evidence is None and need and free < need:
         # A full filesystem can keep the trainer from writing its outcome, error record and log at all
         # (they live on it too): a failed segment on a filesystem with less room than one checkpoint.
         evidence = f"{gb(free)} free, less than one checkpoint needs ({gb(need)}); the trainer left no reason"
