@@ -269,7 +269,7 @@ def test_status_says_unknown_when_slurm_does_not_answer(tmp_path: Path, monkeypa
 
 def test_segment_end_deletes_the_save_it_left_unfinished(run, monkeypatch) -> None:
     """Issue 15: a save that failed (here: one rank's shard file empty) is gone once `job end` ran;
-    the complete checkpoint before it stays."""
+    the complete checkpoint before it stays. (Issue 23: on a full disk the chain then stops.)"""
     from megalaunch.rundir.files import read_jsonl
     from megalaunch.runtime.resume import checkpoint_iterations, iter_dir
 
@@ -280,7 +280,7 @@ def test_segment_end_deletes_the_save_it_left_unfinished(run, monkeypatch) -> No
         (iter_dir(paths, it) / "mp_rank_00" / "model_optim_rng.pt").write_bytes(data)
     _ckpt(paths, 40)
     _outcome(monkeypatch, paths, "1", "failed", reason="OSError: No space left on device")
-    assert chain.end("1", 1).proceed
+    assert not chain.end("1", 1).proceed  # storage_full: no retry can fix it
     assert checkpoint_iterations(paths) == [40]
     (ev,) = [r for r in read_jsonl(paths.ledger) if r["event"] == "incomplete_checkpoint_deleted"]
     assert ev["iteration"] == 50 and ev["job_id"] == "1"

@@ -25,6 +25,7 @@ def plan(
     cluster: ClusterOpt = None,
 ) -> None:
     """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute) by predicted tokens/s."""
+    from megalaunch.config.checkpoint_size import peak_lines, recipe_peak
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.plan import plan_recipe, recipe_text, set_lines, table
     from megalaunch.config.preflight import tokenizer_vocab_size
@@ -46,6 +47,8 @@ def plan(
     fitting = sum(c.fits for c in result.candidates)
     say(f"{loaded.recipe.name} on {result.nodes} x {result.gpus_per_node} {result.gpu.name} "
         f"({result.memory_gib:.0f} GiB each): {len(result.candidates)} layouts, {fitting} fit")
+    for line in peak_lines(recipe_peak(loaded.recipe, tokenizer_vocab_size(loaded.recipe))):
+        say(line.replace("checkpoint:", "checkpoint (any layout):", 1))
     for line in table(result.candidates, top):
         say(line)
     if result.best is not None:

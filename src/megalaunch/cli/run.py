@@ -34,15 +34,15 @@ def submit(
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.prepare import dry_run_text, prepare_submission, summary
+    from megalaunch.launcher.prepare import disk_lines, dry_run_text, prepare_submission, summary
 
-    prepared = prepare_submission(recipe, set_ or [], name=name, cluster=cluster,
+    prepared = prepare_submission(recipe, set_ or [], name=name, cluster=cluster, check_disk=not dry_run,
                                   backend=backend.value if backend else None, auto_requeue=not no_auto_requeue)
     if dry_run:
         say(dry_run_text(prepared))
         return
     r = prepared.recipe
-    say(summary(prepared))
+    say("\n".join([summary(prepared), *disk_lines(prepared)]))
     started = backend_for(r.cluster.backend).start(prepared, say)
     if started.job_id is None:
         say(f"done: {started.outcome}")

@@ -123,6 +123,7 @@ class CheckpointConfig:
     ckpt_format: Literal["torch_dist", "torch"] = doc("Megatron checkpoint format", "torch_dist")
     async_save: bool = doc("asynchronous checkpoint writes", False)
     keep_last: int = doc("regular checkpoints kept", 2)
+    disk_check: bool = doc("refuse a submit whose checkpoint peak exceeds the free space or quota", True)
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
     save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
     load: str | None = doc("start from this checkpoint directory (first segment only)", None, path="path")

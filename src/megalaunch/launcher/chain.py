@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
 from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, current_plan, expand_hostlist
+from megalaunch.launcher.storage import storage_fix, storage_full
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration
@@ -20,6 +21,7 @@ from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.rundir.trust import check_layout, check_path, tighten, verify_trusted
 from megalaunch.runtime.settings import RuntimeSettings
+from megalaunch.runtime.storage import free_bytes
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
 SUCCESSOR_RETRY_S = (5, 10, 20, 30, 45)  # `job end`'s waits before each retry of a successor Slurm refused
@@ -149,15 +151,23 @@ class Chain:
             reason = f"rank {err.get('rank')}: {err.get('reason')}"
         elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
+        full = storage_full(self.paths, job_id, outcome) if status in ("failed", "storage_full") else None
+        if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
+            status, fix = "storage_full", storage_fix(self.paths)
         new_ckpt = _advanced(start_iter, now)
         if status == "failed":
             self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
         elif status == "unhealthy_node":
             self._suspect_unhealthy(job_id, outcome or {})
         self._remove_failed_saves(job_id)
+        figures = {}
+        if full is not None:
+            free_now = free_bytes(self.paths.checkpoints)
+            reason, figures = full.reason(free_now), {"storage": full.record(free_now)}
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
-                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}))
+                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}),
+                           **figures)
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
         self._write_goodput()
@@ -170,6 +180,8 @@ class Chain:
         if status == "config_error":
             return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
                              fix=str(fix) if fix else "correct the recipe, then submit it again")
+        if status == "storage_full":
+            return self.stop(job_id, f"storage full, no retry can fix it: {reason}", fix=fix)
         if self.paths.cancel_requested.exists():
             return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested")
         if now is not None and now >= self.settings.train_iters:

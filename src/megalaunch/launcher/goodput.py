@@ -39,7 +39,7 @@ from megalaunch.runtime.timeline import STARTUP_PHASES
 
 STARTUP = tuple(name for name, _ in STARTUP_PHASES)
 COMPONENTS = (*STARTUP, "health_check", "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
-FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error"}
+FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error", "storage_full"}
 
 # Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins):
 # the GPU table (config/gpus.py) is the one place that knows GPUs.
@@ -236,8 +236,8 @@ def checkpoint_interval_hint(chain: dict[str, Any], step_s: float | None) -> dic
     segs = chain["segments"]
     saves = [float(e) - float(b) for s in segs for _, b, e in s["saves"]]
     save_s = _median(saves)
-    # a configuration error is not a failure rate of the machines: it does not count towards the MTBF
-    failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES - {"config_error"})
+    # a configuration error or a full disk is not a failure rate of the machines: not in the MTBF
+    failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES - {"config_error", "storage_full"})
     wall = chain["wall"]
     out: dict[str, Any] = {"save_s": save_s, "failures": failures, "wall_s": wall, "interval_s": None,
                            "interval_iters": None, "mtbf_s": None}

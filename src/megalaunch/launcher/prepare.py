@@ -3,6 +3,7 @@ directory next to the final one and rename it into place, so a failure leaves no
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import grp
 import hashlib
@@ -20,6 +21,7 @@ from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import Topology, eval_interval, preflight, recipe_tokenizer, signal_lead_s
 from megalaunch.config.schema import Recipe
+from megalaunch.config.storage import DiskBudget
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.explain import yaml_with_origins
@@ -48,6 +50,7 @@ class PreparedRun:
     files: dict[str, str]  # relative path -> content
     blend_sha256: str | None
     tokenizer: TokenizerSpec | None = None  # frozen into RUN/tokenizer/ (Megatron's --tokenizer-model)
+    budget: DiskBudget | None = None  # the checkpoints' disk budget (submit: prepare_submission)
 
     @property
     def recipe(self) -> Recipe:
@@ -310,9 +313,10 @@ def _snapshot_code(src: Path, dst: Path) -> None:
 
 
 def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cluster: str | None = None,
-                       backend: str | None = None, auto_requeue: bool = True) -> PreparedRun:
+                       backend: str | None = None, auto_requeue: bool = True, check_disk: bool = True) -> PreparedRun:
     """What `megalaunch submit` does before anything is written: load (with the command line's
-    overrides, which win over `--set`), preflight and render."""
+    overrides, which win over `--set`), preflight, render and the disk budget (refused when it does
+    not fit and `check_disk`; a dry run shows the verdict instead)."""
     from megalaunch.config.loader import load_recipe
 
     sets = list(sets)
@@ -320,7 +324,41 @@ def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cl
         sets.append(f"cluster.backend={backend}")
     if not auto_requeue:
         sets.append("chain.auto_requeue=false")
-    return prepare_run(load_recipe(ref, sets, name=name, cluster=cluster))
+    return with_disk_budget(prepare_run(load_recipe(ref, sets, name=name, cluster=cluster)), enforce=check_disk)
+
+
+def with_disk_budget(prepared: PreparedRun, *, enforce: bool = True) -> PreparedRun:
+    """The checkpoints' peak on disk against the free space and quota of the run root's filesystem
+    (config/storage.py); `enforce`: a PreflightError when it does not fit (checkpoint.disk_check)."""
+    from megalaunch.config.checkpoint_size import recipe_peak
+    from megalaunch.config.preflight import tokenizer_vocab_size
+    from megalaunch.config.storage import check_disk, disk_budget
+
+    recipe = prepared.recipe
+    if recipe.workload:  # a workload instead of Megatron: no checkpoints to budget
+        return prepared
+    vocab = tokenizer_vocab_size(recipe, prepared.tokenizer)
+    budget = disk_budget(recipe_peak(recipe, vocab), prepared.paths.checkpoints)
+    if enforce:
+        check_disk(recipe, budget, vocab)
+    return dataclasses.replace(prepared, budget=budget)
+
+
+def disk_lines(prepared: PreparedRun) -> list[str]:
+    """The checkpoint size, the peak on disk and the room for it; a dry run adds what submit would say."""
+    budget = prepared.budget
+    if budget is None:
+        return []
+    lines = budget.lines()
+    if not budget.fits and prepared.recipe.checkpoint.disk_check:
+        from megalaunch.config.preflight import tokenizer_vocab_size
+        from megalaunch.config.storage import check_disk
+
+        try:
+            check_disk(prepared.recipe, budget, tokenizer_vocab_size(prepared.recipe, prepared.tokenizer))
+        except PreflightError as e:
+            lines.append(f"disk: submit refuses this: {e}")
+    return lines
 
 
 def summary(prepared: PreparedRun) -> str:
@@ -335,7 +373,7 @@ def dry_run_text(prepared: PreparedRun) -> str:
     """What a submit would create: the run directory, the job script, Megatron's arguments."""
     import shlex
 
-    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}"]
+    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}", *disk_lines(prepared)]
     if prepared.tokenizer is not None:
         lines.append(f"{prepared.tokenizer.describe()} -> {prepared.paths.tokenizer}/")
     if "job.sbatch" in prepared.files:

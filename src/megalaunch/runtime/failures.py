@@ -6,7 +6,8 @@ a requested checkpoint that cannot be used) will fail the same way in every retr
 configuration error. Its outcome is `config_error`, and the chain stops after that one segment
 (launcher/chain.py). Transient failures (NCCL and other communication errors, CUDA out-of-memory,
 a lost node, a timeout) and anything after the first iteration stay plain failures that count
-against the crash-loop budget.
+against the crash-loop budget. A full filesystem or exhausted quota (runtime/storage.py) is neither:
+no retry fixes it and no node is to blame (outcome `storage_full`, the chain stops at once).
 
 The reason is readable: the exception's text and the source line that raised it (an `assert`
 without a message shows the asserted expression), plus a fix where one is known.
@@ -20,6 +21,10 @@ import re
 import traceback
 from dataclasses import dataclass
 
+from megalaunch.runtime.storage import STORAGE_FIX, storage_error
+
+STORAGE_PREFIX = "storage full: "
+
 # Exception classes whose cause is the configuration (when raised before the first iteration).
 DETERMINISTIC = ("AssertionError", "ValueError", "TypeError", "KeyError", "NotImplementedError",
                  "ImportError", "ModuleNotFoundError", "AttributeError", "IndexError")
@@ -30,7 +35,7 @@ MISSING_FILE = ("FileNotFoundError", "NotADirectoryError", "IsADirectoryError", 
 TRANSIENT_WORDS = re.compile(
     r"NCCL|nccl|CUDA error|CUDA out of memory|OutOfMemory|out of memory|cudaError|ECC|Xid|"
     r"Connection (refused|reset)|Broken pipe|timed out|Timeout|socket|gloo|DistBackendError|"
-    r"DistNetworkError|No space left|Input/output error|Stale file handle", re.I)
+    r"DistNetworkError|Input/output error|Stale file handle", re.I)
 TRANSIENT_CLASSES = ("OutOfMemoryError", "DistBackendError", "DistNetworkError", "DistStoreError",
                      "OSError", "IOError", "ConnectionError", "TimeoutError", "BrokenPipeError",
                      "MemoryError", "ChildProcessError", "KeyboardInterrupt")
@@ -50,6 +55,7 @@ class Failure:
     config: bool          # True: no retry can fix it (outcome config_error)
     reason: str           # one line: "AssertionError: text (megatron/x.py:12)"
     fix: str | None = None
+    storage: bool = False  # a full filesystem or quota (outcome storage_full): the reason starts with STORAGE_PREFIX
 
 
 # Known messages -> the fix, in recipe terms. First match wins; matched against "Class: text | source".
@@ -139,6 +145,9 @@ def classify(error: BaseException, *, started: bool) -> Failure:
     reason = describe(error)
     if isinstance(error, ConfigFailure):
         return Failure(True, reason, error.fix or known_fix(reason))
+    evidence = storage_error(error)
+    if evidence is not None:  # the evidence first: the launcher finds it in the outcome's reason
+        return Failure(False, f"{STORAGE_PREFIX}{evidence} ({reason})"[:600], STORAGE_FIX, storage=True)
     mro = {c.__name__ for c in type(error).__mro__}
     if mro & set(MISSING_FILE) and not TRANSIENT_WORDS.search(f"{error}"):
         return Failure(not started, reason, known_fix(reason) if not started else None)
