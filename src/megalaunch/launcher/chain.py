@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
@@ -137,12 +138,35 @@ class Chain:
         start_iter = started.get("checkpoint_iteration") if started else None
         now = self.paths.read_tracker()
         outcome = read_outcome(self.paths, job_id)
+        ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
+        status, reason, fix, figures = self._what_ended(job_id, outcome, ends, exit_code)
+        new_ckpt = _advanced(start_iter, now)
+        if status == "failed":
+            self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
+        elif status == "unhealthy_node":
+            self._suspect_unhealthy(job_id, outcome or {})
+        self._remove_failed_saves(job_id)
+        if status == "storage_full":  # the figures after the unfinished save was removed
+            full = figures.pop("_full")
+            free_now = free_bytes(self.paths.checkpoints)
+            reason, figures = full.reason(free_now), {"storage": full.record(free_now)}
+        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
+                           checkpoint_iteration=now, new_checkpoint=new_ckpt,
+                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}),
+                           **figures)
+        log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
+            + f", checkpoint iteration {now}")
+        self._write_goodput()
+        return self._after_end(job_id, status, reason, fix, now)
+
+    def _what_ended(self, job_id: str, outcome: dict[str, Any] | None, ends: list[TaskEnd],
+                    exit_code: int | None) -> tuple[str, Any, Any, dict[str, Any]]:
+        """The segment's status, reason and fix, from its outcome and what the ranks and the disk say."""
         status = outcome["status"] if outcome else "failed"
         reason = (outcome or {}).get("reason")
         fix = (outcome or {}).get("fix")
         if status == "failed" and (outcome or {}).get("kind") == "config":
             status = "config_error"  # an outcome written before the config_error status existed
-        ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
         if status in ("failed", "hung") and self.paths.cancel_requested.exists():
             status, reason = "cancelled", _cancelled_by(self.paths)  # a cancel is nobody's node fault
         elif status == "failed" and (err := config_error(self.paths, job_id)) is not None:
@@ -153,24 +177,11 @@ class Chain:
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         full = storage_full(self.paths, job_id, outcome) if status in ("failed", "storage_full") else None
         if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
-            status, fix = "storage_full", storage_fix(self.paths)
-        new_ckpt = _advanced(start_iter, now)
-        if status == "failed":
-            self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
-        elif status == "unhealthy_node":
-            self._suspect_unhealthy(job_id, outcome or {})
-        self._remove_failed_saves(job_id)
-        figures = {}
-        if full is not None:
-            free_now = free_bytes(self.paths.checkpoints)
-            reason, figures = full.reason(free_now), {"storage": full.record(free_now)}
-        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
-                           checkpoint_iteration=now, new_checkpoint=new_ckpt,
-                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}),
-                           **figures)
-        log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
-            + f", checkpoint iteration {now}")
-        self._write_goodput()
+            return "storage_full", reason, storage_fix(self.paths), {"_full": full}
+        return status, reason, fix, {}
+
+    def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
+        """Stop the chain, or let the queued successor resume."""
         if status == "finished":
             return self.stop(job_id, f"training reached its target (iteration {now})")
         if status in ("exited", "aborted"):
