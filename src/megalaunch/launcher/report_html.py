@@ -63,7 +63,9 @@ def render_html(data: dict[str, Any], figures: dict[str, Path]) -> str:
     segs = c["segments"]
     wall = c["wall"]
     state = ('<span class="badge running">in progress</span>' if data["running"] else
-             f'<span class="badge">stopped: {_e(data["stopped"].get("reason"))}</span>' if data["stopped"] else
+             f'<span class="badge">stopped: {_e(data["stopped"].get("reason"))}'
+             + (f'; fix: {_e(data["stopped"]["fix"])}' if data["stopped"].get("fix") else "") + "</span>"
+             if data["stopped"] else
              '<span class="badge">idle</span>')
     last_it = max([s["last_iteration"] for s in segs if s.get("last_iteration") is not None], default=None)
     out: list[str] = [
