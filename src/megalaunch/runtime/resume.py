@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,39 +97,53 @@ def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = 
         if request is not None:
             requested = int(request["iteration"])
     if requested is not None:
-        asked = (f"megalaunch resume --from {requested} (by {request.get('user', '?')})" if request is not None
-                 else f"--resume-from {requested}")
-        reason = incomplete_reason(iter_dir(paths, requested))
-        if reason is not None:
-            complete = [i for i in iterations if is_complete(paths, i)]
-            if request is not None:
-                settle_resume_request(paths, "refused", job_id)
-                event("resume_refused", iteration=requested, reason=reason, complete=complete,
-                      requested_by=request.get("user"))
-            raise ValueError(f"{asked}: checkpoint {requested} is not usable ({reason}); "
-                             f"complete ones: {complete or 'none'}")
-        for newer in (i for i in iterations if i > requested):
-            _move_aside(paths, newer, "abandoned", job_id)
-        plan.iteration = requested
-        event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested],
-              **({"requested_by": request.get("user"), "requested_at": request.get("time")} if request else {}))
-        if request is not None:
-            settle_resume_request(paths, "done", job_id)
+        plan.iteration = _plan_requested(paths, requested, request, iterations, job_id, event)
     else:
-        rejected: list[dict[str, Any]] = []
-        for candidate in reversed(iterations):
-            reason = incomplete_reason(iter_dir(paths, candidate))
-            if reason is None:
-                plan.iteration = candidate
-                break
-            rejected.append({"iteration": candidate, "reason": reason})
-        for r in rejected:
-            _move_aside(paths, r["iteration"], "incomplete", job_id)
-        newest = tracker if isinstance(tracker, int) else (iterations[-1] if iterations else None)
-        if rejected or tracker == "garbled" or (tracker is not None and tracker != plan.iteration):
-            event("resume_fallback", tracker=tracker, newest=newest, to=plan.iteration, rejected=rejected)
+        plan.iteration = _plan_newest(paths, tracker, iterations, job_id, event)
     _point_tracker(paths, plan.iteration)
     return plan
+
+
+def _plan_requested(paths: RunPaths, requested: int, request: dict[str, Any] | None, iterations: list[int],
+                    job_id: str | None, event: Callable[..., None]) -> int:
+    """`requested` if it is complete (newer checkpoints moved aside as abandoned); ValueError if not."""
+    asked = (f"megalaunch resume --from {requested} (by {request.get('user', '?')})" if request is not None
+             else f"--resume-from {requested}")
+    reason = incomplete_reason(iter_dir(paths, requested))
+    if reason is not None:
+        complete = [i for i in iterations if is_complete(paths, i)]
+        if request is not None:
+            settle_resume_request(paths, "refused", job_id)
+            event("resume_refused", iteration=requested, reason=reason, complete=complete,
+                  requested_by=request.get("user"))
+        raise ValueError(f"{asked}: checkpoint {requested} is not usable ({reason}); "
+                         f"complete ones: {complete or 'none'}")
+    for newer in (i for i in iterations if i > requested):
+        _move_aside(paths, newer, "abandoned", job_id)
+    event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested],
+          **({"requested_by": request.get("user"), "requested_at": request.get("time")} if request else {}))
+    if request is not None:
+        settle_resume_request(paths, "done", job_id)
+    return requested
+
+
+def _plan_newest(paths: RunPaths, tracker: int | str | None, iterations: list[int], job_id: str | None,
+                 event: Callable[..., None]) -> int | None:
+    """The newest complete checkpoint (newer incomplete ones moved aside), or None: from scratch."""
+    chosen: int | None = None
+    rejected: list[dict[str, Any]] = []
+    for candidate in reversed(iterations):
+        reason = incomplete_reason(iter_dir(paths, candidate))
+        if reason is None:
+            chosen = candidate
+            break
+        rejected.append({"iteration": candidate, "reason": reason})
+    for r in rejected:
+        _move_aside(paths, r["iteration"], "incomplete", job_id)
+    newest = tracker if isinstance(tracker, int) else (iterations[-1] if iterations else None)
+    if rejected or tracker == "garbled" or (tracker is not None and tracker != chosen):
+        event("resume_fallback", tracker=tracker, newest=newest, to=chosen, rejected=rejected)
+    return chosen
 
 
 def fall_back_from(paths: RunPaths, iteration: int, error: BaseException, job_id: str | None) -> int | None:
