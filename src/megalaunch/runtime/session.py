@@ -7,7 +7,9 @@
   health check, stragglers, W&B.
 
 Each room is built from its own slice of RuntimeSettings. `Session` implements the seams' and the step's
-protocols (runtime/hooks.py) by calling the rooms in a fixed order and holds nothing of its own."""
+protocols (runtime/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
+entry (runtime/train.py) hands the rooms what it makes later: the observer its watchdog, profiler and
+step timer, the checkpoints room its eval queue."""
 
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
 
 
+def decision_config(s: RuntimeSettings) -> DecisionConfig:
+    return DecisionConfig(trigger_interval=s.trigger_interval, train_iters=s.train_iters, stop_signal=s.stop_signal)
+
+
+def checkpoint_config(s: RuntimeSettings, resume_from: int | None) -> CheckpointConfig:
+    return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from)
+
+
 def observe_config(s: RuntimeSettings) -> ObserveConfig:
     return ObserveConfig(train_iters=s.train_iters, log_interval=s.log_interval, profile_window=s.profile_window,
                          health_check=s.health_check, health_check_margin=s.health_check_margin,
@@ -35,16 +45,11 @@ def observe_config(s: RuntimeSettings) -> ObserveConfig:
 
 class Session:
     def __init__(self, paths: RunPaths, settings: RuntimeSettings, flag: SignalFlag, *,
-                 rank: int, world: int, resume_from: int | None = None, evals: Any = None) -> None:
-        s = settings
+                 rank: int, world: int, resume_from: int | None = None) -> None:
         self.ctx = RankContext(paths, rank, world, current_job_id())
-        self.observe = Observer(self.ctx, observe_config(s))
-        self.decisions = Decisions(self.ctx, DecisionConfig(trigger_interval=s.trigger_interval,
-                                                            train_iters=s.train_iters, stop_signal=s.stop_signal),
-                                   flag, self.observe.timeline)
-        self.checkpoints = Checkpoints(self.ctx, CheckpointConfig(keep_last=s.keep_last,
-                                                                  milestone_interval=s.milestone_interval,
-                                                                  resume_from=resume_from), evals)
+        self.observe = Observer(self.ctx, observe_config(settings))
+        self.decisions = Decisions(self.ctx, decision_config(settings), flag, self.observe.timeline)
+        self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
         self.faults = FaultHooks.from_env(rank)
 
     # --- what the entry reads -----------------------------------------------------------------------------
