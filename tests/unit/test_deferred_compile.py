@@ -1,4 +1,4 @@
-"""runtime/megatron_seams.deferred_compile: Megatron's import-time `torch.compile` decorations compile
+"""runtime/megatron_patches.deferred_compile: Megatron's import-time `torch.compile` decorations compile
 on first call instead of importing TorchDynamo/Inductor at import (docs/goodput.md, start-up)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megalaunch.runtime.megatron_seams import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
+from megalaunch.runtime.megatron_patches import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
 
 PROBE = r"""
 import json, sys, torch
-from megalaunch.runtime import megatron_seams
-megatron_seams.import_megatron()
+from megalaunch.runtime import megatron_patches
+megatron_patches.import_megatron()
 import megatron.core.jit as jit
 from megatron.core.fusions import fused_bias_gelu
 out = {"dynamo_after_import": "torch._dynamo" in sys.modules,
@@ -78,9 +78,9 @@ def test_modules_are_compiled_at_once() -> None:
 
 NULL_TOKENIZER = r"""
 import argparse, json, sys
-from megalaunch.runtime import megatron_seams
-megatron_seams.import_megatron()
-megatron_seams.null_tokenizer_without_transformers()
+from megalaunch.runtime import megatron_patches
+megatron_patches.import_megatron()
+megatron_patches.null_tokenizer_without_transformers()
 from megatron.training import global_vars
 class Args(argparse.Namespace):  # Megatron's other tokenizer arguments at their defaults (None)
     def __getattr__(self, name):

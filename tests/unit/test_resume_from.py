@@ -28,7 +28,7 @@ from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request, requested_iteration, write_resume_request
-from megalaunch.runtime import resume
+from megalaunch.runtime import completeness, resume
 
 TRAIN_ITERS = 40
 
@@ -293,7 +293,7 @@ def test_light_check_reads_the_shard_names_of_a_real_checkpoint(tmp_path: Path) 
     d = tmp_path / "iter_0000010"
     dcp.save({"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(16)}, checkpoint_id=str(d), no_dist=True)
     (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    assert resume._dcp_shard_names(d / ".metadata") == set(resume._dcp_extents(d / ".metadata")) != set()
+    assert completeness._dcp_shard_names(d / ".metadata") == set(completeness._dcp_extents(d / ".metadata")) != set()
     assert resume.incomplete_reason(d, full=False) is None and resume.incomplete_reason(d) is None
     shard = next(d.glob("*.distcp"))
     with open(shard, "r+b") as f:

@@ -1,10 +1,12 @@
-"""The training entry's bookkeeping, without Megatron: decisions acted on (log, ledger, consumed
-triggers), the verdict that becomes outcome.json, the Megatron argument list, rank environment."""
+"""The training entry's bookkeeping, without Megatron, through its Session (runtime/session.py): decisions
+acted on (log, ledger, consumed triggers), the verdict that becomes outcome.json, saves and loads as
+progress shows them, the Megatron argument list, rank environment."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,47 +15,56 @@ from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, TriggerBox
 from megalaunch.runtime.dist_env import export_rank_env
+from megalaunch.runtime.fault_hooks import parse_hang
+from megalaunch.runtime.session import Session
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
 from megalaunch.runtime.step import megatron_argv
-from megalaunch.runtime.train import Session, _parse_hang
 
 
-@pytest.fixture
-def session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Session:
+def _session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> Iterator[Session]:
     monkeypatch.setenv("MEGALAUNCH_JOB_ID", "42")
     paths = RunPaths(tmp_path)
     for d in (paths.triggers, paths.state, paths.checkpoints):
         d.mkdir(parents=True, exist_ok=True)
     flag = SignalFlag()
-    yield Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=0, world=2)
+    yield Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=rank, world=2)
     flag.restore()
 
 
+@pytest.fixture
+def session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Session]:
+    yield from _session(tmp_path, monkeypatch, rank=0)
+
+
+@pytest.fixture
+def rank1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Session]:
+    yield from _session(tmp_path, monkeypatch, rank=1)
+
+
 def test_acted_logs_consumes_and_records(session: Session, capsys: pytest.CaptureFixture[str]) -> None:
-    (session.paths.triggers / "exit").write_text(json.dumps({"user": "ada", "reason": "done"}))
-    (session.paths.triggers / "save").write_text("{}")
+    (session.ctx.paths.triggers / "exit").write_text(json.dumps({"user": "ada", "reason": "done"}))
+    (session.ctx.paths.triggers / "save").write_text("{}")
     session.acted(Decision.EXIT, 37)
     assert "[megalaunch rank 0] decision exit at iteration 37" in capsys.readouterr().out
-    assert {(r["verb"], r["consumed_iteration"], r["consumed_by_job"]) for r in TriggerBox(session.paths).consumed()} == {
+    assert {(r["verb"], r["consumed_iteration"], r["consumed_by_job"]) for r in TriggerBox(session.ctx.paths).consumed()} == {
         ("exit", 37, "42"), ("save", 37, "42")}
-    (rec,) = read_jsonl(session.paths.ledger)
+    (rec,) = read_jsonl(session.ctx.paths.ledger)
     assert (rec["event"], rec["decision"], rec["iteration"], rec["job_id"]) == ("decision", "exit", 37, "42")
     assert sorted(rec["triggers"]) == ["exit", "save"]
 
 
 def test_signal_also_satisfies_a_pending_save(session: Session) -> None:
-    (session.paths.triggers / "save").write_text("{}")
+    (session.ctx.paths.triggers / "save").write_text("{}")
     session.acted(Decision.SIGNAL, 5)
-    assert [r["verb"] for r in TriggerBox(session.paths).consumed()] == ["save"]
+    assert [r["verb"] for r in TriggerBox(session.ctx.paths).consumed()] == ["save"]
 
 
-def test_other_ranks_only_log(session: Session, capsys: pytest.CaptureFixture[str]) -> None:
-    session.rank = 1
-    (session.paths.triggers / "abort").write_text("{}")
-    session.acted(Decision.ABORT, 9)
+def test_other_ranks_only_log(rank1: Session, capsys: pytest.CaptureFixture[str]) -> None:
+    (rank1.ctx.paths.triggers / "abort").write_text("{}")
+    rank1.acted(Decision.ABORT, 9)
     assert "[megalaunch rank 1] decision abort at iteration 9" in capsys.readouterr().out
-    assert (session.paths.triggers / "abort").exists() and not session.paths.ledger.exists()
+    assert (rank1.ctx.paths.triggers / "abort").exists() and not rank1.ctx.paths.ledger.exists()
 
 
 @pytest.mark.parametrize(("decision", "iteration", "early", "status"), [
@@ -66,14 +77,15 @@ def test_other_ranks_only_log(session: Session, capsys: pytest.CaptureFixture[st
     (Decision.CONTINUE, 0, False, "failed"),
 ])
 def test_verdict(session: Session, decision: Decision, iteration: int, early: bool, status: str) -> None:
-    session.decision, session.decision_iteration, session.iteration = decision, iteration, iteration
+    session.decisions.decision, session.decisions.decision_iteration = decision, iteration
+    session.observe.iteration = iteration
     assert session.verdict(exited_early=early)[0] == status
 
 
 def test_parse_hang() -> None:
-    assert _parse_hang(None, 0) is None
-    assert _parse_hang("4", 0) == 4 and _parse_hang("4", 1) is None
-    assert _parse_hang("4:1", 1) == 4 and _parse_hang("4:1", 0) is None
+    assert parse_hang(None, 0) is None
+    assert parse_hang("4", 0) == 4 and parse_hang("4", 1) is None
+    assert parse_hang("4:1", 1) == 4 and parse_hang("4:1", 0) is None
 
 
 def test_megatron_argv_is_the_rendered_file_verbatim(tmp_path: Path) -> None:
@@ -107,24 +119,24 @@ def test_rank_env_from_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_save_between_two_log_intervals_moves_progress_up_to_the_checkpoint(session: Session) -> None:
     from megalaunch.rundir.state import read_progress, write_progress
 
-    write_progress(session.paths, iteration=170, consumed_samples=1360, loss=2.5, tokens_per_s=900.0)
-    session.before_save(173)  # a save on the signal at 173, between the reports at 170 and 180
+    write_progress(session.ctx.paths, iteration=170, consumed_samples=1360, loss=2.5, tokens_per_s=900.0)
+    assert session.before_save(173, "stop")  # a save on the signal at 173, between the reports at 170 and 180
     session.after_save(173)
-    progress = read_progress(session.paths)
+    progress = read_progress(session.ctx.paths)
     assert progress["iteration"] == 173 and progress["job_id"] == "42"
     assert progress["loss"] == 2.5 and progress["tokens_per_s"] == 900.0  # the last measured values
-    write_progress(session.paths, iteration=180, consumed_samples=1440, loss=2.4)
-    session.before_save(180)
+    write_progress(session.ctx.paths, iteration=180, consumed_samples=1440, loss=2.4)
+    assert session.before_save(180, "periodic")
     session.after_save(180)
-    assert read_progress(session.paths)["consumed_samples"] == 1440  # not lagging: left as it is
+    assert read_progress(session.ctx.paths)["consumed_samples"] == 1440  # not lagging: left as it is
 
 
 def test_a_resumed_segment_starts_its_progress_at_the_checkpoint_it_loaded(session: Session) -> None:
     from megalaunch.rundir.state import read_progress, write_progress
 
-    write_progress(session.paths, iteration=400, consumed_samples=3200, loss=2.0)  # before `resume --from 200`
+    write_progress(session.ctx.paths, iteration=400, consumed_samples=3200, loss=2.0)  # before `resume --from 200`
     session.loaded(200, 1600)
-    progress = read_progress(session.paths)
+    progress = read_progress(session.ctx.paths)
     assert (progress["iteration"], progress["consumed_samples"], progress["loss"]) == (200, 1600, None)
 
 
@@ -135,6 +147,7 @@ def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, 
 
     from megalaunch.launcher.goodput import chain_goodput
     from megalaunch.rundir.files import read_json
+    from megalaunch.runtime.wandb_run import segment_start
 
     (tmp_path / "c").mkdir()
     paths = build_chain(tmp_path / "c")
@@ -150,8 +163,8 @@ def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, 
     try:
         s = Session(paths, RuntimeSettings(train_iters=100, save_interval=10), flag, rank=0, world=1)
         for phase in ("setup_done", "model_build_start", "load_start", "load_end", "data_end", "first_iteration_end"):
-            s.timeline.mark(phase)
-        got = s._wandb_segment_start()
+            s.observe.phase(phase)
+        got = segment_start(paths, s.observe.timeline.data["phases"], s.ctx.job_id)
     finally:
         flag.restore()
     assert got["chain/goodput"] == written["goodput"] and got["chain/wall_s"] == written["wall_s"]

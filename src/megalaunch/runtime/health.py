@@ -217,7 +217,7 @@ def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -
     import torch
     import torch.distributed as dist
 
-    from megalaunch.runtime.megatron_seams import collective_device
+    from megalaunch.runtime.collectives import collective_device
 
     device = collective_device() if dist.is_initialized() else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")

@@ -1,10 +1,6 @@
 """Which checkpoint to resume from, and which ones to keep.
 
-Only complete checkpoints are trusted. A `torch_dist` checkpoint is complete when Megatron's
-`metadata.json` and torch.distributed.checkpoint's `.metadata` (written last, when every rank has
-finished) exist and parse, and every shard file that `.metadata` refers to exists and is long enough for the byte ranges it
-lists (a truncated or missing shard fails this). A legacy `torch` checkpoint is complete when each
-`mp_rank_*` directory holds a non-empty `model_optim_rng.pt`.
+Only complete checkpoints are trusted (`incomplete_reason`, runtime/completeness.py says what complete is).
 
 Rank 0 plans; the others follow the plan through a broadcast. Checkpoints that cannot be used are
 renamed (`iter_0000200.incomplete-<job>`, `.unreadable-<job>`, `.abandoned-<job>`), and every such
@@ -21,6 +17,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from typing import Any
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request, settle_resume_request
+from megalaunch.runtime.completeness import incomplete_reason
 
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 INCOMPLETE_RE = re.compile(r"^iter_(\d{7})\.incomplete-[^/]+$")  # moved aside by `plan_resume`
@@ -57,100 +55,6 @@ def read_tracker(paths: RunPaths) -> int | str | None:
     if text.isdigit():
         return int(text)
     return "garbled"
-
-
-def incomplete_reason(directory: Path, *, full: bool = True) -> str | None:
-    """None when the checkpoint in `directory` is complete, else why not (one line).
-
-    `full=False` is the login node's check, without torch (`megalaunch resume --from`): it reads
-    `.metadata` as a pickle stream without loading it, so it sees which shard files it names and that
-    they are there and not empty, but not how many bytes each must hold; the job checks that."""
-    if not directory.is_dir():
-        return "missing"
-    if (directory / "metadata.json").exists() or (directory / ".metadata").exists():
-        return _torch_dist_incomplete(directory, full=full)
-    shards = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
-    if shards:
-        empty = [s for s in shards if s.stat().st_size == 0]
-        return f"empty {empty[0].relative_to(directory)}" if empty else None
-    return "no metadata.json, .metadata or mp_rank_*/model_optim_rng.pt"
-
-
-def _torch_dist_incomplete(directory: Path, *, full: bool = True) -> str | None:
-    for name in ("metadata.json", ".metadata", "common.pt"):
-        path = directory / name
-        if not path.exists():
-            if name == "common.pt":  # older Megatron versions only; 0.19 keeps it in the shards
-                continue
-            return f"missing {name}"
-        if path.stat().st_size == 0:
-            return f"empty {name}"
-    try:
-        import json
-
-        json.loads((directory / "metadata.json").read_text())
-    except (ValueError, OSError) as e:
-        return f"unreadable metadata.json ({e})"
-    if not full:
-        return _shards_missing(directory)
-    try:
-        needed = _dcp_extents(directory / ".metadata")
-    except Exception as e:  # a pickle that fails to load is the same as a missing one
-        return f"unreadable .metadata ({type(e).__name__}: {e})"
-    for rel, end in sorted(needed.items()):
-        path = directory / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return f"missing shard {rel}"
-        if size < end:
-            return f"truncated shard {rel} ({size} < {end} bytes)"
-    return None
-
-
-def _shards_missing(directory: Path) -> str | None:
-    """Without torch: the shard files `.metadata` names exist and are not empty."""
-    try:
-        names = _dcp_shard_names(directory / ".metadata")
-    except Exception as e:  # a truncated or garbled pickle stream
-        return f"unreadable .metadata ({type(e).__name__}: {e})"
-    if not names:  # a layout this reader does not know: at least the shard files must be there
-        names = {p.name for p in directory.glob("*.distcp")}
-        if not names:
-            return "no shard file (*.distcp)"
-    for rel in sorted(names):
-        try:
-            size = (directory / rel).stat().st_size
-        except FileNotFoundError:
-            return f"missing shard {rel}"
-        if size == 0:
-            return f"empty shard {rel}"
-    return None
-
-
-def _dcp_shard_names(metadata_file: Path) -> set[str]:
-    """The shard files (`*.distcp`) torch.distributed.checkpoint's `.metadata` names, read from the
-    pickle's opcodes without running it (no torch needed; nothing in the file is executed)."""
-    import pickletools
-
-    with open(metadata_file, "rb") as f:
-        data = f.read()
-    return {arg for _, arg, _ in pickletools.genops(data)
-            if isinstance(arg, str) and arg.endswith(".distcp") and not arg.startswith("/")
-            and ".." not in arg.split("/")}
-
-
-def _dcp_extents(metadata_file: Path) -> dict[str, int]:
-    """Shard file -> bytes it must hold, from torch.distributed.checkpoint's `.metadata`."""
-    import pickle
-
-    with open(metadata_file, "rb") as f:
-        meta = pickle.load(f)
-    extents: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        end = int(info.offset) + int(info.length)
-        extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
-    return extents
 
 
 def is_complete(paths: RunPaths, iteration: int) -> bool:
@@ -193,39 +97,53 @@ def plan_resume(paths: RunPaths, *, job_id: str | None, requested: int | None = 
         if request is not None:
             requested = int(request["iteration"])
     if requested is not None:
-        asked = (f"megalaunch resume --from {requested} (by {request.get('user', '?')})" if request is not None
-                 else f"--resume-from {requested}")
-        reason = incomplete_reason(iter_dir(paths, requested))
-        if reason is not None:
-            complete = [i for i in iterations if is_complete(paths, i)]
-            if request is not None:
-                settle_resume_request(paths, "refused", job_id)
-                event("resume_refused", iteration=requested, reason=reason, complete=complete,
-                      requested_by=request.get("user"))
-            raise ValueError(f"{asked}: checkpoint {requested} is not usable ({reason}); "
-                             f"complete ones: {complete or 'none'}")
-        for newer in (i for i in iterations if i > requested):
-            _move_aside(paths, newer, "abandoned", job_id)
-        plan.iteration = requested
-        event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested],
-              **({"requested_by": request.get("user"), "requested_at": request.get("time")} if request else {}))
-        if request is not None:
-            settle_resume_request(paths, "done", job_id)
+        plan.iteration = _plan_requested(paths, requested, request, iterations, job_id, event)
     else:
-        rejected: list[dict[str, Any]] = []
-        for candidate in reversed(iterations):
-            reason = incomplete_reason(iter_dir(paths, candidate))
-            if reason is None:
-                plan.iteration = candidate
-                break
-            rejected.append({"iteration": candidate, "reason": reason})
-        for r in rejected:
-            _move_aside(paths, r["iteration"], "incomplete", job_id)
-        newest = tracker if isinstance(tracker, int) else (iterations[-1] if iterations else None)
-        if rejected or tracker == "garbled" or (tracker is not None and tracker != plan.iteration):
-            event("resume_fallback", tracker=tracker, newest=newest, to=plan.iteration, rejected=rejected)
+        plan.iteration = _plan_newest(paths, tracker, iterations, job_id, event)
     _point_tracker(paths, plan.iteration)
     return plan
+
+
+def _plan_requested(paths: RunPaths, requested: int, request: dict[str, Any] | None, iterations: list[int],
+                    job_id: str | None, event: Callable[..., None]) -> int:
+    """`requested` if it is complete (newer checkpoints moved aside as abandoned); ValueError if not."""
+    asked = (f"megalaunch resume --from {requested} (by {request.get('user', '?')})" if request is not None
+             else f"--resume-from {requested}")
+    reason = incomplete_reason(iter_dir(paths, requested))
+    if reason is not None:
+        complete = [i for i in iterations if is_complete(paths, i)]
+        if request is not None:
+            settle_resume_request(paths, "refused", job_id)
+            event("resume_refused", iteration=requested, reason=reason, complete=complete,
+                  requested_by=request.get("user"))
+        raise ValueError(f"{asked}: checkpoint {requested} is not usable ({reason}); "
+                         f"complete ones: {complete or 'none'}")
+    for newer in (i for i in iterations if i > requested):
+        _move_aside(paths, newer, "abandoned", job_id)
+    event("resume_from", iteration=requested, abandoned=[i for i in iterations if i > requested],
+          **({"requested_by": request.get("user"), "requested_at": request.get("time")} if request else {}))
+    if request is not None:
+        settle_resume_request(paths, "done", job_id)
+    return requested
+
+
+def _plan_newest(paths: RunPaths, tracker: int | str | None, iterations: list[int], job_id: str | None,
+                 event: Callable[..., None]) -> int | None:
+    """The newest complete checkpoint (newer incomplete ones moved aside), or None: from scratch."""
+    chosen: int | None = None
+    rejected: list[dict[str, Any]] = []
+    for candidate in reversed(iterations):
+        reason = incomplete_reason(iter_dir(paths, candidate))
+        if reason is None:
+            chosen = candidate
+            break
+        rejected.append({"iteration": candidate, "reason": reason})
+    for r in rejected:
+        _move_aside(paths, r["iteration"], "incomplete", job_id)
+    newest = tracker if isinstance(tracker, int) else (iterations[-1] if iterations else None)
+    if rejected or tracker == "garbled" or (tracker is not None and tracker != chosen):
+        event("resume_fallback", tracker=tracker, newest=newest, to=chosen, rejected=rejected)
+    return chosen
 
 
 def fall_back_from(paths: RunPaths, iteration: int, error: BaseException, job_id: str | None) -> int | None:

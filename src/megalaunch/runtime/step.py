@@ -1,17 +1,15 @@
 """Megatron's side of one training step, as `megatron.training.pretrain` calls it: the argument list
 (read verbatim from RUN/megatron.args), GPTDataset over the frozen blend, the batch, the loss, the
-forward step (with the trainer's hang test hook), and the call into Megatron's loop."""
+forward step (with the trainer's step hooks, runtime/hooks.StepHooks), and the call into Megatron's loop."""
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megalaunch.rundir.files import read_args_file
 from megalaunch.rundir.paths import RunPaths
-
-if TYPE_CHECKING:  # pragma: no cover
-    from megalaunch.runtime.train import Session
+from megalaunch.runtime.hooks import StepHooks
 
 
 def megatron_argv(paths: RunPaths) -> list[str]:
@@ -86,7 +84,7 @@ def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, A
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def make_forward_step(session: Session | None) -> Any:
+def make_forward_step(session: StepHooks | None) -> Any:
     from functools import partial
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
@@ -102,7 +100,7 @@ def make_forward_step(session: Session | None) -> Any:
     return forward_step
 
 
-def run_pretrain(argv: list[str], *, attention: str, session: Session | None) -> None:
+def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None) -> None:
     """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain`."""
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -125,15 +123,15 @@ def run_pretrain(argv: list[str], *, attention: str, session: Session | None) ->
              model_provider=provide_model)
 
 
-def _timed(fn: Any, session: Session, phase: str) -> Any:
+def _timed(fn: Any, session: StepHooks, phase: str) -> Any:
     """`fn` marking `<phase>_start` / `<phase>_end` on the segment's timeline (the first call's)."""
     import functools
 
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
-        session.timeline.mark(f"{phase}_start")
+        session.phase(f"{phase}_start")
         result = fn(*args, **kwargs)
-        session.timeline.mark(f"{phase}_end")
+        session.phase(f"{phase}_end")
         return result
 
     timed.__dict__.update(getattr(fn, "__dict__", {}))  # e.g. dataset_provider.is_distributed

@@ -35,7 +35,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.heartbeat import Heartbeat
 
 # Start-up, in order: each component ends at its phase (`launch` begins at `job begin`). The goodput
-# accounting (launcher/goodput.py) and the trainer's W&B summary (runtime/train.py) both cut here.
+# accounting (launcher/goodput.py) and the trainer's W&B summary (runtime/wandb_run.py) both cut here.
 STARTUP_PHASES = (("launch", "process_start"), ("imports", "setup_done"), ("init", "model_build_start"),
                   ("model_build", "load_start"), ("checkpoint_load", "load_end"), ("data_setup", "data_end"))
 

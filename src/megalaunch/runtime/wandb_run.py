@@ -90,6 +90,29 @@ class WandbRun:
             print(f"[megalaunch] W&B finish failed: {e}", flush=True)
 
 
+def segment_start(paths: RunPaths, phases: dict[str, float], job_id: str | None) -> dict[str, Any]:
+    """At a segment's first log step: its start-up phases (the timeline's `phases`), and the chain's
+    goodput up to the previous segment (state/goodput.json, written by `job end`)."""
+    from megalaunch.rundir.ledger import Ledger, segment_numbers
+    from megalaunch.runtime.timeline import STARTUP_PHASES
+
+    # the trainer does not know `job begin`: no launch; the first iteration is added
+    cuts = [*STARTUP_PHASES[1:], ("first_iteration", "first_iteration_end")]
+    # this segment's number as `status`, `logs --segment` and `report` show it
+    out: dict[str, Any] = {"segment/index": segment_numbers(Ledger(paths).segments()).get(str(job_id))}
+    for (_, a), (name, b) in zip([("", "process_start"), *cuts[:-1]], cuts, strict=True):
+        if a in phases and b in phases:
+            out[f"segment/{name}_s"] = phases[b] - phases[a]
+    if "process_start" in phases and "first_iteration_end" in phases:
+        out["segment/startup_s"] = phases["first_iteration_end"] - phases["process_start"]
+    chain = read_json(paths.goodput)
+    if isinstance(chain, dict) and chain.get("goodput") is not None:
+        out["chain/goodput"] = chain["goodput"]
+        out["chain/wall_s"] = chain.get("wall_s")
+        out.update({f"chain/{k}_s": v for k, v in (chain.get("totals_s") or {}).items()})
+    return out
+
+
 def log_eval(paths: RunPaths, *, metrics: dict[str, Any], project: str, entity: str | None, mode: str) -> str:
     """An eval stage's results into the chain's W&B run (the id in state/wandb.json; created if no
     segment logged yet), on axes of their own: every `eval/*` metric is plotted against

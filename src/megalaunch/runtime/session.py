@@ -1,0 +1,117 @@
+"""One segment of training on one rank: the three rooms the Megatron seams report into, composed.
+
+- `decisions` (runtime/decisions.py): the stop signal and the triggers folded into one decision,
+  the same on every rank; what it asks of the loop; the segment's verdict.
+- `checkpoints` (runtime/checkpoints.py): the checkpoint to load, every save's hooks, retention.
+- `observe` (runtime/observe.py): timeline and heartbeat, watchdog beats, progress and metrics, the
+  health check, stragglers, W&B.
+
+Each room is built from its own slice of RuntimeSettings. `Session` implements the seams' and the step's
+protocols (runtime/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
+entry (runtime/train.py) hands the rooms what it makes later: the observer its watchdog, profiler and
+step timer, the checkpoints room its eval queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.state import current_job_id
+from megalaunch.runtime.checkpoints import CheckpointConfig, Checkpoints
+from megalaunch.runtime.context import RankContext
+from megalaunch.runtime.decisions import DecisionConfig, Decisions
+from megalaunch.runtime.fault_hooks import FaultHooks
+from megalaunch.runtime.hooks import SaveKind
+from megalaunch.runtime.observe import ObserveConfig, Observer
+from megalaunch.runtime.settings import RuntimeSettings
+from megalaunch.runtime.signals import SignalFlag
+
+
+def decision_config(s: RuntimeSettings) -> DecisionConfig:
+    return DecisionConfig(trigger_interval=s.trigger_interval, train_iters=s.train_iters, stop_signal=s.stop_signal)
+
+
+def checkpoint_config(s: RuntimeSettings, resume_from: int | None) -> CheckpointConfig:
+    return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from)
+
+
+def observe_config(s: RuntimeSettings) -> ObserveConfig:
+    return ObserveConfig(train_iters=s.train_iters, log_interval=s.log_interval, profile_window=s.profile_window,
+                         health_check=s.health_check, health_check_margin=s.health_check_margin,
+                         node_health_dir=s.node_health_dir, straggler_threshold=s.straggler_threshold,
+                         run_name=s.run_name, wandb_project=s.wandb_project, wandb_entity=s.wandb_entity,
+                         wandb_mode=s.wandb_mode)
+
+
+class Session:
+    def __init__(self, paths: RunPaths, settings: RuntimeSettings, flag: SignalFlag, *,
+                 rank: int, world: int, resume_from: int | None = None) -> None:
+        self.ctx = RankContext(paths, rank, world, current_job_id())
+        self.observe = Observer(self.ctx, observe_config(settings))
+        self.decisions = Decisions(self.ctx, decision_config(settings), flag, self.observe.timeline)
+        self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
+        self.faults = FaultHooks.from_env(rank)
+
+    # --- what the entry reads -----------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return self.observe.iteration
+
+    def verdict(self, exited_early: bool) -> tuple[str, str | None]:
+        return self.decisions.verdict(self.observe.iteration, exited_early=exited_early)
+
+    # --- the seams' hooks (runtime/hooks.LoopHooks) -------------------------------------------------------
+    def phase(self, name: str) -> None:
+        self.observe.phase(name)
+
+    def distributed_ready(self) -> None:
+        self.observe.distributed_ready()
+
+    def decide(self, iteration: int) -> int:
+        return self.decisions.decide(iteration)
+
+    def acted(self, decision: int, iteration: int) -> None:
+        self.decisions.acted(decision, iteration)
+
+    def before_save(self, iteration: int, kind: SaveKind) -> bool:
+        if not self.checkpoints.before_save(iteration, kind):
+            return False
+        self.observe.save_started(iteration)
+        return True
+
+    def after_save(self, iteration: int) -> None:
+        elapsed = self.checkpoints.save_finished()
+        self.observe.save_finished(iteration, elapsed)
+        self.checkpoints.after_save(iteration, elapsed)
+        # the save's interval on the timeline includes retention: deleting an old checkpoint blocks too
+        self.observe.save_recorded(iteration, self.checkpoints.save_span())
+
+    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
+        self.observe.on_log(iteration, loss, lr, grad_norm)
+
+    def on_iteration(self, iteration: int, flops_so_far: float) -> None:
+        self.observe.iteration_ended(iteration)
+        self.faults.pace()  # test hook: a slow step, before the watchdog's beat and the decision
+        self.observe.report(iteration, flops_so_far)
+
+    def choose_checkpoint(self) -> int | None:
+        self.observe.phase("load_start")
+        return self.checkpoints.choose()
+
+    def load_failed(self, iteration: int, error: BaseException) -> int | None:
+        return self.checkpoints.load_failed(iteration, error)
+
+    def loaded(self, iteration: int, consumed_samples: int) -> None:
+        self.observe.loaded(iteration, consumed_samples)
+        self.checkpoints.loaded(iteration, consumed_samples)
+
+    # --- the step's hooks (runtime/hooks.StepHooks) --------------------------------------------------------
+    def maybe_hang(self) -> None:
+        self.faults.maybe_hang(self.observe.iteration, self.ctx)
+
+    def forward_begin(self) -> None:
+        self.observe.forward_begin()
+        self.faults.slow_forward()
+
+    def forward_end(self) -> None:
+        self.observe.forward_end()
