@@ -47,25 +47,6 @@ LONG_FUNCTIONS_ALLOWED: dict[str, str] = {
         "the local backend's one poll loop; each branch plays one Slurm behaviour (bad exit, cancel, signal, limit, hang)",
 }
 
-# ---- TEMPORARY: being removed on other branches; the lead empties these lists after merging them. ----
-# runtime/ is being split on another branch (issue #24): its long functions and files wait for that.
-LONG_RUNTIME_FUNCTIONS_TO_SPLIT: dict[str, str] = {
-    "megalaunch.runtime.resume:plan_resume": "TEMPORARY: runtime/ is being split on another branch",
-    "megalaunch.runtime.train:run_session": "TEMPORARY: runtime/ is being split on another branch",
-}
-# Files over FILE_LINES that this branch may not edit (runtime/ and config/ change on other branches).
-LONG_FILES_TO_SPLIT: dict[str, str] = {
-    "megalaunch/runtime/train.py": "TEMPORARY: runtime/ is being split on another branch",
-    "megalaunch/runtime/megatron_seams.py": "TEMPORARY: runtime/ is being split on another branch",
-    "megalaunch/runtime/resume.py": "TEMPORARY: runtime/ is being split on another branch",
-    "megalaunch/config/preflight.py": "TEMPORARY: config/ is being edited on another branch; split it after",
-    "megalaunch/config/schema.py": "TEMPORARY: config/ is being edited on another branch; split it after",
-}
-# Import circles, by their modules: step.py imports train.Session for its annotations only.
-KNOWN_CIRCLES_TO_REMOVE: list[tuple[str, ...]] = [
-    ("megalaunch.runtime.step", "megalaunch.runtime.train"),  # TEMPORARY: removed on another branch
-]
-# ---- end of the temporary lists ----
 
 
 def _sources(src: Path = SRC) -> list[Path]:
@@ -242,28 +223,24 @@ def test_the_ground_floor_imports_only_the_error_types() -> None:
 def test_no_import_circles() -> None:
     """Annotation-only (`if TYPE_CHECKING:`) and function-level imports count: a circle of annotations
     is still two modules that cannot be understood one without the other."""
-    problems = circle_problems(_this_graph(), KNOWN_CIRCLES_TO_REMOVE)
+    problems = circle_problems(_this_graph(), [])  # no circle is allowed
     assert problems == [], "\n".join(problems)
 
 
 def test_source_files_are_short() -> None:
-    problems = length_problems(file_lengths(), FILE_LINES, LONG_FILES_TO_SPLIT, "to be long")
+    problems = length_problems(file_lengths(), FILE_LINES, {}, "to be long")  # no file may be
     assert problems == [], "\n".join(problems)
 
 
 def test_functions_are_short() -> None:
-    allowed = {**LONG_FUNCTIONS_ALLOWED, **LONG_RUNTIME_FUNCTIONS_TO_SPLIT}
-    problems = length_problems(function_lengths(), FUNCTION_LINES, allowed, "to be long")
+    problems = length_problems(function_lengths(), FUNCTION_LINES, LONG_FUNCTIONS_ALLOWED, "to be long")
     assert problems == [], "\n".join(problems)
 
 
 def test_every_allowance_says_why_in_one_line() -> None:
-    for table in (LONG_FUNCTIONS_ALLOWED, LONG_RUNTIME_FUNCTIONS_TO_SPLIT, LONG_FILES_TO_SPLIT):
-        for name, why in table.items():
-            assert why.strip() and "\n" not in why, name
+    for name, why in LONG_FUNCTIONS_ALLOWED.items():
+        assert why.strip() and "\n" not in why, name
     assert all(":" in name for name in LONG_FUNCTIONS_ALLOWED)
-    assert all(name.startswith("megalaunch.runtime.") for name in LONG_RUNTIME_FUNCTIONS_TO_SPLIT)
-    assert not any(name.startswith("megalaunch.runtime.") for name in LONG_FUNCTIONS_ALLOWED)
 
 
 # ------------------------------------------------------------------------------------------ the checks' own tests

@@ -134,7 +134,7 @@ def test_shipped_recipe_names_the_array_after_its_input(tok, tmp_path):
     (["/a/w", "/a/c", "/a/m", "/a/b"], "w+c+2-more"), (["/data/my web $(x)"], "my-web-x"), (["/"], "tokenize"),
 ])
 def test_name_from_inputs_is_sbatch_safe(roots, name):
-    from megalaunch.config.preflight import SBATCH_SAFE
+    from megalaunch.config.values import SBATCH_SAFE
     from megalaunch.tokenization.recipe import name_from_inputs
 
     assert name_from_inputs(roots) == name

@@ -56,7 +56,7 @@ def submit(
 ) -> None:
     """Submit every dump that is not done (a throttled job array; or run them here with --backend local).
     Submitting again resumes: finished tasks are skipped through datatrove's completion markers."""
-    from megalaunch.config.schema import BACKENDS
+    from megalaunch.config.cluster import BACKENDS
     from megalaunch.errors import ConfigError
     from megalaunch.rundir.tokenize import TokenizeRun
     from megalaunch.tokenization.submit import submit as submit_run

@@ -10,7 +10,7 @@ from typing import Any
 
 import jinja2
 
-from megalaunch.config.preflight import SBATCH_SAFE
+from megalaunch.config.values import SBATCH_SAFE
 from megalaunch.errors import ConfigError
 
 

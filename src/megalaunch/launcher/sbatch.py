@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalaunch.config.schema import ClusterConfig
+from megalaunch.config.cluster import ClusterConfig
 from megalaunch.errors import ConfigError
 
 # Options megalaunch sets itself; `cluster.sbatch_extra` may not name them.
@@ -36,7 +36,7 @@ class JobHeader:
     log_from: str = "the run directory"  # what the user set that the log path derives from (for errors)
 
     def __post_init__(self) -> None:
-        from megalaunch.config.preflight import SBATCH_SAFE
+        from megalaunch.config.values import SBATCH_SAFE
 
         if not SBATCH_SAFE.match(self.log):
             directory = self.log.rsplit("/logs/", 1)[0]

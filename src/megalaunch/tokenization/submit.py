@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megalaunch.config.schema import BACKENDS
+from megalaunch.config.cluster import BACKENDS
 from megalaunch.errors import PreflightError, RunDirError
 from megalaunch.launcher.local import pid_alive
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
