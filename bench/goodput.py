@@ -44,7 +44,7 @@ SETS = ["training.attention=sdpa", "model.seq_length=2048", "training.micro_batc
 def start_chain(variant: str, out: Path, devices: str, gpus: int, time_limit: str, port: int,
                 recipe: str, extra: list[str], profile: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONPATH": str(REPO / "src")}
-    if profile:  # cProfile of every rank up to its first iteration (runtime/train.py StartupProfile)
+    if profile:  # cProfile of every rank up to its first iteration (runtime/startup_profile.py)
         env["MEGALAUNCH_PROFILE_STARTUP"] = str(out / f"profile-{variant}")
     if variant == "before":  # megalaunch's start-up and exit fixes off
         env["MEGALAUNCH_FAST_EXIT"] = "0"
