@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import re
+import statistics
 import subprocess
 import sys
 import threading
