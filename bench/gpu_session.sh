@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh eval               # the 1B model's milestone eval (~3-4 min): docs/eval.md
 #   bash bench/gpu_session.sh speed              # 4 GPUs: SDPA kernels, speed flags, 8B MFU (~6 min)
 #   bash bench/gpu_session.sh plan               # 4 GPUs: the planner's 8B ranking, trained (~8 min)
+#   bash bench/gpu_session.sh storage            # the 1B chain on the disk: peak, saves, bandwidth (~8 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -98,12 +99,20 @@ stage_plan() {  # issue 13: the planner's ranking of the whole 8B on this node, 
   tar -czf "$OUT/plan_logs.tgz" -C "$WORK" --exclude runs plan 2>/dev/null || true
 }
 
+stage_storage() {  # issue 23: the 1B chain on this machine's disk with the shipped keep_last: 2
+  rm -rf "$WORK/storage"
+  # shellcheck disable=SC2086
+  "$PY" bench/storage_chain.py --out "$OUT/storage" --root "$WORK/storage" ${STORAGE_ARGS:-} 2>&1 \
+    | tee "$OUT/storage.txt" | grep -vE "^\s+\[" | tail -n 80
+  tar -czf "$OUT/storage_logs.tgz" -C "$WORK/storage" --exclude checkpoints . 2>/dev/null || true
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.
