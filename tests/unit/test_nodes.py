@@ -140,6 +140,21 @@ def test_local_backend_runs_record_suspects_but_exclude_nothing(tmp_path, monkey
     assert sched.excluded == {}
 
 
+def test_a_segment_killed_at_its_time_limit_blames_no_node(tmp_path, monkeypatch) -> None:
+    """The local backend's timer killed the segment at the limit (a stop save slower than the lead, as
+    measured on an H100 with a 17 GB checkpoint): `timeout`, with the fix, never a suspect node."""
+    paths = make_run(tmp_path, "cluster.backend=local")
+    chain = Chain(paths, RecordingScheduler())
+    assert chain.begin("local-1").proceed
+    task(paths, "local-1", 0, "vm", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    append_jsonl(paths.ledger, {"event": "time_limit_reached", "job_id": "local-1", "time": 2.0})
+    chain.end("local-1", 1)
+    (ended,) = events(paths, "ended")
+    assert ended["outcome"] == "timeout" and "did not finish within the signal lead" in ended["reason"]
+    assert "checkpoint.save_time_estimate_s" in ended["fix"]
+    assert events(paths, "node_suspected") == []
+
+
 @pytest.mark.parametrize(("text", "names"), [
     ("node[1-3,5]", ["node1", "node2", "node3", "node5"]), ("gpu07,cpu[01-02]", ["gpu07", "cpu01", "cpu02"]),
     ("node1", ["node1"]), ("", []), ("a[08-10]-ib", ["a08-ib", "a09-ib", "a10-ib"]),

@@ -13,7 +13,14 @@ from typing import Any
 
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
-from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, current_plan, expand_hostlist
+from megalaunch.launcher.nodes import (
+    ExclusionPlan,
+    NodeHealth,
+    attribute,
+    current_plan,
+    expand_hostlist,
+    health_evidence,
+)
 from megalaunch.launcher.storage import storage_fix, storage_full
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -173,12 +180,19 @@ class Chain:
             # a rank failed on the configuration and took the segment down before rank 0 could say so
             status, fix = "config_error", err.get("fix")
             reason = f"rank {err.get('rank')}: {err.get('reason')}"
+        elif status == "failed" and self._hit_time_limit(job_id):  # killed at the limit: no node's fault
+            status = "timeout"
+            reason = "killed at the time limit: the stop save did not finish within the signal lead"
+            fix = f"megalaunch resume {self.paths.root} --set checkpoint.save_time_estimate_s=S (S: the slowest save)"
         elif status == "failed":
             reason = failure_reason(ends[0] if ends else None, reason, exit_code)
         full = storage_full(self.paths, job_id, outcome) if status in ("failed", "storage_full") else None
         if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
             return "storage_full", reason, storage_fix(self.paths), {"_full": full}
         return status, reason, fix, {}
+
+    def _hit_time_limit(self, job_id: str) -> bool:
+        return any(e["event"] == "time_limit_reached" and str(e.get("job_id")) == job_id for e in self.ledger.events())
 
     def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
         """Stop the chain, or let the queued successor resume."""
@@ -362,17 +376,6 @@ def _cancelled_by(paths: RunPaths) -> str:
     except (OSError, IndexError):
         return "cancelled"
     return f"cancelled by {who}"
-
-
-def health_evidence(rank: dict[str, object], check: dict[str, object]) -> str:
-    """One rank's health-check figures against the reference, as the node-health ledger keeps them."""
-    if rank.get("error"):
-        return f"rank {rank.get('rank')} failed: {rank.get('error')}"
-    ref = check.get("reference_tflops")
-    tf = rank.get("tflops")
-    ratio = f" ({tf / ref:.0%} of the reference {ref:.3g})" if isinstance(tf, (int, float)) and \
-        isinstance(ref, (int, float)) and ref > 0 else ""
-    return f"rank {rank.get('rank')} matmul {tf} TFLOP/s{ratio}"
 
 
 def _who(record: dict[str, object]) -> str:

@@ -108,6 +108,7 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
             _send(procs, signal.SIGTERM)
             kill_at = limit + KILL_WAIT_S
             echo(f"segment {job_id}: time limit reached, sent SIGTERM")
+            Ledger(paths).append("time_limit_reached", job_id=job_id)  # what ends it now is no node's fault
         if kill_at is not None and elapsed >= kill_at:
             _send(procs, signal.SIGKILL)
         if hang_kill_at is None and not killed:

@@ -227,3 +227,14 @@ def _duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds / 60:.0f} min"
     return f"{seconds:.0f} s"
+
+
+def health_evidence(rank: dict[str, object], check: dict[str, object]) -> str:
+    """One rank's health-check figures against the reference, as the node-health ledger keeps them."""
+    if rank.get("error"):
+        return f"rank {rank.get('rank')} failed: {rank.get('error')}"
+    ref = check.get("reference_tflops")
+    tf = rank.get("tflops")
+    ratio = f" ({tf / ref:.0%} of the reference {ref:.3g})" if isinstance(tf, (int, float)) and \
+        isinstance(ref, (int, float)) and ref > 0 else ""
+    return f"rank {rank.get('rank')} matmul {tf} TFLOP/s{ratio}"

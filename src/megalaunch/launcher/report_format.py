@@ -30,6 +30,7 @@ OUTCOME_COLOURS = {
     "finished": "#2ca02c", "saved": "#1f77b4", "exited": "#555555", "aborted": "#ff7f0e",
     "failed": "#d62728", "hung": "#d62728", "killed": "#d62728", "config_error": "#d62728",
     "unhealthy_node": "#8c564b", "running": "#9467bd", "storage_full": "#d62728", "cancelled": "#7f7f7f",
+    "timeout": "#d62728",
 }
 SEGMENT_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf")
