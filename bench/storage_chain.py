@@ -107,8 +107,9 @@ def summarize(paths: Any, sampler: Sampler, wall: float, keep_last: int, gbs: in
     for s in segments:
         tl = read_json(paths.timeline(s["job_id"])) or {}
         saves += [end - begin for _, begin, end in tl.get("saves", [])]
-        if tl.get("load_start") and tl.get("load_end") and (tl.get("load_end") - tl.get("load_start")) > 0.5:
-            loads.append(tl["load_end"] - tl["load_start"])
+        ph = tl.get("phases") or {}
+        if s["outcome"] and ph.get("load_start") and ph.get("load_end") and tl.get("start_iteration"):
+            loads.append(ph["load_end"] - ph["load_start"])  # segments that resumed from a checkpoint
     last = paths.read_tracker()
     ckpt = paths.checkpoints / f"iter_{last:07d}" if last else None
     nbytes = dir_bytes(ckpt) if ckpt is not None and ckpt.is_dir() else None
