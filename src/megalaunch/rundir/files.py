@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megalaunch.errors import RunDirError
+
 
 def _process_umask() -> int:
     """The umask, read without changing it (os.umask(0) would race with other threads)."""
@@ -67,6 +69,11 @@ def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+class UnsafeTeamFile(RunDirError, OSError):
+    """A team file that is not a plain file (a member's link or FIFO): not written. An OSError too, so the
+    callers that already go on after a failed write (the chain, the health check) go on after this one."""
+
+
 def append_team_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """`append_jsonl` for a file every member of the group appends to (the node-health ledger, the health
     check's recorded figures). A missing directory is created 3770 (setgid, group-writable, sticky: nobody
@@ -75,8 +82,6 @@ def append_team_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> N
     file is opened without following links and without blocking, and written only if it is a regular
     file with a single name (docs/security.md)."""
     import stat
-
-    from megalaunch.errors import RunDirError
 
     directory = os.path.dirname(os.fspath(path)) or "."
     if not os.path.isdir(directory):
@@ -87,12 +92,12 @@ def append_team_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> N
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o660)
     except OSError as e:
-        raise RunDirError(f"{path} cannot be appended to safely ({e.strerror}): a link or a FIFO in the team's "
+        raise UnsafeTeamFile(f"{path} cannot be appended to safely ({e.strerror}): a link or a FIFO in the team's "
                           "directory", fix=f"remove {path}; it is recreated") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            raise RunDirError(f"{path} is not a regular file with one name: not written",
+            raise UnsafeTeamFile(f"{path} is not a regular file with one name: not written",
                               fix=f"remove {path}; it is recreated")
         if st.st_size == 0:
             os.fchmod(fd, 0o660)
