@@ -169,7 +169,7 @@ class SpaceCheck:
         """'filesystem tmpfs (/x, tmpfs), 0.3 MB free, 1.9 MB needed' (+ where the figure comes from)."""
         basis = (f"the size of checkpoint {self.measured_on}" if self.measured_on is not None
                  else "the predicted checkpoint size")
-        return describe(directory, self.need or 0, free=self.free, fix=None) + f" ({basis} + {MARGIN:.0%})"
+        return describe(directory, self.need or 0, free=self.free, fix=None) + f" ({basis}; a {MARGIN:.0%} margin more is asked)"
 
 
 def check_space(directory: Path, need: tuple[int | None, int | None], *, stop: bool,
