@@ -131,7 +131,7 @@ def test_eval_script_is_quoted_and_valid_bash(tmp_path: Path) -> None:
 
 def test_queue_is_idempotent_and_retention_keeps_pending_evals(tmp_path: Path) -> None:
     from megalaunch.runtime.eval_queue import EvalQueue
-    from megalaunch.runtime.resume import prune
+    from megalaunch.runtime.retention import prune
 
     paths = RunPaths(tmp_path / "run")
     paths.state.mkdir(parents=True)
@@ -153,7 +153,7 @@ def test_queue_is_idempotent_and_retention_keeps_pending_evals(tmp_path: Path) -
         (d / ".metadata").write_text("")
         (d / "common.pt").write_text("")
     paths.tracker.write_text("200")
-    prune(paths, keep_last=1, protect=pending_iterations(paths))
+    prune(paths, keep_last=1, eval_pending=pending_iterations(paths))
     remaining = sorted(p.name for p in paths.checkpoints.glob("iter_*"))
     assert "iter_0000100" in remaining
 

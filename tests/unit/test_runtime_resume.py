@@ -9,7 +9,7 @@ import pytest
 
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime import resume
+from megalaunch.runtime import resume, retention
 
 
 @pytest.fixture
@@ -125,12 +125,13 @@ def test_fall_back_from_unloadable_checkpoint(paths: RunPaths) -> None:
 
 
 def test_retention_keeps_last_milestones_and_protected(paths: RunPaths) -> None:
-    for i in (10, 20, 30, 40, 50):
+    """keep_last 2 counts 50 and 70; the milestones 20, 40, 60 are kept besides them, and so is 10 (protected)."""
+    for i in (10, 20, 30, 40, 50, 60, 70):
         legacy_checkpoint(paths, i)
-    legacy_checkpoint(paths, 60, empty=True, tracker=False)  # an asynchronous save still writing
-    deleted = resume.prune(paths, keep_last=2, milestone_interval=20, protect={10}, job_id="4")
+    legacy_checkpoint(paths, 80, empty=True, tracker=False)  # an asynchronous save still writing
+    deleted = retention.prune(paths, keep_last=2, milestone_interval=20, protect={10}, job_id="4")
     assert deleted == [30]
-    assert resume.checkpoint_iterations(paths) == [10, 20, 40, 50, 60]
+    assert resume.checkpoint_iterations(paths) == [10, 20, 40, 50, 60, 70, 80]
     assert [e["iteration"] for e in events(paths, "checkpoint_deleted")] == [30]
     assert not list(paths.checkpoints.glob(".deleting-*"))
 
@@ -138,8 +139,8 @@ def test_retention_keeps_last_milestones_and_protected(paths: RunPaths) -> None:
 def test_retention_deletes_crashed_leftovers_but_never_the_only_checkpoint(paths: RunPaths) -> None:
     legacy_checkpoint(paths, 10, empty=True, tracker=False)  # a save that crashed
     legacy_checkpoint(paths, 20)
-    assert resume.prune(paths, keep_last=1) == [10]
-    assert resume.prune(paths, keep_last=1) == []
+    assert retention.prune(paths, keep_last=1) == [10]
+    assert retention.prune(paths, keep_last=1) == []
     assert resume.checkpoint_iterations(paths) == [20]
 
 
@@ -165,7 +166,7 @@ def test_retention_deletes_incomplete_saves_moved_aside(paths: RunPaths) -> None
     dist_checkpoint(paths, 30)
     writing = resume.iter_dir(paths, 40)
     writing.mkdir()  # an asynchronous save in progress
-    assert resume.prune(paths, keep_last=2, job_id="8") == []
+    assert retention.prune(paths, keep_last=2, job_id="8") == []
     assert not aside.exists() and not list(paths.checkpoints.glob(".deleting-*"))
     assert sorted(p.name for p in paths.checkpoints.iterdir() if p.is_dir()) == [
         "iter_0000005.abandoned-3", "iter_0000006.unreadable-4", "iter_0000010", "iter_0000030", "iter_0000040"]

@@ -109,19 +109,24 @@ def _legacy(paths: RunPaths, iteration: int) -> None:
     paths.tracker.write_text(f"{iteration}\n")
 
 
-def test_after_a_save_retention_keeps_the_checkpoint_the_segment_resumed_from(
+def test_after_a_save_the_checkpoint_resumed_from_goes_once_a_newer_one_is_complete(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """keep_last 1: the segment resumed from 20; once 40 is complete, 20 is an old checkpoint like any other."""
     paths = RunPaths(tmp_path)
     paths.state.mkdir(parents=True)
-    for i in (10, 20, 30, 40):
+    for i in (10, 20):
         _legacy(paths, i)
     room = Checkpoints(RankContext(paths, 0, 1, "9"), CheckpointConfig(keep_last=1))
     room.resumed_from = 20
+    room.loaded(20, 160)  # segment start: retention, the loaded one kept
+    assert resume.checkpoint_iterations(paths) == [20]
+    _legacy(paths, 40)
     assert room.before_save(40, "periodic")
     room.after_save(40, room.save_finished())
-    assert resume.checkpoint_iterations(paths) == [20, 40] and len(room.save_times) == 1
-    assert "retention: deleted checkpoints [10, 30]" in capsys.readouterr().out
-    assert [e["iteration"] for e in read_jsonl(paths.ledger) if e["event"] == "checkpoint_deleted"] == [10, 30]
+    assert resume.checkpoint_iterations(paths) == [40] and len(room.save_times) == 1
+    out = capsys.readouterr().out
+    assert "retention: deleted checkpoints [10]" in out and "retention: deleted checkpoints [20]" in out
+    assert [e["iteration"] for e in read_jsonl(paths.ledger) if e["event"] == "checkpoint_deleted"] == [10, 20]
 
 
 def test_other_ranks_leave_retention_to_rank_0(tmp_path: Path) -> None:

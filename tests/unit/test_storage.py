@@ -97,15 +97,16 @@ def test_tiny_prediction_matches_the_measured_saves(dist: bool, world: int) -> N
 # --- the peak on disk ----------------------------------------------------------------------------------
 
 def _simulate(train_iters: int, save_interval: int, keep_last: int, milestone_interval: int) -> tuple[int, int]:
-    """runtime/resume.prune's rule, save by save: the most checkpoints at once (+ the one being written)."""
+    """runtime/retention.keep's rule, save by save: the most checkpoints at once (+ the one being written)."""
+    from megalaunch.runtime.retention import keep
+
     complete: list[int] = []
     peak = 0
     for it in [*range(save_interval, train_iters, save_interval), train_iters]:
         peak = max(peak, len(complete) + 1)  # writing `it`
         complete.append(it)
-        if keep_last >= 1:
-            kept = set(complete[-keep_last:]) | {i for i in complete if milestone_interval and i % milestone_interval == 0}
-            complete = [i for i in complete if i in kept]
+        doomed = keep(complete, complete, keep_last=keep_last, milestone_interval=milestone_interval).doomed
+        complete = [i for i in complete if i not in doomed]
     return peak, 0
 
 

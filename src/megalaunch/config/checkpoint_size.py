@@ -23,9 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megalaunch.config.memory import ModelShape
 from megalaunch.config.schema import Recipe
+from megalaunch.errors import MegalaunchError
+
+if TYPE_CHECKING:
+    from megalaunch.config.tokenizer import TokenizerSpec
 
 # torch_dist framing, measured (tiny recipe, torch 2.14, megatron-core 0.19.2):
 ITEM_BYTES = 1577  # torch.save's zip framing around each tensor item in a .distcp file
@@ -149,18 +154,15 @@ def save_iterations(train_iters: int, save_interval: int) -> list[int]:
 
 def peak_counts(*, train_iters: int, save_interval: int, keep_last: int,
                 milestone_interval: int) -> tuple[int, int]:
-    """(regular checkpoints incl. the one being written, milestones beyond them) at the last save."""
+    """(regular checkpoints incl. the one being written, milestones) at the last save, where the peak is
+    (runtime/retention.keep: milestones are kept and not counted in `keep_last`)."""
     s = max(save_interval, 1)
     n_before = len(range(s, train_iters, s))  # complete saves before the last one
     if keep_last < 1:
         return n_before + 1, 0
-    window = min(keep_last, n_before)
-    if milestone_interval <= 0:
-        return window + 1, 0
-    step = math.lcm(s, milestone_interval)  # a milestone is kept only if it was saved
-    last_before = (train_iters - 1) // s * s
-    in_window = sum(1 for j in range(window) if (last_before - j * s) % step == 0)
-    return window + 1, (train_iters - 1) // step - in_window
+    # a milestone is kept only if it was saved
+    milestones = (train_iters - 1) // math.lcm(s, milestone_interval) if milestone_interval > 0 else 0
+    return min(keep_last, n_before - milestones) + 1, milestones
 
 
 def disk_peak(checkpoint: CheckpointSize, shape: ModelShape, *, train_iters: int, save_interval: int,
@@ -194,6 +196,19 @@ def recipe_peak(recipe: Recipe, vocab_size: int | None) -> DiskPeak:
     return disk_peak(size, shape, train_iters=recipe.training.train_iters, save_interval=c.save_interval,
                      keep_last=c.keep_last, milestone_interval=c.milestone_interval,
                      eval_interval=eval_interval(recipe), keep_hf=recipe.eval.keep_hf)
+
+
+def recipe_checkpoint_bytes(recipe: Recipe, tokenizer: TokenizerSpec | None = None) -> int | None:
+    """One checkpoint's bytes for the job's check before a save (RuntimeSettings.checkpoint_bytes);
+    None for a workload run or a model whose size cannot be told."""
+    from megalaunch.config.preflight import tokenizer_vocab_size
+
+    if recipe.workload:
+        return None
+    try:
+        return int(recipe_peak(recipe, tokenizer_vocab_size(recipe, tokenizer)).checkpoint.total)
+    except (MegalaunchError, ValueError, OSError):
+        return None
 
 
 def peak_lines(peak: DiskPeak) -> list[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch import __version__
+from megalaunch.config.checkpoint_size import recipe_checkpoint_bytes
 from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import Topology, eval_interval, preflight, recipe_tokenizer, signal_lead_s
@@ -91,7 +92,7 @@ def task_supervisor(recipe: Recipe) -> list[str]:
     return [home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
 
 
-def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSettings:
+def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: TokenizerSpec | None = None) -> RuntimeSettings:
     return RuntimeSettings(
         train_iters=recipe.training.train_iters, save_interval=recipe.checkpoint.save_interval,
         log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
@@ -114,6 +115,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSe
         eval_interval=eval_interval(recipe),
         eval_submit=eval_submit_command(recipe, paths) if paths is not None and recipe.cluster.traits.job_script
         else None,
+        checkpoint_bytes=recipe_checkpoint_bytes(recipe, tokenizer),
     )
 
 
@@ -175,10 +177,11 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
     run_yaml = (f"# Resolved recipe of run {chain_name} (megalaunch {__version__}, {created}).\n"
                 "# Comments say which file or flag set each value; unmarked values are defaults.\n"
                 + yaml_with_origins(resolved, loaded.origin))
+    tokenizer = recipe_tokenizer(recipe)
     files = {
         "run.yaml": run_yaml,
         "megatron.args": args_file_text(megatron_args(recipe, paths)),
-        "runtime.json": runtime_settings(recipe, paths).to_json(),
+        "runtime.json": runtime_settings(recipe, paths, tokenizer).to_json(),
     }
     if recipe.cluster.traits.job_script:
         files["job.sbatch"] = render("train.sbatch.j2", **script_context(recipe, paths, chain_name,
@@ -187,7 +190,7 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
         files["data_blend.txt"] = blend.text
     return PreparedRun(loaded=loaded, paths=paths, chain_name=chain_name, topology=topo, files=files,
                        blend_sha256=blend.sha256 if blend is not None else None,
-                       tokenizer=recipe_tokenizer(recipe))
+                       tokenizer=tokenizer)
 
 
 def _group_id(group: str | None) -> int | None:

@@ -99,7 +99,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "health": _health_lines(events),
         "stragglers": _straggler_lines(events),
         "resume": resume_summary(paths, events),
-        "storage": checkpoint_usage(paths, recipe),
+        "storage": checkpoint_usage(paths, recipe, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
 

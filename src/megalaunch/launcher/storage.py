@@ -59,17 +59,42 @@ def disk_usage(directory: Path) -> int:
     return total
 
 
-def checkpoint_usage(paths: RunPaths, recipe: Recipe | None = None) -> dict[str, Any]:
-    """The checkpoints on disk (count, du of checkpoints/) beside the predicted size and peak."""
+def checkpoint_usage(paths: RunPaths, recipe: Recipe | None = None,
+                     events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The checkpoints on disk (count, du of checkpoints/, why each is kept) beside the predicted size
+    and peak, and the latest save the job skipped for want of space (`events`: the ledger's)."""
     from megalaunch.runtime.resume import checkpoint_iterations
 
     iterations = checkpoint_iterations(paths)
     peak = predicted_peak(paths, recipe)
     fs = filesystem_of(paths.checkpoints)
+    skipped = [e for e in events or [] if e.get("event") == "save_skipped"]
     return {"count": len(iterations), "iterations": iterations, "bytes": disk_usage(paths.checkpoints),
             "predicted_bytes": peak.checkpoint.total if peak else None, "peak_bytes": peak.total if peak else None,
             "peak": peak.describe() if peak else None, "filesystem": fs.describe(),
-            "free_bytes": free_bytes(paths.checkpoints)}
+            "free_bytes": free_bytes(paths.checkpoints), "kept": kept_checkpoints(paths, iterations),
+            "last_skipped": skipped[-1] if skipped else None, "fix": storage_fix(paths)}
+
+
+def kept_checkpoints(paths: RunPaths, iterations: list[int]) -> dict[str, Any] | None:
+    """Why each checkpoint on disk is there (runtime/retention.keep, the rule the job applies): kept by
+    `keep_last`, milestones, waiting for an evaluation, and the rest (being written, or unfinished)."""
+    from megalaunch.rundir.evals import pending_iterations
+    from megalaunch.runtime.completeness import incomplete_reason
+    from megalaunch.runtime.resume import iter_dir
+    from megalaunch.runtime.retention import keep
+    from megalaunch.runtime.settings import RuntimeSettings
+
+    try:
+        settings = RuntimeSettings.load(paths)
+        complete = [i for i in iterations if incomplete_reason(iter_dir(paths, i), full=False) is None]
+        kept = keep(iterations, complete, keep_last=settings.keep_last, milestone_interval=settings.milestone_interval,
+                    eval_pending=pending_iterations(paths))
+    except (OSError, ValueError, TypeError):
+        return None
+    named = {*kept.last, *kept.milestones, *kept.waiting_eval}
+    return {"keep_last_setting": settings.keep_last, "keep_last": kept.last, "milestones": kept.milestones,
+            "waiting_eval": kept.waiting_eval, "other": [i for i in iterations if i not in named]}
 
 
 def format_usage(usage: dict[str, Any] | None) -> list[str]:
@@ -81,7 +106,24 @@ def format_usage(usage: dict[str, Any] | None) -> list[str]:
         f", {gb(usage['bytes'])} (du)"
     if usage.get("predicted_bytes"):
         line += f"; predicted {gb(usage['predicted_bytes'])} each, peak {usage['peak']}"
-    return [line, f"  disk: {usage['filesystem']}: {gb(usage['free_bytes'])} free"]
+    lines = [line]
+    kept = usage.get("kept")
+    if kept and its:
+        setting = kept["keep_last_setting"]
+        parts = [f"{len(kept['keep_last'])} by keep_last {setting}" if setting >= 1 else
+                 f"{len(kept['keep_last'])} (keep_last {setting}: every one)"]
+        parts += [f"{len(kept[k])} {what} ({', '.join(map(str, kept[k][-4:]))})" for k, what in
+                  (("milestones", "milestones"), ("waiting_eval", "waiting for an evaluation"),
+                   ("other", "being written or unfinished")) if kept[k]]
+        lines.append("  kept: " + ", ".join(parts))
+    lines.append(f"  disk: {usage['filesystem']}: {gb(usage['free_bytes'])} free")
+    skip = usage.get("last_skipped")
+    if skip:
+        lines.append(f"  warning: the {skip.get('kind')} save at iteration {skip.get('iteration')} was skipped "
+                     f"(job {skip.get('job_id')}): filesystem {skip.get('filesystem')} ({skip.get('mount')}) had "
+                     f"{gb(skip.get('free_bytes') or 0)} free, {gb(skip.get('need_bytes') or 0)} needed; "
+                     f"fix: {usage.get('fix') or STORAGE_FIX}")
+    return lines
 
 
 # --- job end: a segment that failed on a full filesystem ---------------------------------------------

@@ -9,7 +9,8 @@ from typing import Any
 from megalaunch.rundir.files import atomic_write_json, read_json
 from megalaunch.rundir.paths import RunPaths
 
-OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "config_error", "hung", "unhealthy_node")
+OUTCOMES = ("finished", "saved", "exited", "aborted", "failed", "config_error", "hung", "unhealthy_node",
+            "storage_full")
 
 
 def current_job_id() -> str | None:

@@ -4,11 +4,16 @@ deletes) are runtime/resume.py's; this room applies them at the loop's fixed poi
 
 - `choose` (collective): rank 0 plans the resume (moving unusable checkpoints aside), every rank gets
   the same iteration; `load_failed` (collective) falls back once to an older complete checkpoint.
-- `before_save(iteration, kind)`: every save passes here first and may be skipped (False); today every
-  save goes ahead. A storage check (free space before a save) belongs here.
+- `loaded`: once every rank has loaded, rank 0 applies retention (segment start).
+- `before_save(iteration, kind)` (collective): rank 0 checks the free space for one checkpoint
+  (runtime/retention.check_space: retention first when short); every rank gets the same answer. A
+  periodic or trigger save that does not fit is skipped (False; ledger `save_skipped`), a stop or
+  final save raises SaveDoesNotFit (the segment ends `storage_full`).
 - `save_finished` / `after_save`: the blocking time of each save; on rank 0 progress moved up to the
-  checkpoint, the eval queued, and retention (the last `keep_last` plus milestones, never the checkpoint
-  this segment resumed from nor one an eval still needs)."""
+  checkpoint, the eval queued, and retention (runtime/retention.keep: the last `keep_last`, plus
+  milestones and checkpoints an eval still needs; the one this segment resumed from only until a newer
+  one is complete).
+- `ended_full`: rank 0, a segment ending `storage_full`: its unfinished save removed, the figures."""
 
 from __future__ import annotations
 
@@ -18,13 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.rundir.evals import pending_iterations
+from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import progress_at_save
-from megalaunch.runtime import resume
+from megalaunch.runtime import resume, retention
 from megalaunch.runtime.context import RankContext
 from megalaunch.runtime.failures import ConfigFailure
 from megalaunch.runtime.hooks import SaveKind
+from megalaunch.runtime.storage import SaveDoesNotFit, describe, filesystem_of, free_bytes
 
 _UNCHOSEN, _PLAN_FAILED = -1, -2  # broadcast in place of an iteration: from scratch; rank 0 failed to plan
+_SAVE, _SKIP, _FULL = 0, 1, 2  # rank 0's space check, broadcast before every save
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +43,10 @@ class CheckpointConfig:
     """Checkpoints at multiples of this are kept for good (0: none)."""
     resume_from: int | None = None
     """`--resume-from ITER`: this checkpoint instead of the newest (newer ones are moved aside)."""
+    checkpoint_bytes: int | None = None
+    """One checkpoint's predicted bytes (render time): what a save needs before one was measured; None: unknown."""
+    train_iters: int | None = None
+    """The last iteration: a save there is one the run cannot do without, whatever its kind (like a stop save)."""
 
 
 class Checkpoints:
@@ -47,6 +59,8 @@ class Checkpoints:
         self.save_times: list[float] = []
         self._save_started = 0.0  # monotonic
         self._save_started_at = 0.0  # wall clock
+        self.sizes = retention.Sizes()
+        self.no_room: str | None = None  # rank 0: why the stop save did not fit (the outcome's reason)
 
     # --- load ------------------------------------------------------------------------------------------
     def choose(self) -> int | None:
@@ -102,14 +116,55 @@ class Checkpoints:
             self.ctx.ledger("resumed", iteration=iteration, consumed_samples=consumed_samples)
         else:
             self.ctx.log("starting from scratch")
+        if self.ctx.is_zero:  # every rank has loaded: retention at segment start, the loaded one kept
+            self._retain(protect={iteration} if iteration > 0 else set())
 
     # --- save --------------------------------------------------------------------------------------------
     def before_save(self, iteration: int, kind: SaveKind) -> bool:
-        """Every save passes here first; False skips it (then `save_finished`/`after_save` are not
-        called). Today every save goes ahead; a check of the free space would decide here."""
+        """Every save passes here first, on every rank: False skips it (then `save_finished`/`after_save`
+        are not called); a stop or final save that does not fit raises SaveDoesNotFit."""
+        from megalaunch.runtime.collectives import broadcast_from_zero
+
+        verdict = broadcast_from_zero(self._check_space(iteration, kind) if self.ctx.is_zero else _SAVE)
+        if verdict == _FULL:
+            raise SaveDoesNotFit(self.no_room or f"no room for the {kind} save at iteration {iteration} "
+                                                 "(rank 0 measured the free space; its log says how much)")
+        if verdict == _SKIP:
+            if not self.ctx.is_zero:
+                self.ctx.log(f"{kind} save at iteration {iteration} skipped: not enough free space (rank 0's check)")
+            return False
         self._save_started = time.monotonic()
         self._save_started_at = time.time()
         return True
+
+    def _check_space(self, iteration: int, kind: SaveKind) -> int:
+        """Rank 0: room for one checkpoint (retention first when short)? A failing measurement lets the save go."""
+        paths = self.ctx.paths
+        try:
+            check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
+                                          stop=self._needed(iteration, kind), make_room=self._retain)
+        except OSError as e:
+            self.ctx.log(f"free space before the save at iteration {iteration} not measured ({e}): saving")
+            return _SAVE
+        where = check.where(paths.checkpoints)
+        if check.deleted:
+            self.ctx.log(f"not enough free space for the save at iteration {iteration}: retention deleted "
+                         f"checkpoints {check.deleted} first")
+        if check.verdict == "save":
+            return _SAVE
+        if check.verdict == "skip":
+            self.ctx.log(f"{kind} save at iteration {iteration} skipped: not enough free space: {where}; "
+                         "training goes on")
+            self._ledger("save_skipped", iteration=iteration, kind=kind, **_figures(paths, check.free, check.need))
+            return _SKIP
+        self.no_room = f"no room for the {kind} save at iteration {iteration}: {where}"
+        self.ctx.log(self.no_room)
+        return _FULL
+
+    def _needed(self, iteration: int, kind: SaveKind) -> bool:
+        """A save the segment cannot go on without: the stop save, the final one, the one at train_iters."""
+        last = self.config.train_iters
+        return kind in ("stop", "final") or (last is not None and iteration >= last)
 
     def save_finished(self) -> float:
         """The save just returned: its blocking seconds (recorded for the outcome)."""
@@ -124,22 +179,53 @@ class Checkpoints:
         paths = self.ctx.paths
         self.ctx.log(f"checkpoint at iteration {iteration}: {elapsed:.2f} s blocking")
         progress_at_save(paths, iteration)  # status never shows progress behind the checkpoint
-        protect = {self.resumed_from} if self.resumed_from else set()
         if self.evals is not None:
             try:
                 self.evals.after_save(iteration)
             except OSError as e:  # an eval never stops training
                 self.ctx.log(f"eval of iteration {iteration} not queued: {e}")
-            protect |= pending_iterations(paths)  # an eval still to run keeps its checkpoint
-        self._retain(protect)
+        self._retain()
 
-    def _retain(self, protect: set[int]) -> None:
-        deleted = resume.prune(self.ctx.paths, keep_last=self.config.keep_last,
-                               milestone_interval=self.config.milestone_interval,
-                               protect=protect, job_id=self.ctx.job_id)
+    def _retain(self, protect: set[int] | None = None) -> list[int]:
+        """Rank 0: retention (runtime/retention.keep); an eval still to run keeps its checkpoint."""
+        deleted = retention.prune(self.ctx.paths, keep_last=self.config.keep_last,
+                                  milestone_interval=self.config.milestone_interval,
+                                  eval_pending=pending_iterations(self.ctx.paths), resumed_from=self.resumed_from,
+                                  protect=protect or set(), job_id=self.ctx.job_id)
         if deleted:
             self.ctx.log(f"retention: deleted checkpoints {deleted}")
+        return deleted
+
+    def ended_full(self) -> dict[str, Any]:
+        """Rank 0, the segment ending `storage_full`: the unfinished save of this segment removed (saves
+        newer than every complete one), then the outcome's figures; `where` is the reason's part."""
+        paths = self.ctx.paths
+        try:
+            removed = resume.remove_failed_saves(paths, job_id=self.ctx.job_id)
+        except OSError as e:  # the ledger record may not fit; the directory is gone first
+            self.ctx.log(f"removing the unfinished save: {e}")
+            removed = []
+        if removed:
+            self.ctx.log(f"storage full: removed the unfinished save of iteration(s) {removed}")
+        try:
+            need = self.sizes.need(paths, self.config.checkpoint_bytes)[0]
+        except OSError:
+            need = self.config.checkpoint_bytes
+        free = free_bytes(paths.checkpoints)
+        return {**_figures(paths, free, need), "removed_saves": removed,
+                "where": describe(paths.checkpoints, need or 0, free=free, fix=None)}
+
+    def _ledger(self, event: str, **data: Any) -> None:
+        try:
+            self.ctx.ledger(event, **data)
+        except OSError as e:  # a full filesystem may not take even the ledger's line
+            self.ctx.log(f"ledger {event} not written: {e}")
 
     def save_span(self) -> tuple[float, float]:
         """The last save's (begin, end) in wall-clock time, up to now (retention blocks too)."""
         return self._save_started_at, self._save_started_at + time.monotonic() - self._save_started
+
+
+def _figures(paths: RunPaths, free: int, need: int | None) -> dict[str, Any]:
+    fs = filesystem_of(paths.checkpoints)
+    return {"filesystem": fs.device, "mount": fs.mount, "fstype": fs.fstype, "free_bytes": free, "need_bytes": need}

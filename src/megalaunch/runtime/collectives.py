@@ -27,13 +27,14 @@ def all_reduce_max(value: int) -> int:
 
 
 def broadcast_from_zero(value: int) -> int:
-    """Rank 0's `value` on every rank."""
+    """Rank 0's `value` on every rank (this rank's own without torch.distributed)."""
     import torch
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        return value
     t = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    if dist.is_initialized():
-        dist.broadcast(t, 0)
+    dist.broadcast(t, 0)
     return int(t.item())
 
 

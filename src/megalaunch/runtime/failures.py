@@ -21,7 +21,7 @@ import re
 import traceback
 from dataclasses import dataclass
 
-from megalaunch.runtime.storage import STORAGE_FIX, storage_error
+from megalaunch.runtime.storage import STORAGE_FIX, SaveDoesNotFit, storage_error
 
 STORAGE_PREFIX = "storage full: "
 
@@ -145,6 +145,8 @@ def classify(error: BaseException, *, started: bool) -> Failure:
     reason = describe(error)
     if isinstance(error, ConfigFailure):
         return Failure(True, reason, error.fix or known_fix(reason))
+    if isinstance(error, SaveDoesNotFit):  # the check before a save: its own sentence says it all
+        return Failure(False, f"{STORAGE_PREFIX}{error.reason}"[:600], STORAGE_FIX, storage=True)
     evidence = storage_error(error)
     if evidence is not None:  # the evidence first: the launcher finds it in the outcome's reason
         return Failure(False, f"{STORAGE_PREFIX}{evidence} ({reason})"[:600], STORAGE_FIX, storage=True)

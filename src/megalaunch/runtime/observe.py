@@ -279,10 +279,13 @@ class Observer:
         return {name: value for name, value in (("health_check", self.health), ("stragglers", self.stragglers))
                 if value}
 
-    def close_wandb(self, status: str, code: int, save_times: list[float]) -> None:
+    def close_wandb(self, status: str, code: int, save_times: list[float], *, reason: str | None = None,
+                    figures: dict[str, Any] | None = None) -> None:
+        """The segment's outcome in the run's summary (`figures`: storage_full's filesystem, free, needed)."""
         if self.wandb is None:
             return
         self.wandb.summarize({"segment/outcome": status, "segment/job_id": self.ctx.job_id,
                               "segment/save_blocking_s": round(sum(save_times), 3),
-                              "segment/last_iteration": self.iteration})
+                              "segment/last_iteration": self.iteration, "segment/reason": reason,
+                              **{f"segment/storage/{k}": v for k, v in (figures or {}).items()}})
         self.wandb.finish(exit_code=code)

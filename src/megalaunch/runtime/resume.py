@@ -4,11 +4,10 @@ Only complete checkpoints are trusted (`incomplete_reason`, runtime/completeness
 
 Rank 0 plans; the others follow the plan through a broadcast. Checkpoints that cannot be used are
 renamed (`iter_0000200.incomplete-<job>`, `.unreadable-<job>`, `.abandoned-<job>`), and every such
-step is a ledger record. Retention deletes old complete checkpoints only when `keep_last` newer
-complete ones exist; milestones (every `milestone_interval`-th iteration) and the checkpoint training
-resumed from in this segment are kept. Incomplete saves are garbage (nothing can load them): retention
-deletes those moved aside, and `job end` deletes the one its own segment failed to finish
-(`remove_failed_saves`). Unreadable and abandoned ones are kept for a person to look at."""
+step is a ledger record. Which checkpoints retention keeps is runtime/retention.py's. Incomplete saves
+are garbage (nothing can load them): retention deletes those moved aside, and the trainer (on
+`storage_full`) and `job end` delete the one their own segment failed to finish (`remove_failed_saves`).
+Unreadable and abandoned ones are kept for a person to look at."""
 
 from __future__ import annotations
 
@@ -184,50 +183,7 @@ def _point_tracker(paths: RunPaths, iteration: int | None) -> None:
         atomic_write_text(paths.tracker, f"{iteration}\n")
 
 
-# --- retention ---------------------------------------------------------------------------------
-
-def prune(paths: RunPaths, *, keep_last: int, milestone_interval: int = 0, protect: set[int] | None = None,
-          job_id: str | None = None) -> list[int]:
-    """Delete complete checkpoints older than the `keep_last` newest complete ones, except
-    milestones and `protect`; also delete incomplete leftovers older than the newest complete one
-    (a save that crashed). Returns the deleted iterations. Never touches anything newer than the
-    newest complete checkpoint (an asynchronous save may be writing it)."""
-    if keep_last < 1:
-        return []
-    protect = protect or set()
-    iterations = checkpoint_iterations(paths)
-    complete = [i for i in iterations if is_complete(paths, i)]
-    if not complete:
-        return []
-    kept = set(complete[-keep_last:]) | protect
-    if milestone_interval > 0:
-        kept |= {i for i in complete if i % milestone_interval == 0}
-    tracker = read_tracker(paths)
-    if isinstance(tracker, int):
-        kept.add(tracker)
-    doomed = [i for i in iterations if i < complete[-1] and i not in kept]
-    for iteration in doomed:
-        _delete(iter_dir(paths, iteration))
-        append_jsonl(paths.ledger, {"event": "checkpoint_deleted", "time": time.time(), "job_id": job_id,
-                                    "iteration": iteration})
-    prune_incomplete(paths, job_id=job_id)
-    return doomed
-
-
-def prune_incomplete(paths: RunPaths, *, job_id: str | None) -> list[str]:
-    """Delete the incomplete saves `plan_resume` moved aside (`iter_N.incomplete-<job>`). No job
-    writes one: a segment renames it when it starts, after the segment that wrote it has ended (the
-    chain runs one segment at a time), and a live save is never renamed. Returns the names deleted."""
-    try:
-        names = sorted(n for n in os.listdir(paths.checkpoints) if INCOMPLETE_RE.match(n))
-    except FileNotFoundError:
-        return []
-    for name in names:
-        _delete(paths.checkpoints / name)
-        append_jsonl(paths.ledger, {"event": "incomplete_checkpoint_deleted", "time": time.time(), "job_id": job_id,
-                                    "iteration": int(name[5:12]), "directory": name})
-    return names
-
+# --- a segment's unfinished save (retention: runtime/retention.py) -----------------------------
 
 def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     """At the end of a segment, when every rank has exited: delete the checkpoint directories newer
@@ -245,14 +201,14 @@ def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     failed = [i for i in iterations if i > floor]
     for iteration in failed:
         reason = incomplete_reason(iter_dir(paths, iteration), full=False)
-        _delete(iter_dir(paths, iteration))
+        delete_directory(iter_dir(paths, iteration))
         append_jsonl(paths.ledger, {"event": "incomplete_checkpoint_deleted", "time": time.time(), "job_id": job_id,
                                     "iteration": iteration, "directory": iter_dir(paths, iteration).name,
                                     "reason": reason})
     return failed
 
 
-def _delete(directory: Path) -> None:
+def delete_directory(directory: Path) -> None:
     # Rename first, so a half-deleted directory never looks like a checkpoint.
     doomed = directory.with_name(f".deleting-{directory.name}-{os.getpid()}")
     os.replace(directory, doomed)

@@ -32,7 +32,8 @@ def decision_config(s: RuntimeSettings) -> DecisionConfig:
 
 
 def checkpoint_config(s: RuntimeSettings, resume_from: int | None) -> CheckpointConfig:
-    return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from)
+    return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from,
+                            checkpoint_bytes=s.checkpoint_bytes, train_iters=s.train_iters)
 
 
 def observe_config(s: RuntimeSettings) -> ObserveConfig:

@@ -44,6 +44,9 @@ class RuntimeSettings:
     # eval_interval (0: off) and, with a job script (Slurm), runs eval_submit + [iteration] in a thread
     eval_interval: int = 0
     eval_submit: list[str] | None = None
+    # storage (issue 23): one checkpoint's predicted bytes (config/checkpoint_size.py), what the check
+    # before a save asks for until a checkpoint of this run can be measured; None: not known
+    checkpoint_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -32,7 +32,8 @@ _ERRNOS = "|".join(str(n) for n in sorted(STORAGE_ERRNOS))
 _DIRECT = re.compile(
     r"No space left on device|Disk quota exceeded|\bE(?:NOSPC|DQUOT)\b|\[Errno (?:" + _ERRNOS + r")\]|"
     r"inline_container\.cc:?\d*\]?[^\n]{0,80}?unexpected pos \d+ vs \d+|"
-    r"PytorchStreamWriter failed writing file|file write failed", re.I)
+    r"PytorchStreamWriter failed writing file|file write failed|"
+    r"no room for the \w+ save at iteration \d+", re.I)  # the last: SaveDoesNotFit's own words
 # Megatron's wrapper of a failed save worker: storage unless the same text names another cause.
 _WORKER = re.compile(r"CheckpointException[\s\S]{0,2000}?Worker failure|Worker failure[\s\S]{0,200}?worker \d+",
                      re.I)
@@ -72,6 +73,15 @@ def storage_error(error: BaseException) -> str | None:
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
         todo += [c for c in getattr(e, "exceptions", ()) if isinstance(c, BaseException)]  # ExceptionGroup
     return None
+
+
+class SaveDoesNotFit(Exception):
+    """A save the segment cannot go on without (the stop save, the final one) does not fit the free space:
+    it is never started, every rank raises this at the same save, and the segment ends `storage_full`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 # --- where a directory's bytes go -------------------------------------------------------------------

@@ -29,8 +29,9 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome
@@ -52,6 +53,7 @@ from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.startup_profile import StartupProfile
 from megalaunch.runtime.step import megatron_argv, run_pretrain
+from megalaunch.runtime.storage import STORAGE_FIX, SaveDoesNotFit
 
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
 
@@ -136,6 +138,7 @@ class Ending:
     code: int = 1
     failure: Failure | None = None
     fix: str | None = None
+    figures: dict[str, Any] = field(default_factory=dict)  # storage_full: filesystem, free and needed bytes
 
 
 def run_session(session: Session, settings: RuntimeSettings) -> int:
@@ -174,6 +177,8 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
             end.failure = exit_failure(e.code, started=session.observe.steps > 0)
     except UnhealthyNode as e:  # every rank took the same decision: no training, a clean exit
         end.status, end.reason, end.code = "unhealthy_node", str(e), 0
+    except SaveDoesNotFit as e:  # every rank: the stop save was not started (the check before it)
+        end.status, end.reason, end.fix, end.code = "storage_full", f"storage full: {e.reason}", STORAGE_FIX, 0
     except BaseException as e:
         if not isinstance(e, ConfigFailure):
             import traceback
@@ -188,8 +193,8 @@ def _judge(session: Session, end: Ending) -> Ending:
     another rank's watchdog wins over the failed collective it left behind."""
     failure = end.failure
     if failure is not None:
-        end.status, end.reason, end.fix, end.code = ("config_error" if failure.config else "failed"), \
-            failure.reason, failure.fix, 1
+        status = "config_error" if failure.config else "storage_full" if failure.storage else "failed"
+        end.status, end.reason, end.fix, end.code = status, failure.reason, failure.fix, 1
         if failure.config and end.fix is None:
             end.fix = _fix_from_recipe(session.ctx.paths, failure.reason)
             failure = end.failure = Failure(True, failure.reason, end.fix)
@@ -201,6 +206,14 @@ def _judge(session: Session, end: Ending) -> Ending:
         from megalaunch.runtime.watchdog import EXIT_HUNG
 
         end.status, end.reason, end.code = "hung", hang, EXIT_HUNG
+    if end.status == "storage_full" and session.ctx.is_zero:
+        try:
+            end.figures = session.checkpoints.ended_full()  # the unfinished save removed first
+        except OSError as e:
+            session.ctx.log(f"storage full: the figures could not be gathered: {e}")
+        where = end.figures.pop("where", None)
+        if failure is not None and where:  # a save failed on the disk: what the disk says now
+            end.reason = f"{end.reason}; now {where}"
     return end
 
 
@@ -214,12 +227,16 @@ def _conclude(session: Session, end: Ending) -> int:
     observe.timeline.mark("exit", outcome=status)
     ctx.log(f"outcome {status}" + (f": {reason}" if reason else "") + f" (iteration {session.iteration})")
     if ctx.is_zero:
-        write_outcome(ctx.paths, status, iteration=session.iteration, reason=reason, fix=fix,
-                      kind="config" if status == "config_error" else None, resumed_from=checkpoints.resumed_from,
-                      save_times_s=[round(t, 3) for t in checkpoints.save_times], **observe.figures())
+        try:
+            write_outcome(ctx.paths, status, iteration=session.iteration, reason=reason, fix=fix,
+                          kind="config" if status == "config_error" else None, resumed_from=checkpoints.resumed_from,
+                          save_times_s=[round(t, 3) for t in checkpoints.save_times], **observe.figures(),
+                          **end.figures)
+        except OSError as e:  # a full filesystem: `job end` finds the evidence without the outcome
+            ctx.log(f"outcome not written: {e}")
     if checkpoints.evals is not None:
         checkpoints.evals.join()
-    observe.close_wandb(status, end.code, checkpoints.save_times)
+    observe.close_wandb(status, end.code, checkpoints.save_times, reason=reason, figures=end.figures)
     if not fast_exit():
         _shutdown()
     return end.code
