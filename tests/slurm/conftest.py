@@ -2,19 +2,27 @@
 
 Every test under tests/slurm gets the ``slurm`` marker. Without a cluster they are skipped,
 unless ``MEGALAUNCH_REQUIRE_SLURM=1`` (CI), where a missing cluster fails them.
+
+Tests run in parallel (pytest-xdist) on the main cluster, except those marked ``private_cluster``:
+they stop the controller or take whole nodes away with blocker jobs, which would break or starve
+every other test's jobs. They run on .ci/slurm-up's second cluster (SLURM_CONF=/etc/slurm-iso/...,
+the same node names and layout), one at a time: a lock on the host (other checkouts' runs too), and
+one xdist group so that one worker runs them in turn (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import cluster_available
+from cluster import ISO_CONF, SLURM_STATE, cluster_available
 
 HERE = Path(__file__).resolve().parent
 #: Base for run directories that other users (mlalice, mlbob, mleve) must reach: pytest's own
@@ -22,14 +30,27 @@ HERE = Path(__file__).resolve().parent
 SLURM_TMP_BASE = Path(os.environ.get("MEGALAUNCH_SLURM_TMP", "/tmp/megalaunch-slurm-tests"))
 
 _REQUIRE = os.environ.get("MEGALAUNCH_REQUIRE_SLURM") == "1"
-_available: bool | None = None
+_available: dict[bool, bool] = {}
+#: Held while a private_cluster test runs: the second cluster serves one test at a time.
+PRIVATE_LOCK = SLURM_STATE / "iso" / ".test.lock"
+PRIVATE_LOCK_WAIT_S = 1800
 
 
-def _cluster_up() -> bool:
-    global _available
-    if _available is None:
-        _available = cluster_available()
-    return _available
+def _cluster_up(private: bool = False) -> bool:
+    if private not in _available:
+        if private:
+            old = os.environ.get("SLURM_CONF")
+            os.environ["SLURM_CONF"] = str(ISO_CONF)
+            try:
+                _available[private] = ISO_CONF.is_file() and cluster_available()
+            finally:
+                if old is None:
+                    del os.environ["SLURM_CONF"]
+                else:
+                    os.environ["SLURM_CONF"] = old
+        else:
+            _available[private] = cluster_available()
+    return _available[private]
 
 
 def _is_ours(item: pytest.Item) -> bool:
@@ -51,13 +72,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _require_cluster() -> None:
-    if _REQUIRE and not _cluster_up():
-        pytest.fail(
-            "MEGALAUNCH_REQUIRE_SLURM=1 but no local Slurm cluster answers "
-            "(sinfo shows no usable node within 5 s): run `sudo .ci/slurm-up`",
-            pytrace=False,
-        )
+def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fails without the cluster (CI); for a private_cluster test, points every Slurm client (this
+    process's, run_as's, the jobs': sbatch exports the environment) at the second cluster and holds
+    its lock for the test's whole life (autouse: set up before, torn down after slurm_tmp)."""
+    private = request.node.get_closest_marker("private_cluster") is not None
+    if not _cluster_up(private):
+        which = f"the second cluster ({ISO_CONF})" if private else "no local Slurm cluster"
+        if _REQUIRE:
+            pytest.fail(f"MEGALAUNCH_REQUIRE_SLURM=1 but {which} answers (sinfo shows no usable node "
+                        "within 5 s): run `sudo .ci/slurm-up`", pytrace=False)
+        pytest.skip(f"{which} answers: run `sudo .ci/slurm-up`")
+    if not private:
+        yield
+        return
+    PRIVATE_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(PRIVATE_LOCK, "a") as lock:
+        deadline = time.monotonic() + PRIVATE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{PRIVATE_LOCK} still held after {PRIVATE_LOCK_WAIT_S} s", pytrace=False)
+                time.sleep(1)
+        monkeypatch.setenv("SLURM_CONF", str(ISO_CONF))
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
