@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     for module, its in by_module.items():
         shared = any(d.scope in ("module", "class", "package")
-                     for it in its for defs in getattr(it, "_fixtureinfo").name2fixturedefs.values() for d in defs
+                     for it in its for defs in it._fixtureinfo.name2fixturedefs.values() for d in defs
                      if d.baseid.startswith(module))
         if shared and sum(durations.get(it.nodeid, 0.5) for it in its) < MODULE_GROUP_MAX_S:
             for it in its:
