@@ -61,8 +61,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     durations = _schedule_module().load_durations()
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if item.get_closest_marker("private_cluster"):
-            item.add_marker(pytest.mark.xdist_group("private-cluster"))
+        if (mark := item.get_closest_marker("private_cluster")) is not None:  # tests/slurm/conftest.py
+            item.add_marker(pytest.mark.xdist_group(f"private-cluster-{mark.args[0] if mark.args else 'ctld'}"))
         elif not item.get_closest_marker("xdist_group"):
             by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     for module, its in by_module.items():

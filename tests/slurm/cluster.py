@@ -188,9 +188,10 @@ def sbatch(
 
 
 SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
-#: The second cluster of .ci/slurm-up, for tests that stop its controller or take its nodes away (the
-#: `private_cluster` marker, tests/slurm/conftest.py): same node names and layout, its own daemons.
-ISO_CONF = Path("/etc/slurm-iso/slurm.conf")
+#: The other clusters of .ci/slurm-up, for tests that stop the controller ("ctld") or take whole nodes
+#: away ("nodes"): the `private_cluster` marker, tests/slurm/conftest.py. Same node names and layout,
+#: daemons of their own.
+PRIVATE_CONFS = {"ctld": Path("/etc/slurm-iso/slurm.conf"), "nodes": Path("/etc/slurm-iso2/slurm.conf")}
 
 
 def slurm_conf() -> Path:

@@ -3,11 +3,12 @@
 Every test under tests/slurm gets the ``slurm`` marker. Without a cluster they are skipped,
 unless ``MEGALAUNCH_REQUIRE_SLURM=1`` (CI), where a missing cluster fails them.
 
-Tests run in parallel (pytest-xdist) on the main cluster, except those marked ``private_cluster``:
-they stop the controller or take whole nodes away with blocker jobs, which would break or starve
-every other test's jobs. They run on .ci/slurm-up's second cluster (SLURM_CONF=/etc/slurm-iso/...,
-the same node names and layout), one at a time: a lock on the host (other checkouts' runs too), and
-one xdist group so that one worker runs them in turn (tests/conftest.py).
+Tests run in parallel (pytest-xdist) on the main cluster, except those marked
+``private_cluster("ctld")`` (they stop the controller) or ``private_cluster("nodes")`` (blocker jobs
+take whole nodes away), which would break or starve every other test's jobs. They run on one of
+.ci/slurm-up's other clusters (SLURM_CONF=/etc/slurm-iso/... or /etc/slurm-iso2/..., the same node
+names and layout), one test at a time per cluster: a lock on the host (other checkouts' runs too),
+and one xdist group per cluster so that one worker runs them in turn (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import ISO_CONF, SLURM_STATE, cluster_available
+from cluster import PRIVATE_CONFS, SLURM_STATE, cluster_available
 
 HERE = Path(__file__).resolve().parent
 #: Base for run directories that other users (mlalice, mlbob, mleve) must reach: pytest's own
@@ -30,19 +31,33 @@ HERE = Path(__file__).resolve().parent
 SLURM_TMP_BASE = Path(os.environ.get("MEGALAUNCH_SLURM_TMP", "/tmp/megalaunch-slurm-tests"))
 
 _REQUIRE = os.environ.get("MEGALAUNCH_REQUIRE_SLURM") == "1"
-_available: dict[bool, bool] = {}
-#: Held while a private_cluster test runs: the second cluster serves one test at a time.
-PRIVATE_LOCK = SLURM_STATE / "iso" / ".test.lock"
+_available: dict[str | None, bool] = {}
 PRIVATE_LOCK_WAIT_S = 1800
 
 
-def _cluster_up(private: bool = False) -> bool:
+def private_cluster(item: pytest.Item) -> str | None:
+    """The private cluster a test asks for ("ctld", "nodes"), None for the main one."""
+    mark = item.get_closest_marker("private_cluster")
+    if mark is None:
+        return None
+    name = mark.args[0] if mark.args else "ctld"
+    assert name in PRIVATE_CONFS, f"private_cluster({name!r}): one of {sorted(PRIVATE_CONFS)}"
+    return str(name)
+
+
+def _private_lock(name: str) -> Path:
+    """Held while a test runs on private cluster `name`: it serves one test at a time."""
+    return SLURM_STATE / PRIVATE_CONFS[name].parent.name.removeprefix("slurm-") / ".test.lock"
+
+
+def _cluster_up(private: str | None = None) -> bool:
     if private not in _available:
         if private:
+            conf = PRIVATE_CONFS[private]
             old = os.environ.get("SLURM_CONF")
-            os.environ["SLURM_CONF"] = str(ISO_CONF)
+            os.environ["SLURM_CONF"] = str(conf)
             try:
-                _available[private] = ISO_CONF.is_file() and cluster_available()
+                _available[private] = conf.is_file() and cluster_available()
             finally:
                 if old is None:
                     del os.environ["SLURM_CONF"]
@@ -76,9 +91,9 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     """Fails without the cluster (CI); for a private_cluster test, points every Slurm client (this
     process's, run_as's, the jobs': sbatch exports the environment) at the second cluster and holds
     its lock for the test's whole life (autouse: set up before, torn down after slurm_tmp)."""
-    private = request.node.get_closest_marker("private_cluster") is not None
+    private = private_cluster(request.node)
     if not _cluster_up(private):
-        which = f"the second cluster ({ISO_CONF})" if private else "no local Slurm cluster"
+        which = f"the private cluster {PRIVATE_CONFS[private]}" if private else "no local Slurm cluster"
         if _REQUIRE:
             pytest.fail(f"MEGALAUNCH_REQUIRE_SLURM=1 but {which} answers (sinfo shows no usable node "
                         "within 5 s): run `sudo .ci/slurm-up`", pytrace=False)
@@ -86,8 +101,8 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     if not private:
         yield
         return
-    PRIVATE_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(PRIVATE_LOCK, "a") as lock:
+    lock_path = _private_lock(private)
+    with open(lock_path, "a") as lock:
         deadline = time.monotonic() + PRIVATE_LOCK_WAIT_S
         while True:
             try:
@@ -95,9 +110,9 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{PRIVATE_LOCK} still held after {PRIVATE_LOCK_WAIT_S} s", pytrace=False)
+                    pytest.fail(f"{lock_path} still held after {PRIVATE_LOCK_WAIT_S} s", pytrace=False)
                 time.sleep(1)
-        monkeypatch.setenv("SLURM_CONF", str(ISO_CONF))
+        monkeypatch.setenv("SLURM_CONF", str(PRIVATE_CONFS[private]))
         try:
             yield
         finally:
