@@ -1,10 +1,74 @@
-"""Shared fixtures: every test gets its own registry of runs, so nothing leaks into ~/.local."""
+"""Shared fixtures: every test gets its own registry of runs, so nothing leaks into ~/.local; and the
+order in which `pytest -n N --dist loadgroup` (scripts/test) runs the suite in parallel."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
 def _private_state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state-home")))
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """What a test writes into os.environ outside monkeypatch (megalaunch's runtime exports RANK,
+    WORLD_SIZE, ... for Megatron) ends with the test: in a worker that runs tests in another order
+    than a serial run, it would otherwise reach the next test (Megatron's rank-0 printing, say)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+# --- parallel runs (pytest-xdist) -------------------------------------------------------------------
+
+def _schedule_module() -> Any:
+    spec = importlib.util.spec_from_file_location("_megalaunch_test_schedule", HERE / "support" / "schedule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: the core-only venv has none
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`: xdist's groups, sent longest first (tests/support/schedule.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return _schedule_module().LongestFirstScheduling(config, log)
+
+
+#: a module whose tests share a module-scoped fixture runs on one worker (the fixture is built once)
+#: when its tests together are estimated shorter than this; longer modules spread their tests.
+MODULE_GROUP_MAX_S = 60.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the markers into work units
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist") or config.getvalue("dist") != "loadgroup":
+        return
+    durations = _schedule_module().load_durations()
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if (mark := item.get_closest_marker("private_cluster")) is not None:  # tests/slurm/conftest.py
+            item.add_marker(pytest.mark.xdist_group(f"private-cluster-{mark.args[0] if mark.args else 'ctld'}"))
+        elif not item.get_closest_marker("xdist_group"):
+            by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for module, its in by_module.items():
+        shared = any(d.scope in ("module", "class", "package")
+                     for it in its for defs in it._fixtureinfo.name2fixturedefs.values() for d in defs
+                     if d.baseid.startswith(module))
+        if shared and sum(durations.get(it.nodeid, 0.5) for it in its) < MODULE_GROUP_MAX_S:
+            for it in its:
+                it.add_marker(pytest.mark.xdist_group(module))

@@ -21,8 +21,11 @@ SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "prop", "SLURM_JOB_NODELI
 
 
 def _stub_body(name: str, log: Path) -> str:
-    # argv, NUL-separated, one file per call (ordered by time); srun also records its environment
-    record = f'f={_q(str(log))}/{name}.${{EPOCHREALTIME/[.,]/}}.$$\nprintf "%s\\0" "$@" > "$f.argv"\n'
+    # argv, NUL-separated, one file per call (ordered by time); srun also records its environment.
+    # Written aside and renamed: a stub killed mid-call (the job script stops its background hang
+    # watcher) leaves no half-written record, only a `.part` that `calls` does not read.
+    record = (f'f={_q(str(log))}/{name}.${{EPOCHREALTIME/[.,]/}}.$$\n'
+              'printf "%s\\0" "$@" > "$f.part" && /bin/mv -f "$f.part" "$f.argv"\n')
     if name == "srun":
         record += '/usr/bin/env -0 > "$f.env"\n'
     if name == "scontrol":

@@ -188,10 +188,26 @@ def sbatch(
 
 
 SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
+#: The other clusters of .ci/slurm-up, for tests that stop the controller ("ctld") or take whole nodes
+#: away ("nodes"): the `private_cluster` marker, tests/slurm/conftest.py. Same node names and layout,
+#: daemons of their own.
+PRIVATE_CONFS = {"ctld": Path("/etc/slurm-iso/slurm.conf"), "nodes": Path("/etc/slurm-iso2/slurm.conf")}
+
+
+def slurm_conf() -> Path:
+    """The configuration of the cluster this test talks to (SLURM_CONF, else Slurm's default)."""
+    return Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+
+
+def _ctld_pidfile() -> Path:
+    for line in slurm_conf().read_text().splitlines():
+        if line.startswith("SlurmctldPidFile="):
+            return Path(line.split("=", 1)[1].strip())
+    return SLURM_STATE / "run" / "slurmctld.pid"
 
 
 def stop_slurmctld() -> None:
-    pid = int((SLURM_STATE / "run" / "slurmctld.pid").read_text())
+    pid = int(_ctld_pidfile().read_text())
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z",
              30, interval=0.2, what="slurmctld to stop")
@@ -199,7 +215,7 @@ def stop_slurmctld() -> None:
 
 def start_slurmctld() -> None:
     """Start the controller again from its saved state (running jobs and the queue survive)."""
-    subprocess.run(["slurmctld", "-f", "/etc/slurm/slurm.conf"], check=True, capture_output=True, timeout=60)
+    subprocess.run(["slurmctld", "-f", str(slurm_conf())], check=True, capture_output=True, timeout=60)
 
     def up() -> bool:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10)

@@ -2,19 +2,28 @@
 
 Every test under tests/slurm gets the ``slurm`` marker. Without a cluster they are skipped,
 unless ``MEGALAUNCH_REQUIRE_SLURM=1`` (CI), where a missing cluster fails them.
+
+Tests run in parallel (pytest-xdist) on the main cluster, except those marked
+``private_cluster("ctld")`` (they stop the controller) or ``private_cluster("nodes")`` (blocker jobs
+take whole nodes away), which would break or starve every other test's jobs. They run on one of
+.ci/slurm-up's other clusters (SLURM_CONF=/etc/slurm-iso/... or /etc/slurm-iso2/..., the same node
+names and layout), one test at a time per cluster: a lock on the host (other checkouts' runs too),
+and one xdist group per cluster so that one worker runs them in turn (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import cluster_available
+from cluster import PRIVATE_CONFS, SLURM_STATE, cluster_available
 
 HERE = Path(__file__).resolve().parent
 #: Base for run directories that other users (mlalice, mlbob, mleve) must reach: pytest's own
@@ -22,14 +31,41 @@ HERE = Path(__file__).resolve().parent
 SLURM_TMP_BASE = Path(os.environ.get("MEGALAUNCH_SLURM_TMP", "/tmp/megalaunch-slurm-tests"))
 
 _REQUIRE = os.environ.get("MEGALAUNCH_REQUIRE_SLURM") == "1"
-_available: bool | None = None
+_available: dict[str | None, bool] = {}
+PRIVATE_LOCK_WAIT_S = 1800
 
 
-def _cluster_up() -> bool:
-    global _available
-    if _available is None:
-        _available = cluster_available()
-    return _available
+def private_cluster(item: pytest.Item) -> str | None:
+    """The private cluster a test asks for ("ctld", "nodes"), None for the main one."""
+    mark = item.get_closest_marker("private_cluster")
+    if mark is None:
+        return None
+    name = mark.args[0] if mark.args else "ctld"
+    assert name in PRIVATE_CONFS, f"private_cluster({name!r}): one of {sorted(PRIVATE_CONFS)}"
+    return str(name)
+
+
+def _private_lock(name: str) -> Path:
+    """Held while a test runs on private cluster `name`: it serves one test at a time."""
+    return SLURM_STATE / PRIVATE_CONFS[name].parent.name.removeprefix("slurm-") / ".test.lock"
+
+
+def _cluster_up(private: str | None = None) -> bool:
+    if private not in _available:
+        if private:
+            conf = PRIVATE_CONFS[private]
+            old = os.environ.get("SLURM_CONF")
+            os.environ["SLURM_CONF"] = str(conf)
+            try:
+                _available[private] = conf.is_file() and cluster_available()
+            finally:
+                if old is None:
+                    del os.environ["SLURM_CONF"]
+                else:
+                    os.environ["SLURM_CONF"] = old
+        else:
+            _available[private] = cluster_available()
+    return _available[private]
 
 
 def _is_ours(item: pytest.Item) -> bool:
@@ -51,13 +87,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _require_cluster() -> None:
-    if _REQUIRE and not _cluster_up():
-        pytest.fail(
-            "MEGALAUNCH_REQUIRE_SLURM=1 but no local Slurm cluster answers "
-            "(sinfo shows no usable node within 5 s): run `sudo .ci/slurm-up`",
-            pytrace=False,
-        )
+def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fails without the cluster (CI); for a private_cluster test, points every Slurm client (this
+    process's, run_as's, the jobs': sbatch exports the environment) at the second cluster and holds
+    its lock for the test's whole life (autouse: set up before, torn down after slurm_tmp)."""
+    private = private_cluster(request.node)
+    if not _cluster_up(private):
+        which = f"the private cluster {PRIVATE_CONFS[private]}" if private else "no local Slurm cluster"
+        if _REQUIRE:
+            pytest.fail(f"MEGALAUNCH_REQUIRE_SLURM=1 but {which} answers (sinfo shows no usable node "
+                        "within 5 s): run `sudo .ci/slurm-up`", pytrace=False)
+        pytest.skip(f"{which} answers: run `sudo .ci/slurm-up`")
+    if not private:
+        yield
+        return
+    lock_path = _private_lock(private)
+    with open(lock_path, "a") as lock:
+        deadline = time.monotonic() + PRIVATE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{lock_path} still held after {PRIVATE_LOCK_WAIT_S} s", pytrace=False)
+                time.sleep(1)
+        monkeypatch.setenv("SLURM_CONF", str(PRIVATE_CONFS[private]))
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -201,6 +201,7 @@ def _timed(*args: str, cwd: Path) -> tuple[float, subprocess.CompletedProcess[st
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.private_cluster("ctld")  # stops the controller: on a cluster of its own (tests/slurm/conftest.py)
 def test_status_and_cancel_answer_quickly_with_slurmctld_down(slurm_tmp: Path) -> None:
     recipe = counter_recipe(slurm_tmp, "ctlddown", training={"train_iters": 1000000}, cluster={"time": "00:10:00"})
     assert megalaunch(None, "submit", str(recipe), cwd=slurm_tmp).returncode == 0

@@ -16,7 +16,8 @@ from cluster import run_as, sbatch, show_job, wait_for
 from launch import MEGALAUNCH, ledger, run_dir_of, submitted_ids
 from test_train_slurm import train_recipe
 
-pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("node_names_resolve")]
+# a blocker job takes node2: on a cluster of its own, one test at a time (tests/slurm/conftest.py)
+pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("node_names_resolve"), pytest.mark.private_cluster("nodes")]
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(REPO / "src")}  # this checkout's code, for the CLI and the jobs it submits
 

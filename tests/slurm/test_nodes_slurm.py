@@ -15,6 +15,8 @@ from launch import MEGALAUNCH, counter_recipe, ledger, run_dir_of
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(REPO / "src")}  # this checkout's code, for the CLI and the jobs it submits
 TTL_S = 45
+# blocker jobs take whole nodes: on a cluster of their own, one test at a time (tests/slurm/conftest.py)
+pytestmark = pytest.mark.private_cluster("nodes")
 
 
 def cli(tmp: Path, *args: str):  # type: ignore[no-untyped-def]

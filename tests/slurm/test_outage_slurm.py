@@ -12,6 +12,8 @@ from cluster import queue_ids, start_slurmctld, stop_slurmctld, wait_for
 from launch import counter_recipe, ledger, megalaunch, run_dir_of, submitted_ids
 
 OUTAGE_S = 60
+# stops the controller: on a cluster of its own, one test at a time (tests/slurm/conftest.py)
+pytestmark = pytest.mark.private_cluster("ctld")
 
 
 def _iteration(run: Path) -> int:
