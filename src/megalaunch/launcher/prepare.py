@@ -19,7 +19,14 @@ from typing import Any
 from megalaunch import __version__
 from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
-from megalaunch.config.preflight import Topology, eval_interval, preflight, recipe_tokenizer, signal_lead_s
+from megalaunch.config.preflight import (
+    Topology,
+    check_period_s,
+    eval_interval,
+    preflight,
+    recipe_tokenizer,
+    signal_lead_s,
+)
 from megalaunch.config.schema import Recipe
 from megalaunch.config.storage import DiskBudget
 from megalaunch.config.tokenizer import TokenizerSpec
@@ -114,6 +121,8 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSe
         eval_interval=eval_interval(recipe),
         eval_submit=eval_submit_command(recipe, paths) if paths is not None and recipe.cluster.traits.job_script
         else None,
+        signal_lead_s=signal_lead_s(recipe), signal_delay_s=check_period_s(recipe),
+        step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
     )
 
 

@@ -44,6 +44,12 @@ class RuntimeSettings:
     # eval_interval (0: off) and, with a job script (Slurm), runs eval_submit + [iteration] in a thread
     eval_interval: int = 0
     eval_submit: list[str] | None = None
+    # the stop signal's timing (runtime/stop_window.py; launcher/signal_lead.py raises the lead of the
+    # next segments from the saves measured): None / 0 in runs made before these existed
+    signal_lead_s: int | None = None  # the rendered lead: #SBATCH --signal=SIG@LEAD, the local timer's
+    signal_delay_s: int = 0  # how late the signal may come: Slurm's check period (30 s), 0 locally
+    step_time_estimate_s: float = 0.0
+    signal_margin_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
