@@ -14,6 +14,7 @@ from typing import Any
 from megalaunch.launcher.backend import JobControl
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
 from megalaunch.launcher.nodes import ExclusionPlan, NodeHealth, attribute, current_plan, expand_hostlist
+from megalaunch.launcher.signal_lead import record_lead, safe_plan
 from megalaunch.launcher.storage import storage_fix, storage_full
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -211,9 +212,13 @@ class Chain:
 
     def _queue_successor(self, job_id: str, by: str) -> str | None:
         plan = self._exclusion_plan()
-        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None)
+        lead = safe_plan(self.paths, self.settings, log)  # from the saves measured (launcher/signal_lead.py)
+        raised = {"signal_lead_s": lead.lead} if lead is not None and lead.raised else {}
+        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None, **raised)
         if successor is not None:
             self.ledger.append("submitted", job_id=successor, by=by, dependency="singleton")
+            if raised and lead is not None:
+                record_lead(self.ledger, successor, lead, log)
             if plan is not None:
                 self._record_exclusion(successor, plan)
             log(f"queued successor {successor} (singleton)")

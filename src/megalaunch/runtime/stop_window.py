@@ -107,10 +107,12 @@ class StopWindow:
         """A collective (every rank reaches the same periodic saves): skip this one?"""
         if self.config.lead_s is None:  # every rank knows: nothing to agree on
             return False
-        from megalaunch.runtime.collectives import broadcast_from_zero
-
         inside = self.ctx.is_zero and inside_signal_window(time.time(), self.deadline, self.lead_s, self.config.delay_s)
-        if not broadcast_from_zero(int(inside)):
+        if self.ctx.world > 1:
+            from megalaunch.runtime.collectives import broadcast_from_zero
+
+            inside = bool(broadcast_from_zero(int(inside)))
+        if not inside:
             return False
         if self.ctx.is_zero:
             assert self.deadline is not None
