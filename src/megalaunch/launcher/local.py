@@ -76,6 +76,7 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
         command = [sys.executable if arg == cl.python else arg for arg in command]
     procs: list[subprocess.Popen[bytes]] = []
     limit = cl.time_limit_s
+    start = time.monotonic()  # the timer counts from here, and the deadline the tasks get is the same moment
     base_env[DEADLINE_ENV] = f"{time.time() + limit:.3f}"  # the signal window (runtime/stop_window.py)
     with open(log_path, "ab") as log:
         for rank in range(world):
@@ -86,7 +87,6 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
     lead = signal_lead_s(recipe) if lead is None else lead
     stop_sig = resolve_signal(recipe.chain.stop_signal)
-    start = time.monotonic()
     signalled = killed = False
     kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
     hang = HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s), start)

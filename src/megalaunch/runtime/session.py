@@ -1,4 +1,4 @@
-"""One segment of training on one rank: the three rooms the Megatron seams report into, composed.
+"""One segment of training on one rank: the rooms the Megatron seams report into, composed.
 
 - `decisions` (runtime/decisions.py): the stop signal and the triggers folded into one decision,
   the same on every rank; what it asks of the loop; the segment's verdict.
