@@ -178,6 +178,10 @@ def test_job_begin_raises_the_successors_lead_from_the_slowest_recent_save(tmp_p
     assert "signal lead raised 16 -> 56 s" in stop_lines(Ledger(paths).events())[0]
     plan = plan_lead(paths, settings, recent=1)  # only the last segment that started (202: no timeline)
     assert plan is not None and not plan.raised
+    _timeline(paths, "202", [[40, 0.0, 5000.0]])  # more than the 600 s limit leaves: capped
+    capped = plan_lead(paths, settings)
+    assert settings.max_signal_lead_s == 600 - 0 - loaded.recipe.chain.min_train_time_s  # limit - delay - min
+    assert capped is not None and capped.capped and capped.lead == settings.max_signal_lead_s
 
 
 def test_slurm_puts_a_raised_lead_on_the_successors_command_line(tmp_path: Path,

@@ -123,6 +123,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None) -> RuntimeSe
         else None,
         signal_lead_s=signal_lead_s(recipe), signal_delay_s=check_period_s(recipe),
         step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
+        max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
     )
 
 

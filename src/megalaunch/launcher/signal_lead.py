@@ -39,6 +39,7 @@ class LeadPlan:
     slowest_save_s: float | None = None
     slowest_job: str | None = None
     step_s: float = 0.0
+    capped: bool = False  # the measure asked for more than the time limit leaves (max_signal_lead_s)
 
     @property
     def raised(self) -> bool:
@@ -46,7 +47,8 @@ class LeadPlan:
 
     def record(self) -> dict[str, Any]:
         return {"from": self.rendered, "to": self.lead, "slowest_save_s": self.slowest_save_s,
-                "slowest_save_job": self.slowest_job, "step_s": round(self.step_s, 3), "factor": SAVE_MARGIN}
+                "slowest_save_job": self.slowest_job, "step_s": round(self.step_s, 3), "factor": SAVE_MARGIN,
+                **({"capped": True} if self.capped else {})}
 
 
 def segment_saves(timeline: dict[str, Any]) -> list[float]:
@@ -88,7 +90,10 @@ def plan_lead(paths: RunPaths, settings: RuntimeSettings, events: list[dict[str,
     if slowest is None:
         return LeadPlan(rendered, rendered)
     lead = measured_lead_s(slowest[0], step, settings.signal_delay_s, settings.signal_margin_s)
-    return LeadPlan(rendered, max(rendered, lead), round(slowest[0], 3), slowest[1], step)
+    cap = settings.max_signal_lead_s  # a lead past it would leave a segment less than min_train_time_s
+    capped = cap is not None and lead > cap
+    lead = min(lead, cap) if cap is not None else lead
+    return LeadPlan(rendered, max(rendered, lead), round(slowest[0], 3), slowest[1], step, capped)
 
 
 def safe_plan(paths: RunPaths, settings: RuntimeSettings, log: Callable[[str], None]) -> LeadPlan | None:
@@ -103,7 +108,8 @@ def safe_plan(paths: RunPaths, settings: RuntimeSettings, log: Callable[[str], N
 def record_lead(ledger: Ledger, job_id: str, lead: LeadPlan, log: Callable[[str], None]) -> None:
     ledger.append("lead_raised", job_id=job_id, **lead.record())
     log(f"signal lead of {job_id} raised {lead.rendered} -> {lead.lead} s (slowest recent save "
-        f"{lead.slowest_save_s} s)")
+        f"{lead.slowest_save_s} s)" + ("; capped by the time limit less chain.min_train_time_s: raise "
+                                       "cluster.time" if lead.capped else ""))
 
 
 def stop_lines(events: list[dict[str, Any]]) -> list[str]:
@@ -112,7 +118,8 @@ def stop_lines(events: list[dict[str, Any]]) -> list[str]:
     for e in events:
         if e.get("event") == "lead_raised":
             out.append(f"job {e.get('job_id')}: signal lead raised {e.get('from')} -> {e.get('to')} s "
-                       f"(slowest recent save {e.get('slowest_save_s')} s, job {e.get('slowest_save_job')})")
+                       f"(slowest recent save {e.get('slowest_save_s')} s, job {e.get('slowest_save_job')})"
+                       + ("; capped by the time limit: raise cluster.time" if e.get("capped") else ""))
         elif e.get("event") == "save_skipped" and e.get("reason") == "inside the signal window":
             out.append(f"job {e.get('job_id')}: periodic save at iteration {e.get('iteration')} skipped inside the "
                        f"signal window ({e.get('to_limit_s')} s to the limit); the stop save took its place")

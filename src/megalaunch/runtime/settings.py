@@ -50,6 +50,7 @@ class RuntimeSettings:
     signal_delay_s: int = 0  # how late the signal may come: Slurm's check period (30 s), 0 locally
     step_time_estimate_s: float = 0.0
     signal_margin_s: float = 0.0
+    max_signal_lead_s: int | None = None  # a raised lead stops here: time limit - delay - min_train_time_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
