@@ -23,7 +23,7 @@ from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
 
 RUNTIME = SRC / "megalaunch" / "runtime"
-ROOMS = {"decisions", "checkpoints", "observe"}
+ROOMS = {"decisions", "checkpoints", "observe", "stop_window"}
 MAX_LINES = 400
 
 

@@ -8,7 +8,8 @@ and appends state/metrics.jsonl every log interval as the real trainer does, so 
 report can be tested without Megatron.
 
 Env: MEGALAUNCH_RUN_DIR (set by the launcher); COUNTER_STEP_S (default 0.1); COUNTER_SAVE_S (a save's
-blocking time, default 0); COUNTER_FAIL=start makes it crash before training (crash-loop tests);
+blocking time, default 0); MEGALAUNCH_TEST_SAVE_DELAY_S=S[:KIND,...] (the real runtime's test hook:
+that much longer for saves of those kinds, periodic or stop); COUNTER_FAIL=start makes it crash before training (crash-loop tests);
 COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written);
 COUNTER_FAIL_ON_NODE=NODE: every rank on that node dies at start (SIGBUS, no outcome: a bad node);
 COUNTER_HANG_AT_START=1: the first segment to see it stops making progress before its first iteration
@@ -27,6 +28,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
 from megalaunch.runtime.dist_env import rank_env
+from megalaunch.runtime.fault_hooks import SAVE_DELAY_ENV, parse_save_delay
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
 from megalaunch.runtime.timeline import Timeline
@@ -36,9 +38,11 @@ def log(msg: str) -> None:
     print(f"[counter rank {rank_env().rank}] {msg}", flush=True)
 
 
-def save(paths: RunPaths, iteration: int, total: int, timeline: Timeline | None = None) -> None:
+def save(paths: RunPaths, iteration: int, total: int, timeline: Timeline | None = None, kind: str = "stop") -> None:
     begin = time.time()
-    time.sleep(float(os.environ.get("COUNTER_SAVE_S", "0")))
+    log(f"saving checkpoint at iteration {iteration} ({kind})")
+    delay, kinds = parse_save_delay(os.environ.get(SAVE_DELAY_ENV))
+    time.sleep(float(os.environ.get("COUNTER_SAVE_S", "0")) + (delay if kinds is None or kind in kinds else 0.0))
     d = paths.checkpoints / f"iter_{iteration:07d}"
     d.mkdir(parents=True, exist_ok=True)
     atomic_write_json(d / "state.json", {"iteration": iteration, "total": total})
@@ -115,7 +119,8 @@ def main() -> int:
             log(f"aborted at iteration {it}")
             return finish("aborted", "abort trigger")
         if decision in (Decision.SAVE, Decision.SIGNAL, Decision.EXIT):
-            save(paths, it, total, tl)
+            if paths.read_tracker() != it:  # a stop during the save at `it`: no iteration since, no second save
+                save(paths, it, total, tl)
             TriggerBox(paths).consume_for(decision, it, job)
             if decision == Decision.SIGNAL:
                 log(f"stop signal: saved and exiting at iteration {it}")
@@ -133,7 +138,7 @@ def main() -> int:
             log(f"crashing at iteration {it} on purpose (COUNTER_CRASH_ONCE)")
             os._exit(1)
         if it % settings.save_interval == 0:
-            save(paths, it, total, tl)
+            save(paths, it, total, tl, kind="periodic")
         if it % settings.log_interval == 0:
             write_progress(paths, iteration=it, consumed_samples=it, loss=1.0 / it, tokens_per_s=1.0 / step_s)
             append_jsonl(paths.metrics, {"job_id": job, "iteration": it, "time": time.time(), "loss": 1.0 / it,

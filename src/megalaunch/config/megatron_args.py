@@ -112,7 +112,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _section(out, c, _CHECKPOINT_OWN)
     if c.load:  # weights to start from when RUN/checkpoints holds nothing yet (e.g. a converted HF model)
         out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
-    if c.async_save:
+    if async_save(recipe):
         out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 
     d = recipe.data
@@ -138,3 +138,12 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     for key, value in recipe.megatron_args.items():
         _emit(out, key, value)
     return out
+
+
+def async_save(recipe: Recipe) -> bool:
+    """`checkpoint.async_save` resolved: an explicit value stands (preflight refuses true on the CPU);
+    auto is on with GPUs and torch_dist (the format Megatron's asynchronous writer supports)."""
+    c = recipe.checkpoint
+    if c.async_save == "auto":
+        return recipe.cluster.gpus_per_node > 0 and c.ckpt_format == "torch_dist"
+    return bool(c.async_save)

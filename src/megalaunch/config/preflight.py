@@ -175,9 +175,9 @@ def check_cluster(recipe: Recipe) -> None:
                  f"{cl.tasks_per_node} tasks for {cl.gpus_per_node} GPUs per node; megalaunch runs one task per GPU",
                  f"{cl.gpus_per_node} (or unset)", "--set cluster.tasks_per_node=null")
     if cl.gpus_per_node == 0:
-        _require(not recipe.checkpoint.async_save, "checkpoint.async_save",
+        _require(recipe.checkpoint.async_save is not True, "checkpoint.async_save",
                  "asynchronous saves need a GPU (Megatron's persistent save worker fails on CPU)",
-                 "false when gpus_per_node is 0", "--set checkpoint.async_save=false")
+                 "false or auto when gpus_per_node is 0", "--set checkpoint.async_save=auto")
         _require(t.precision == "fp32", "training.precision",
                  f"{t.precision} on a CPU-only job", "fp32 when gpus_per_node is 0", "--set training.precision=fp32")
     lead = signal_lead_s(recipe)

@@ -107,7 +107,10 @@ class CheckpointConfig:
 
     save_interval: int = doc("iterations between regular checkpoints", 1000)
     ckpt_format: Literal["torch_dist", "torch"] = doc("Megatron checkpoint format", "torch_dist")
-    async_save: bool = doc("asynchronous checkpoint writes", False)
+    async_save: bool | Literal["auto"] = doc(
+        "asynchronous periodic checkpoint writes (the blocking part is the copy to host memory; the stop save "
+        "still completes before the job exits); true, false, or auto: on with GPUs and the torch_dist format, "
+        "off on the CPU (Megatron's persistent save worker fails there)", "auto")
     keep_last: int = doc("regular checkpoints kept", 2)
     disk_check: bool = doc("refuse a submit whose checkpoint peak exceeds the free space or quota", True)
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)

@@ -38,7 +38,9 @@ class Live:
 class JobControl(Protocol):
     """What the chain needs at `job begin` / `job end`."""
 
-    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None: ...
+    # signal_lead_s: the successor's stop signal this long before its limit instead of the rendered lead
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None,
+                         signal_lead_s: int | None = None) -> str | None: ...
     def cancel_jobs(self, job_ids: list[str]) -> None: ...
     def state(self, job_id: str) -> str | None: ...
     def known_nodes(self, partition: str | None) -> list[str] | None: ...  # None: cannot tell / no nodes
@@ -68,3 +70,12 @@ def record_cancel(paths: RunPaths, targets: list[str]) -> None:
     ledger = Ledger(paths)
     ledger.append("cancelled", job_ids=targets)
     ledger.append("chain_stopped", job_id=None, reason=f"cancelled by {getpass.getuser()}", cancelled=targets)
+
+
+def cancelled_by(paths: RunPaths) -> str:
+    """`megalaunch cancel` left its name in state/cancel_requested ("USER TIME")."""
+    try:
+        who = paths.cancel_requested.read_text().split()[0]
+    except (OSError, IndexError):
+        return "cancelled"
+    return f"cancelled by {who}"

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megalaunch.launcher.backend import JobControl
+from megalaunch.launcher.backend import JobControl, cancelled_by
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
 from megalaunch.launcher.nodes import (
     ExclusionPlan,
@@ -21,6 +21,7 @@ from megalaunch.launcher.nodes import (
     expand_hostlist,
     health_evidence,
 )
+from megalaunch.launcher.signal_lead import record_lead, safe_plan
 from megalaunch.launcher.storage import storage_fix, storage_full
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -175,7 +176,7 @@ class Chain:
         if status == "failed" and (outcome or {}).get("kind") == "config":
             status = "config_error"  # an outcome written before the config_error status existed
         if status in ("failed", "hung") and self.paths.cancel_requested.exists():
-            status, reason = "cancelled", _cancelled_by(self.paths)  # a cancel is nobody's node fault
+            status, reason = "cancelled", cancelled_by(self.paths)  # a cancel is nobody's node fault
         elif status == "failed" and (err := config_error(self.paths, job_id)) is not None:
             # a rank failed on the configuration and took the segment down before rank 0 could say so
             status, fix = "config_error", err.get("fix")
@@ -225,9 +226,13 @@ class Chain:
 
     def _queue_successor(self, job_id: str, by: str) -> str | None:
         plan = self._exclusion_plan()
-        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None)
+        lead = safe_plan(self.paths, self.settings, log)  # from the saves measured (launcher/signal_lead.py)
+        raised = {"signal_lead_s": lead.lead} if lead is not None and lead.raised else {}
+        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None, **raised)
         if successor is not None:
             self.ledger.append("submitted", job_id=successor, by=by, dependency="singleton")
+            if raised and lead is not None:
+                record_lead(self.ledger, successor, lead, log)
             if plan is not None:
                 self._record_exclusion(successor, plan)
             log(f"queued successor {successor} (singleton)")
@@ -367,15 +372,6 @@ class Chain:
         log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
             + (f"\n  fix: {fix}" if fix else ""))
         return Verdict(False, reason)
-
-
-def _cancelled_by(paths: RunPaths) -> str:
-    """`megalaunch cancel` left its name in state/cancel_requested ("USER TIME")."""
-    try:
-        who = paths.cancel_requested.read_text().split()[0]
-    except (OSError, IndexError):
-        return "cancelled"
-    return f"cancelled by {who}"
 
 
 def _who(record: dict[str, object]) -> str:

@@ -25,6 +25,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.launcher.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain import Chain, Verdict
 from megalaunch.launcher.prepare import PreparedRun, job_command, task_supervisor, write_run
+from megalaunch.launcher.signal_lead import record_lead, safe_plan
 from megalaunch.rundir.evals import queued
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
@@ -33,6 +34,7 @@ from megalaunch.runtime.dist_env import free_port
 from megalaunch.runtime.hangwatch import STACKS_WAIT_S, HangWatch, Limits, read_beat, record_hang
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import resolve_signal
+from megalaunch.runtime.stop_window import DEADLINE_ENV
 from megalaunch.runtime.watchdog import STACKS_SIGNAL
 
 KILL_WAIT_S = 10.0
@@ -59,8 +61,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
-                echo: Callable[[str], None] = print) -> int:
-    """Start one process per task, play the time limit, return the exit status (max over ranks)."""
+                echo: Callable[[str], None] = print, lead: int | None = None) -> int:
+    """Start one process per task, play the time limit, return the exit status (max over ranks).
+    `lead`: the stop signal this long before the limit (default: the rendered lead)."""
     cl = recipe.cluster
     world = cl.ntasks_per_node
     log_path = paths.logs / f"{chain_name}-{job_id}.out"
@@ -72,6 +75,9 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     if cl.python == "python3":  # the interpreter megalaunch runs in
         command = [sys.executable if arg == cl.python else arg for arg in command]
     procs: list[subprocess.Popen[bytes]] = []
+    limit = cl.time_limit_s
+    start = time.monotonic()  # the timer counts from here, and the deadline the tasks get is the same moment
+    base_env[DEADLINE_ENV] = f"{time.time() + limit:.3f}"  # the signal window (runtime/stop_window.py)
     with open(log_path, "ab") as log:
         for rank in range(world):
             env = dict(base_env, MEGALAUNCH_RUN_DIR=str(paths.root), MEGALAUNCH_JOB_ID=job_id,
@@ -79,10 +85,8 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
-    limit = cl.time_limit_s
-    lead = signal_lead_s(recipe)
+    lead = signal_lead_s(recipe) if lead is None else lead
     stop_sig = resolve_signal(recipe.chain.stop_signal)
-    start = time.monotonic()
     signalled = killed = False
     kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
     hang = HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s), start)
@@ -148,7 +152,10 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
         if not verdict.proceed:
             echo(f"chain stopped: {verdict.reason}")
             return verdict
-        code = run_segment(paths, recipe, job_id, chain_name, echo)
+        lead = safe_plan(paths, chain.settings, echo)  # this segment's timer, from the saves measured so far
+        if lead is not None and lead.raised:
+            record_lead(chain.ledger, job_id, lead, echo)
+        code = run_segment(paths, recipe, job_id, chain_name, echo, lead=lead.lead if lead is not None else None)
         start_eval_worker(paths, echo)
         verdict = chain.end(job_id, code)
         echo(f"segment {job_id} done (exit status {code}): {verdict.reason}")
@@ -214,8 +221,9 @@ class LocalBackend:
                 out[s.job_id] = Live("RUNNING" if s.started else "PENDING")
         return out, None
 
-    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
-        return None  # the chain's process runs the next segment itself
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None,
+                         signal_lead_s: int | None = None) -> str | None:
+        return None  # the chain's process runs the next segment itself (and sets its timer's lead)
 
     def known_nodes(self, partition: str | None) -> list[str] | None:
         return None  # one machine: nothing to exclude

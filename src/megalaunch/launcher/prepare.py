@@ -20,7 +20,14 @@ from megalaunch import __version__
 from megalaunch.config.checkpoint_size import recipe_checkpoint_bytes
 from megalaunch.config.loader import LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
-from megalaunch.config.preflight import Topology, eval_interval, preflight, recipe_tokenizer, signal_lead_s
+from megalaunch.config.preflight import (
+    Topology,
+    check_period_s,
+    eval_interval,
+    preflight,
+    recipe_tokenizer,
+    signal_lead_s,
+)
 from megalaunch.config.schema import Recipe
 from megalaunch.config.storage import DiskBudget
 from megalaunch.config.tokenizer import TokenizerSpec
@@ -116,6 +123,9 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         eval_submit=eval_submit_command(recipe, paths) if paths is not None and recipe.cluster.traits.job_script
         else None,
         checkpoint_bytes=recipe_checkpoint_bytes(recipe, tokenizer),
+        signal_lead_s=signal_lead_s(recipe), signal_delay_s=check_period_s(recipe),
+        step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
+        max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
     )
 
 

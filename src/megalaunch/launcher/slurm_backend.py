@@ -109,8 +109,14 @@ class SlurmBackend:
             echo(f"node-health ledger: this job {plan.describe()}")
         return plan
 
-    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None,
+                         signal_lead_s: int | None = None) -> str | None:
         extra = ["--dependency=singleton", *([f"--exclude={','.join(exclude)}"] if exclude else [])]
+        if signal_lead_s is not None:  # a command-line option overrides the script's #SBATCH --signal line
+            from megalaunch.runtime.settings import RuntimeSettings
+
+            sig = RuntimeSettings.load(paths).stop_signal.removeprefix("SIG")
+            extra.append(f"--signal={sig}@{int(signal_lead_s)}")
         return self._sbatch(paths, extra)
 
     def _sbatch(self, paths: RunPaths, extra: list[str]) -> str:

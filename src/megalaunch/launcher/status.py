@@ -8,6 +8,7 @@ from typing import Any
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.launcher.backend import Live, unfinished
 from megalaunch.launcher.backends import backend_for
+from megalaunch.launcher.signal_lead import stop_lines
 from megalaunch.launcher.storage import checkpoint_usage, format_usage
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
@@ -98,6 +99,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "nodes": _node_decisions(events),
         "health": _health_lines(events),
         "stragglers": _straggler_lines(events),
+        "stop_signal": stop_lines(events),
         "resume": resume_summary(paths, events),
         "storage": checkpoint_usage(paths, recipe, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
@@ -200,6 +202,8 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"  health check: {line}")
     for line in st.get("stragglers") or []:
         lines.append(f"  stragglers: {line}")
+    for line in st.get("stop_signal") or []:
+        lines.append(f"  stop signal: {line}")
     lines += format_usage(st.get("storage"))
     lines += format_resume(st.get("resume"))
     lines.append("  segments:")

@@ -19,6 +19,10 @@ from megalaunch.runtime.timeline import Timeline
 
 _ACTIONS = {Decision.SAVE: "saved a checkpoint and continues", Decision.SIGNAL: "saved on the stop signal, exiting",
             Decision.EXIT: "saved on the exit trigger, exiting", Decision.ABORT: "aborting without a save"}
+_AFTER_SAVE = {Decision.SAVE: "came during the save just written, which satisfies it",
+               Decision.SIGNAL: "came during the save just written: exiting with it, no second save",
+               Decision.EXIT: "exit trigger came during the save just written: exiting with it, no second save",
+               Decision.ABORT: "aborting (the save just written stays)"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,28 +64,33 @@ class Decisions:
         self.decision = Decision.CONTINUE
         self.decision_iteration: int | None = None
 
-    def decide(self, iteration: int) -> int:
-        """A collective at the decision points (every rank reaches the same ones); CONTINUE elsewhere."""
+    def decide(self, iteration: int, force: bool = False) -> int:
+        """A collective at the decision points (every rank reaches the same ones); CONTINUE elsewhere.
+        `force`: decide now whatever the interval (right after a save: every rank saved, so every rank
+        is here)."""
         c = self.config
-        if iteration % max(1, c.trigger_interval) != 0 and iteration < c.train_iters:
+        if not force and iteration % max(1, c.trigger_interval) != 0 and iteration < c.train_iters:
             return Decision.CONTINUE
         from megalaunch.runtime.collectives import all_reduce_max
 
         local = decide(TriggerBox(self.ctx.paths) if self.ctx.is_zero else None, self.flag.received)
         return all_reduce_max(int(local))
 
-    def acted(self, decision: int, iteration: int) -> None:
+    def acted(self, decision: int, iteration: int, after_save: bool = False) -> None:
+        """`after_save`: the decision came during the save just written at `iteration`, which
+        satisfies it (no second save: no iteration ran since)."""
         d = Decision(decision)
         self.decision = max(self.decision, d)
         self.decision_iteration = iteration
         self.mark_signal()
         if d != Decision.SAVE:
             self.timeline.mark("decision", decision=d.name.lower(), decision_iteration=iteration)
-        self.ctx.log(f"decision {d.name.lower()} at iteration {iteration}: {_ACTIONS[d]}")
+        action = _AFTER_SAVE[d] if after_save else _ACTIONS[d]
+        self.ctx.log(f"decision {d.name.lower()} at iteration {iteration}: {action}")
         if self.ctx.is_zero:
-            self._consume(d, iteration)
+            self._consume(d, iteration, after_save)
 
-    def _consume(self, d: Decision, iteration: int) -> None:
+    def _consume(self, d: Decision, iteration: int, after_save: bool = False) -> None:
         """Rank 0: move the triggers this decision satisfied to triggers/consumed/, and say so."""
         box = TriggerBox(self.ctx.paths)
         consumed = box.consume_for(d, iteration, self.ctx.job_id)
@@ -89,7 +98,8 @@ class Decisions:
             rec = box.consume("save", iteration, self.ctx.job_id)
             consumed += [rec] if rec else []
         self.ctx.ledger("decision", decision=d.name.lower(), iteration=iteration,
-                        triggers=[c.get("verb") for c in consumed], signal=self.flag.received)
+                        triggers=[c.get("verb") for c in consumed], signal=self.flag.received,
+                        **({"during_save": True} if after_save else {}))
 
     def mark_signal(self) -> None:
         """The stop signal's arrival on the timeline (once; when it came, not when it was noticed)."""

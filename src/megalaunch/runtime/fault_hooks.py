@@ -3,6 +3,9 @@
 - MEGALAUNCH_TEST_HANG=ITER[:RANK]: that rank stops making progress inside iteration ITER;
 - MEGALAUNCH_TEST_STEP_SLEEP_S=S: every iteration takes S seconds longer (before its decision);
 - MEGALAUNCH_TEST_SLOW_FORWARD=RANK:SECONDS: a sleep in that rank's forward steps;
+- MEGALAUNCH_TEST_SAVE_DELAY_S=S[:KIND,KIND]: every save (or only those of these kinds: periodic,
+  trigger, stop, final) takes S seconds longer, on every rank, inside the save (after it was started
+  and timed, before Megatron writes): a slow filesystem, for a stop signal that arrives during a save;
 - MEGALAUNCH_TEST_RENDEZVOUS_HANG=RANK: that rank never joins torch.distributed's rendezvous, in the
   first segment that sees the hook only (a marker under state/ remembers it).
 (MEGALAUNCH_TEST_SLOW_NODE and MEGALAUNCH_TEST_HEALTH_FAIL are the health check's: runtime/health.py.)"""
@@ -19,6 +22,7 @@ HANG_ENV = "MEGALAUNCH_TEST_HANG"
 STEP_SLEEP_ENV = "MEGALAUNCH_TEST_STEP_SLEEP_S"
 SLOW_FORWARD_ENV = "MEGALAUNCH_TEST_SLOW_FORWARD"
 RENDEZVOUS_HANG_ENV = "MEGALAUNCH_TEST_RENDEZVOUS_HANG"
+SAVE_DELAY_ENV = "MEGALAUNCH_TEST_SAVE_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,16 @@ class FaultHooks:
     hang_at: int | None = None
     step_sleep_s: float = 0.0
     slow_forward_s: float = 0.0
+    save_delay_s: float = 0.0
+    save_delay_kinds: frozenset[str] | None = None  # None: every kind
 
     @classmethod
     def from_env(cls, rank: int) -> FaultHooks:
+        delay, kinds = parse_save_delay(os.environ.get(SAVE_DELAY_ENV))
         return cls(hang_at=parse_hang(os.environ.get(HANG_ENV), rank),
                    step_sleep_s=float(os.environ.get(STEP_SLEEP_ENV) or 0),
-                   slow_forward_s=parse_slow_forward(os.environ.get(SLOW_FORWARD_ENV), rank))
+                   slow_forward_s=parse_slow_forward(os.environ.get(SLOW_FORWARD_ENV), rank),
+                   save_delay_s=delay, save_delay_kinds=kinds)
 
     def maybe_hang(self, iteration: int, ctx: RankContext) -> None:
         """Stop making progress inside iteration `hang_at` (`iteration` is the last one finished)."""
@@ -47,6 +55,11 @@ class FaultHooks:
     def slow_forward(self) -> None:
         if self.slow_forward_s > 0:  # this rank computes slower
             time.sleep(self.slow_forward_s)
+
+    def slow_save(self, kind: str, ctx: RankContext) -> None:
+        if self.save_delay_s > 0 and (self.save_delay_kinds is None or kind in self.save_delay_kinds):
+            ctx.log(f"test hook: this {kind} save takes {self.save_delay_s:g} s longer")
+            time.sleep(self.save_delay_s)
 
 
 def maybe_skip_rendezvous(ctx: RankContext) -> None:
@@ -69,6 +82,13 @@ def parse_slow_forward(text: str | None, rank: int) -> float:
         return 0.0
     slow_rank, _, seconds = text.partition(":")
     return float(seconds or 0.1) if int(slow_rank) == rank else 0.0
+
+
+def parse_save_delay(text: str | None) -> tuple[float, frozenset[str] | None]:
+    if not text:
+        return 0.0, None
+    seconds, _, kinds = text.partition(":")
+    return float(seconds), (frozenset(k.strip() for k in kinds.split(",") if k.strip()) or None)
 
 
 def parse_hang(text: str | None, rank: int) -> int | None:

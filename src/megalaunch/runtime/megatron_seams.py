@@ -10,8 +10,14 @@ Seams (megatron-core 0.19.2, `megatron.training`):
   `Decision` (signal flag on every rank + trigger files on rank 0), computed in the wrapper below.
 - `training.checkpoint_and_decide_exit` -> decide once per iteration, then (runtime/decisions.at_boundary):
   `save` checkpoints and continues, `signal`/`exit` let Megatron save and exit, `abort` exits without saving.
+  Megatron checks the signal *before* its periodic save: a stop that arrives during that save would be
+  seen one iteration later and cost a second save. So after any save at a boundary we decide again at
+  once (every rank does: the save was collective) and a stop leaves with the checkpoint just written.
 - `training.save_checkpoint_and_time` -> hooks before/after every save (watchdog, retention); the hook
   before may skip the save.
+- `checkpointing.schedule_async_save` -> an asynchronous save is complete only when Megatron finalizes
+  it (every rank, at a later iteration or before leaving its loop): `save_complete` runs as its last
+  finalize step, after Megatron's tracker update; a synchronous save is complete when it returns.
 - `training.training_log` -> the reduced loss of each iteration (progress, W&B).
 - `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
   back to an older one if loading fails.
@@ -46,6 +52,7 @@ def install(hooks: LoopHooks) -> None:
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
     _wrap_save(hooks)
+    _wrap_async_schedule(hooks)
     _wrap_training_log(hooks)
     _wrap_load_checkpoint(hooks)
 
@@ -84,6 +91,9 @@ class _CollectiveSignalHandler:
         self.sig = sig
         self.exit_requested = False
         self.save_kind: SaveKind = "final"  # why a save now would be written ("final": outside a step boundary)
+        self.saved_at: int | None = None  # the iteration of the last save that went ahead (not skipped)
+        self.saving: int | None = None  # the iteration being saved right now (inside save_checkpoint_and_time)
+        self.scheduled_async = False  # the save in progress was handed to the asynchronous writer
 
     def signals_received(self) -> list[bool]:
         return [self.exit_requested]
@@ -143,9 +153,24 @@ def _wrap_checkpoint_and_decide_exit(hooks: LoopHooks) -> None:
             _HANDLER.save_kind, _HANDLER.exit_requested = "final", False
         if decision != Decision.CONTINUE:
             hooks.acted(decision, iteration)
+        if not should_exit and not step.leave and _HANDLER.saved_at == iteration:
+            return _after_boundary_save(hooks, iteration)
         return bool(should_exit)
 
     mtraining.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+
+def _after_boundary_save(hooks: LoopHooks, iteration: int) -> bool:
+    """A periodic or trigger save at this boundary went ahead (on every rank): decide again now, so a
+    stop that came during the save leaves with this checkpoint (no iteration ran since it, so a
+    second save would add nothing), a `save` trigger is satisfied by it, and an abort leaves."""
+    from megalaunch.rundir.triggers import Decision
+
+    again = Decision(hooks.decide(iteration, force=True))
+    if again == Decision.CONTINUE:
+        return False
+    hooks.acted(again, iteration, after_save=True)
+    return again >= Decision.SIGNAL
 
 
 def _wrap_save(hooks: LoopHooks) -> None:
@@ -157,11 +182,34 @@ def _wrap_save(hooks: LoopHooks) -> None:
     def save_checkpoint_and_time(iteration: int, *args: Any, **kwargs: Any) -> Any:
         if not hooks.before_save(iteration, _HANDLER.save_kind):
             return None
-        result = original(iteration, *args, **kwargs)
-        hooks.after_save(iteration)
+        _HANDLER.saving, _HANDLER.scheduled_async = iteration, False
+        try:
+            result = original(iteration, *args, **kwargs)
+        finally:
+            _HANDLER.saving = None
+        _HANDLER.saved_at = iteration
+        hooks.after_save(iteration, complete=not _HANDLER.scheduled_async)
         return result
 
     mtraining.save_checkpoint_and_time = save_checkpoint_and_time
+
+
+def _wrap_async_schedule(hooks: LoopHooks) -> None:
+    """An asynchronous save's own last finalize step tells the hooks it is complete (every rank runs
+    the finalize steps at the same point: Megatron agrees on completion with an all-reduce first)."""
+    from megatron.training import checkpointing as mcheckpointing
+
+    original = mcheckpointing.schedule_async_save
+
+    @functools.wraps(original)
+    def schedule_async_save(async_request: Any) -> Any:
+        iteration = _HANDLER.saving
+        if iteration is not None:
+            _HANDLER.scheduled_async = True
+            async_request.add_finalize_fn(functools.partial(hooks.save_complete, iteration))
+        return original(async_request)
+
+    mcheckpointing.schedule_async_save = schedule_async_save
 
 
 def _wrap_training_log(hooks: LoopHooks) -> None:

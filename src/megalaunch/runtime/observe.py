@@ -78,6 +78,8 @@ class Observer:
         self.stragglers: dict[str, Any] | None = None  # the latest step-time spread summary
         self._forward_section: Any = None
         self._window: tuple[float, int, float] | None = None  # (time, consumed samples, flops)
+        self._save_begun: dict[int, float] = {}  # iteration -> wall-clock start of its save, until complete
+        self._save_blocking: dict[int, float] = {}  # iteration -> the save's blocking seconds
         self._saving_in_window = 0.0
         self._wandb_started = False
         self._loss_log = os.environ.get(LOSS_LOG_ENV) if ctx.is_zero else None
@@ -203,12 +205,26 @@ class Observer:
         self._window = None
 
     def save_started(self, iteration: int) -> None:
+        self._save_begun[iteration] = time.time()
         self.timeline.save_started(iteration)
         self.beat(f"save at iteration {iteration} started")
 
     def save_finished(self, iteration: int, elapsed: float) -> None:
         self._saving_in_window += elapsed  # throughput leaves the time spent saving out
+        self._save_blocking[iteration] = elapsed
         self.beat(f"save at iteration {iteration} done")
+
+    def save_blocking_s(self, iteration: int) -> float:
+        return self._save_blocking.get(iteration, 0.0)
+
+    def save_written(self, iteration: int) -> None:
+        """The checkpoint of `iteration` is complete on disk (an asynchronous one: when Megatron
+        finalized it): from the save's start until now on the timeline's `writes`, which the chain
+        reads for the next segments' signal lead (launcher/signal_lead.py)."""
+        begun = self._save_begun.pop(iteration, None)
+        self._save_blocking.pop(iteration, None)
+        if begun is not None:
+            self.timeline.write(iteration, begun, time.time())
 
     def save_recorded(self, iteration: int, span: tuple[float, float]) -> None:
         """After retention: the save's interval on the timeline; the step-time spread (every rank

@@ -1,10 +1,12 @@
-"""One segment of training on one rank: the three rooms the Megatron seams report into, composed.
+"""One segment of training on one rank: the rooms the Megatron seams report into, composed.
 
 - `decisions` (runtime/decisions.py): the stop signal and the triggers folded into one decision,
   the same on every rank; what it asks of the loop; the segment's verdict.
 - `checkpoints` (runtime/checkpoints.py): the checkpoint to load, every save's hooks, retention.
 - `observe` (runtime/observe.py): timeline and heartbeat, watchdog beats, progress and metrics, the
   health check, stragglers, W&B.
+- `window` (runtime/stop_window.py): the signal window at the end of the segment, in which a periodic
+  save is skipped (the stop save takes its place).
 
 Each room is built from its own slice of RuntimeSettings. `Session` implements the seams' and the step's
 protocols (runtime/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
@@ -25,6 +27,7 @@ from megalaunch.runtime.hooks import SaveKind
 from megalaunch.runtime.observe import ObserveConfig, Observer
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
+from megalaunch.runtime.stop_window import StopWindow, WindowConfig
 
 
 def decision_config(s: RuntimeSettings) -> DecisionConfig:
@@ -34,6 +37,10 @@ def decision_config(s: RuntimeSettings) -> DecisionConfig:
 def checkpoint_config(s: RuntimeSettings, resume_from: int | None) -> CheckpointConfig:
     return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from,
                             checkpoint_bytes=s.checkpoint_bytes, train_iters=s.train_iters)
+
+
+def window_config(s: RuntimeSettings) -> WindowConfig:
+    return WindowConfig(lead_s=s.signal_lead_s, delay_s=s.signal_delay_s)
 
 
 def observe_config(s: RuntimeSettings) -> ObserveConfig:
@@ -51,6 +58,7 @@ class Session:
         self.observe = Observer(self.ctx, observe_config(settings))
         self.decisions = Decisions(self.ctx, decision_config(settings), flag, self.observe.timeline)
         self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
+        self.window = StopWindow(self.ctx, window_config(settings))
         self.faults = FaultHooks.from_env(rank)
 
     # --- what the entry reads -----------------------------------------------------------------------------
@@ -68,24 +76,34 @@ class Session:
     def distributed_ready(self) -> None:
         self.observe.distributed_ready()
 
-    def decide(self, iteration: int) -> int:
-        return self.decisions.decide(iteration)
+    def decide(self, iteration: int, force: bool = False) -> int:
+        return self.decisions.decide(iteration, force)
 
-    def acted(self, decision: int, iteration: int) -> None:
-        self.decisions.acted(decision, iteration)
+    def acted(self, decision: int, iteration: int, after_save: bool = False) -> None:
+        self.decisions.acted(decision, iteration, after_save)
 
     def before_save(self, iteration: int, kind: SaveKind) -> bool:
+        if kind == "periodic" and self.window.skip_periodic(iteration):
+            return False
         if not self.checkpoints.before_save(iteration, kind):
             return False
         self.observe.save_started(iteration)
+        self.faults.slow_save(kind, self.ctx)  # test hook: a slow filesystem, inside the timed save
         return True
 
-    def after_save(self, iteration: int) -> None:
+    def after_save(self, iteration: int, complete: bool = True) -> None:
         elapsed = self.checkpoints.save_finished()
         self.observe.save_finished(iteration, elapsed)
-        self.checkpoints.after_save(iteration, elapsed)
-        # the save's interval on the timeline includes retention: deleting an old checkpoint blocks too
+        if complete:
+            self.save_complete(iteration)
+        # the save's interval on the timeline includes retention when it ran here: deleting blocks too
         self.observe.save_recorded(iteration, self.checkpoints.save_span())
+
+    def save_complete(self, iteration: int) -> None:
+        """The checkpoint is complete on disk: right after a synchronous save; an asynchronous one's
+        when Megatron finalizes it (progress, the eval, retention wait for that)."""
+        self.checkpoints.after_save(iteration, self.observe.save_blocking_s(iteration))
+        self.observe.save_written(iteration)
 
     def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
         self.observe.on_log(iteration, loss, lr, grad_norm)

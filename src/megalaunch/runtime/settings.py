@@ -47,6 +47,13 @@ class RuntimeSettings:
     # storage (issue 23): one checkpoint's predicted bytes (config/checkpoint_size.py), what the check
     # before a save asks for until a checkpoint of this run can be measured; None: not known
     checkpoint_bytes: int | None = None
+    # the stop signal's timing (runtime/stop_window.py; launcher/signal_lead.py raises the lead of the
+    # next segments from the saves measured): None / 0 in runs made before these existed
+    signal_lead_s: int | None = None  # the rendered lead: #SBATCH --signal=SIG@LEAD, the local timer's
+    signal_delay_s: int = 0  # how late the signal may come: Slurm's check period (30 s), 0 locally
+    step_time_estimate_s: float = 0.0
+    signal_margin_s: float = 0.0
+    max_signal_lead_s: int | None = None  # a raised lead stops here: time limit - delay - min_train_time_s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

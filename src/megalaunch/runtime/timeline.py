@@ -17,7 +17,9 @@ Phases, in the order a segment reaches them (absolute times, seconds since the e
   last_iteration_end (updated every iteration; written every log interval and at exit)
   signal_received    the stop signal arrived (and `decision`: when a stop was acted on)
   exit               the outcome is written
-plus `saves`: [iteration, begin, end] of every blocking save.
+plus `saves`: [iteration, begin, end] of every blocking save, and `writes`: [iteration, begin, complete]
+of every checkpoint, until it was complete on disk (the same as its save when synchronous; an
+asynchronous one's write goes on after its blocking part): the chain's measure for the signal lead.
 
 Detail phases split the start-up further (reported by bench/goodput.py; the goodput cuts above do not
 use them): torch_imported, megatron_imported (inside `imports`); distributed_ready (process groups
@@ -60,7 +62,7 @@ class Timeline:
         self.path = paths.timeline(job_id or f"pid{os.getpid()}")
         self.write_enabled = write
         self.data: dict[str, Any] = {"job_id": job_id, "host": os.uname().nodename, "phases": {}, "saves": [],
-                                     "iterations": {}}
+                                     "writes": [], "iterations": {}}
         self._last_write = 0.0
         self.heartbeat = Heartbeat(paths, job_id, enabled=write)  # every phase and save is a sign of life
         start = process_start_time()
@@ -99,6 +101,10 @@ class Timeline:
         self.data["saves"].append([iteration, begin, end])
         self.flush()
         self.heartbeat.beat("save_end", iteration=iteration)
+
+    def write(self, iteration: int, begin: float, complete: float) -> None:
+        self.data["writes"].append([iteration, begin, complete])
+        self.flush()
 
     def flush(self) -> None:
         if not self.write_enabled:

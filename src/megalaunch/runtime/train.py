@@ -4,7 +4,7 @@ One process per GPU (srun task, or the local backend's processes), with RANK, WO
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment. It runs Megatron's own loop
 (`megatron.training.pretrain`) on the arguments in RUN/megatron.args, a GPT/Llama model
 (runtime/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data; runtime/step.py),
-and adds what the chain needs (docs/training.md) through a `Session` (runtime/session.py) of three rooms:
+and adds what the chain needs (docs/training.md) through a `Session` (runtime/session.py) of rooms:
 
 - decisions (runtime/decisions.py): the stop signal and the trigger files folded into one decision per
   check, the same on every rank (one all-reduce MAX); every rank logs the iteration at which it acted;
