@@ -76,6 +76,8 @@ class Sampler(threading.Thread):
                 names = sorted(p.name for p in self.checkpoints.iterdir() if re.fullmatch(r"iter_\d{7}", p.name))
             except OSError:
                 continue
+            if not self.samples or self.samples[-1][1] != names:
+                print(f"on disk ({len(names)}): {' '.join(names)}", flush=True)
             self.samples.append((time.time(), names))
 
     @property
@@ -158,7 +160,16 @@ def main() -> int:
     stop = threading.Event()
     threading.Thread(target=trigger_when, args=(paths, args.trigger_save_at, stop), daemon=True).start()
     t0 = time.time()
-    verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=lambda m: print(m, flush=True))
+    keep, gbs = prepared.recipe.checkpoint.keep_last, prepared.recipe.training.global_batch_size
+
+    def echo(message: str) -> None:
+        print(message, flush=True)
+        if message.startswith("segment ") and " done " in message:  # the figures so far, in case of a cut-off
+            so_far = summarize(paths, sampler, time.time() - t0, keep, gbs)
+            print("so far: " + json.dumps({k: so_far[k] for k in ("segments", "peak_on_disk", "saves_s", "wall_s",
+                                                                   "blocking_save_share", "loads_s")}), flush=True)
+
+    verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo)
     wall = time.time() - t0
     stop.set()
     sampler.done.set()
