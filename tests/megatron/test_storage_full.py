@@ -89,7 +89,9 @@ def test_a_filesystem_that_fills_during_a_run(tmp_path: Path) -> None:
         status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, timeout=60)
         assert "storage full" in status.stdout and f"filesystem tmpfs ({fs}, tmpfs)" in status.stdout, status.stdout
         assert f"megalaunch resume {paths.root}" in status.stdout
-        assert f"warning: the periodic save at iteration {first + 10} was skipped" in status.stdout, status.stdout
+        last_skip = ledger(paths, "save_skipped")[-1]  # a loaded machine may skip another before the exit acts
+        assert f"warning: the periodic save at iteration {last_skip['iteration']} was skipped" in status.stdout, \
+            status.stdout
         assert chain.returncode is not None, out[-3000:]
 
 
