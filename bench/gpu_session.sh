@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh speed              # 4 GPUs: SDPA kernels, speed flags, 8B MFU (~6 min)
 #   bash bench/gpu_session.sh plan               # 4 GPUs: the planner's 8B ranking, trained (~8 min)
 #   bash bench/gpu_session.sh storage            # the 1B chain on the disk: peak, saves, bandwidth (~8 min)
+#   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -107,12 +108,20 @@ stage_storage() {  # issue 23: the 1B chain on this machine's disk with the ship
   tar -czf "$OUT/storage_logs.tgz" -C "$WORK/storage" --exclude checkpoints . 2>/dev/null || true
 }
 
+stage_profile() {  # issue 23: a save's phases and writer threads against the disk's own bandwidth
+  rm -rf "$WORK/profile"
+  # shellcheck disable=SC2086
+  "$PY" bench/save_profile.py --dir "$WORK/profile" --json "$OUT/save_profile.json" ${PROFILE_ARGS:-} 2>&1 \
+    | grep -vE "warn|Warn" | tee "$OUT/save_profile.txt"
+  rm -rf "$WORK/profile"
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -131,3 +131,28 @@ class LongestFirstScheduling(LoadGroupScheduling):
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(n) for n, done in unit.items() if not done])
         node.shutdown()
+
+
+def durations_from_junit(xml_path: Path, root: Path) -> dict[str, float]:
+    """{test id: seconds} from a `pytest --junitxml` report (setup + call + teardown per test)."""
+    import xml.etree.ElementTree as ET
+
+    out: dict[str, float] = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        parts = (case.get("classname") or "").split(".")
+        for cut in range(len(parts), 0, -1):  # the module is the longest prefix that is a file
+            module = "/".join(parts[:cut]) + ".py"
+            if (root / module).is_file():
+                nodeid = "::".join([module, *parts[cut:], case.get("name") or ""])
+                out[nodeid] = round(float(case.get("time") or 0.0), 2)
+                break
+    return out
+
+
+if __name__ == "__main__":  # python tests/support/schedule.py REPORT.xml: refresh tests/durations.json
+    import sys
+
+    measured = durations_from_junit(Path(sys.argv[1]), DURATIONS.parents[1])
+    kept = {k: v for k, v in sorted(measured.items()) if v >= 1.0}  # shorter ones: UNKNOWN_S is close enough
+    DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
+    print(f"{DURATIONS}: {len(measured)} tests, {sum(measured.values()):.0f} s in all; {len(kept)} of >= 1 s kept")

@@ -159,6 +159,28 @@ def test_a_periodic_save_that_does_not_fit_is_skipped_and_shown_a_stop_save_rais
     assert f"megalaunch resume {paths.root}" in lines
 
 
+def test_a_stop_save_short_of_room_keeps_only_the_newest_checkpoint_a_periodic_one_is_skipped(fs: Path) -> None:
+    """keep_last 2 holds 10 and 20; the disk fills from outside. A periodic save is skipped (20 and 10
+    stay); the stop save is worth more than checkpoint 10: retention squeezes down to 20 and saves."""
+    paths = _run(fs)
+    for i in (10, 20):
+        _checkpoint(paths, i, 2 * MiB)
+    room = _room(paths, train_iters=100)
+    fill(fs, MiB)
+    assert not room.before_save(30, "periodic")
+    assert resume.checkpoint_iterations(paths) == [10, 20]
+    assert room.before_save(31, "stop")
+    assert resume.checkpoint_iterations(paths) == [20]
+    (squeezed,) = [e for e in read_jsonl(paths.ledger) if e["event"] == "retention_squeezed"]
+    assert (squeezed["iteration"], squeezed["kind"], squeezed["deleted"], squeezed["keep_last"]) == (31, "stop", [10], 2)
+    # keep_last 0 (every save kept) is never squeezed: the stop save that does not fit ends storage_full
+    keep_all = Checkpoints(RankContext(paths, 0, 1, "7"), CheckpointConfig(keep_last=0))
+    _checkpoint(paths, 31, 2 * MiB)  # the stop save: ~1 MiB left again
+    with pytest.raises(SaveDoesNotFit):
+        keep_all.before_save(40, "stop")
+    assert resume.checkpoint_iterations(paths) == [20, 31]
+
+
 def test_status_counts_why_each_checkpoint_is_kept(fs: Path) -> None:
     paths = _run(fs)
     paths.runtime_json.write_text(RuntimeSettings(train_iters=100, save_interval=10, keep_last=2,

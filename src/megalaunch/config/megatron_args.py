@@ -17,7 +17,7 @@ from megalaunch.rundir.paths import RunPaths
 # Fields that are megalaunch's own, not Megatron flags.
 _TRAINING_OWN = {"precision", "attention", "recompute", "fused_kernels", "log_interval", "eval_interval", "eval_iters"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
-                   "async_save", "disk_check"}
+                   "async_save", "disk_check", "writer_threads"}
 
 
 def flag(name: str) -> str:
@@ -114,6 +114,8 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
         out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
     if async_save(recipe):
         out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+        if c.writer_threads > 1:  # Megatron uses more than one writer only with a cached save plan
+            out += ["--ckpt-assume-constant-structure", "--dist-ckpt-workers", str(c.writer_threads)]
 
     d = recipe.data
     if d.mock:

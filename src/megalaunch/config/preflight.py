@@ -196,6 +196,8 @@ def check_cluster(recipe: Recipe) -> None:
              "--set chain.trigger_interval=1")
     _require(recipe.checkpoint.save_interval >= 1, "checkpoint.save_interval", "must be >= 1", ">= 1",
              "--set checkpoint.save_interval=1000")
+    _require(1 <= recipe.checkpoint.writer_threads <= 64, "checkpoint.writer_threads",
+             f"{recipe.checkpoint.writer_threads} writer threads", "1 to 64", "--set checkpoint.writer_threads=8")
 
 
 def recipe_tokenizer(recipe: Recipe) -> TokenizerSpec | None:

@@ -111,6 +111,9 @@ class CheckpointConfig:
         "asynchronous periodic checkpoint writes (the blocking part is the copy to host memory; the stop save "
         "still completes before the job exits); true, false, or auto: on with GPUs and the torch_dist format, "
         "off on the CPU (Megatron's persistent save worker fails there)", "auto")
+    writer_threads: int = doc(
+        "threads that write each rank's part of an asynchronous save (Megatron's --dist-ckpt-workers); one "
+        "thread writes at half a local NVMe's speed (docs/storage.md)", 8)
     keep_last: int = doc("regular checkpoints kept", 2)
     disk_check: bool = doc("refuse a submit whose checkpoint peak exceeds the free space or quota", True)
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)

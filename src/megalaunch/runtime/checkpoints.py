@@ -7,8 +7,9 @@ deletes) are runtime/resume.py's; this room applies them at the loop's fixed poi
 - `loaded`: once every rank has loaded, rank 0 applies retention (segment start).
 - `before_save(iteration, kind)` (collective): rank 0 checks the free space for one checkpoint
   (runtime/retention.check_space: retention first when short); every rank gets the same answer. A
-  periodic or trigger save that does not fit is skipped (False; ledger `save_skipped`), a stop or
-  final save raises SaveDoesNotFit (the segment ends `storage_full`).
+  periodic or trigger save that does not fit is skipped (False; ledger `save_skipped`); for a stop or
+  final save retention keeps only the newest complete checkpoint next (ledger `retention_squeezed`),
+  and one that still does not fit raises SaveDoesNotFit (the segment ends `storage_full`).
 - `save_finished` / `after_save`: the blocking time of each save; on rank 0 progress moved up to the
   checkpoint, the eval queued, and retention (runtime/retention.keep: the last `keep_last`, plus
   milestones and checkpoints an eval still needs; the one this segment resumed from only until a newer
@@ -142,7 +143,8 @@ class Checkpoints:
         paths = self.ctx.paths
         try:
             check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
-                                          stop=self._needed(iteration, kind), make_room=self._retain)
+                                          stop=self._needed(iteration, kind), make_room=self._retain,
+                                          squeeze=self._squeeze)
         except OSError as e:
             self.ctx.log(f"free space before the save at iteration {iteration} not measured ({e}): saving")
             return _SAVE
@@ -150,6 +152,11 @@ class Checkpoints:
         if check.deleted:
             self.ctx.log(f"not enough free space for the save at iteration {iteration}: retention deleted "
                          f"checkpoints {check.deleted} first")
+        if check.squeezed:
+            self.ctx.log(f"the {kind} save at iteration {iteration} fits only with fewer checkpoints kept: "
+                         f"retention kept the newest complete one and deleted {check.deleted}")
+            self._ledger("retention_squeezed", iteration=iteration, kind=kind, deleted=check.deleted,
+                         keep_last=self.config.keep_last, **_figures(paths, check.free, check.need))
         if check.verdict == "save":
             return _SAVE
         if check.verdict == "skip":
@@ -194,6 +201,18 @@ class Checkpoints:
                                   protect=protect or set(), job_id=self.ctx.job_id)
         if deleted:
             self.ctx.log(f"retention: deleted checkpoints {deleted}")
+        return deleted
+
+    def _squeeze(self) -> list[int]:
+        """Rank 0, a stop save short of room after retention: keep only the newest complete regular
+        checkpoint (milestones and those waiting for an evaluation stay); keep_last 0 keeps every save."""
+        if self.config.keep_last < 1:
+            return []
+        deleted = retention.prune(self.ctx.paths, keep_last=1, milestone_interval=self.config.milestone_interval,
+                                  eval_pending=pending_iterations(self.ctx.paths), resumed_from=self.resumed_from,
+                                  job_id=self.ctx.job_id)
+        if deleted:
+            self.ctx.log(f"retention (to make room for the stop save): deleted checkpoints {deleted}")
         return deleted
 
     def ended_full(self) -> dict[str, Any]:

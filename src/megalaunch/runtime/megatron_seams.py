@@ -180,6 +180,8 @@ def _wrap_save(hooks: LoopHooks) -> None:
 
     @functools.wraps(original)
     def save_checkpoint_and_time(iteration: int, *args: Any, **kwargs: Any) -> Any:
+        if _HANDLER.save_kind in ("stop", "final"):
+            _finish_async_saves()  # its space is known and retention may delete what it supersedes
         if not hooks.before_save(iteration, _HANDLER.save_kind):
             return None
         _HANDLER.saving, _HANDLER.scheduled_async = iteration, False
@@ -192,6 +194,16 @@ def _wrap_save(hooks: LoopHooks) -> None:
         return result
 
     mtraining.save_checkpoint_and_time = save_checkpoint_and_time
+
+
+def _finish_async_saves() -> None:
+    """Every rank, before a save the run cannot do without: an asynchronous save still writing is
+    finished first (it must finish before the process exits anyway). Then the space check sees it
+    complete, and retention may delete the checkpoint it supersedes to make room for this one."""
+    from megatron.training import async_utils
+
+    if not async_utils.is_empty_async_queue():
+        async_utils.maybe_finalize_async_save(blocking=True)
 
 
 def _wrap_async_schedule(hooks: LoopHooks) -> None:

@@ -164,6 +164,7 @@ class SpaceCheck:
     need: int | None
     measured_on: int | None  # the checkpoint whose size `need` is; None: the prediction
     deleted: list[int]
+    squeezed: bool = False  # a stop save fitted only once retention kept just the newest complete checkpoint
 
     def where(self, directory: Path) -> str:
         """'filesystem tmpfs (/x, tmpfs), 0.3 MB free, 1.9 MB needed' (+ where the figure comes from)."""
@@ -173,9 +174,11 @@ class SpaceCheck:
 
 
 def check_space(directory: Path, need: tuple[int | None, int | None], *, stop: bool,
-                make_room: Callable[[], list[int]]) -> SpaceCheck:
+                make_room: Callable[[], list[int]], squeeze: Callable[[], list[int]] | None = None) -> SpaceCheck:
     """Whether a save of `need[0]` bytes fits the free space of `directory`; when not, `make_room()`
-    (retention) first, then measure again. `stop`: a save the segment cannot go on without."""
+    (retention) first, then measure again. `stop`: a save the segment cannot go on without; for one,
+    `squeeze()` (retention down to the newest complete checkpoint) comes next, since the iterations
+    since that checkpoint are worth more than an older one kept by `keep_last`."""
     size, measured_on = need
     free = free_bytes(directory)
     if size is None or free >= size * (1 + MARGIN):
@@ -184,4 +187,9 @@ def check_space(directory: Path, need: tuple[int | None, int | None], *, stop: b
     free = free_bytes(directory)  # measured again: retention may also have removed leftovers it does not list
     if free >= size * (1 + MARGIN):
         return SpaceCheck("save", free, size, measured_on, deleted)
+    if stop and squeeze is not None:
+        deleted += squeeze()
+        free = free_bytes(directory)
+        if free >= size * (1 + MARGIN):
+            return SpaceCheck("save", free, size, measured_on, deleted, squeezed=True)
     return SpaceCheck("storage_full" if stop else "skip", free, size, measured_on, deleted)
