@@ -190,7 +190,10 @@ def test_raw_text_to_hugging_face_model_through_the_cli(slurm_tmp: Path) -> None
 
     wait_for(tokenized, 180, interval=2, what="every dump of the tokenization array to be done")
     assert "2/2 dumps" in statuses[-1] and f"{n_train:,} documents" in statuses[-1], statuses[-1]
-    for task in ("0", "1"):  # both dumps ran as tasks of that one array
+    for task in ("0", "1"):  # both dumps ran as tasks of that one array and end well (a task whose dump is
+        # written may still be in its epilogue for a moment: RUNNING/COMPLETING, then COMPLETED)
+        wait_for(lambda t=task: job_state(f"{array}_{t}") in TERMINAL_STATES | {"GONE"}, 60, interval=1,
+                 what=f"array task {array}_{task} to leave the queue")
         assert job_state(f"{array}_{task}") in ("COMPLETED", "GONE")
     assert {p.name for p in (tmp / "tokrun" / "logs").iterdir()} == {f"tok-journey-{array}_0.out",
                                                                     f"tok-journey-{array}_1.out"}

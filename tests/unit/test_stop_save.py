@@ -86,6 +86,9 @@ def test_a_periodic_save_inside_the_window_is_skipped_and_recorded(session: Any)
     (skip,) = [e for e in read_jsonl(s.ctx.paths.ledger) if e["event"] == "save_skipped"]
     assert (skip["iteration"], skip["reason"], skip["job_id"]) == (20, "inside the signal window", "7")
     assert "skipped inside the signal window" in stop_lines(read_jsonl(s.ctx.paths.ledger))[0]
+    # the save at train_iters is the run's last: no stop save comes after it, so the window never skips it
+    assert s.before_save(100, "periodic")
+    assert [e["iteration"] for e in read_jsonl(s.ctx.paths.ledger) if e["event"] == "save_skipped"] == [20]
 
 
 def test_outside_the_window_or_without_a_deadline_every_save_goes_ahead(session: Any,

@@ -143,7 +143,7 @@ class Checkpoints:
         paths = self.ctx.paths
         try:
             check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
-                                          stop=self._needed(iteration, kind), make_room=self._retain,
+                                          stop=self.needed(iteration, kind), make_room=self._retain,
                                           squeeze=self._squeeze)
         except OSError as e:
             self.ctx.log(f"free space before the save at iteration {iteration} not measured ({e}): saving")
@@ -168,7 +168,7 @@ class Checkpoints:
         self.ctx.log(self.no_room)
         return _FULL
 
-    def _needed(self, iteration: int, kind: SaveKind) -> bool:
+    def needed(self, iteration: int, kind: SaveKind) -> bool:
         """A save the segment cannot go on without: the stop save, the final one, the one at train_iters."""
         last = self.config.train_iters
         return kind in ("stop", "final") or (last is not None and iteration >= last)

@@ -83,7 +83,8 @@ class Session:
         self.decisions.acted(decision, iteration, after_save)
 
     def before_save(self, iteration: int, kind: SaveKind) -> bool:
-        if kind == "periodic" and self.window.skip_periodic(iteration):
+        # inside the signal window the stop save takes a periodic save's place; at train_iters none comes
+        if kind == "periodic" and not self.checkpoints.needed(iteration, kind) and self.window.skip_periodic(iteration):
             return False
         if not self.checkpoints.before_save(iteration, kind):
             return False
