@@ -150,3 +150,27 @@ def test_the_sweep_also_finds_what_left_the_tree_but_not_the_group() -> None:
         loner.kill()
         group.wait()
         loner.wait()
+
+
+def test_the_sweep_never_takes_another_task_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmstepd puts every task of a step on a node in one process group (the first task's): rank 0's
+    sweep of that group must leave rank 1 (and what rank 1 started) alone, and still find its own."""
+    script = ("import os, subprocess, sys, time\n"
+              "kids = [subprocess.Popen(['sleep', '60'], env={**os.environ, 'SLURM_PROCID': r}) for r in ('1', '0')]\n"
+              "print(*(k.pid for k in kids), flush=True)\n"
+              "time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "SLURM_PROCID": "0"})
+    try:
+        assert leader.stdout is not None
+        other, mine = (int(x) for x in leader.stdout.readline().split())
+        outsider = os.getpid() + 10**7  # no such process: only the group is swept
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        assert sorted(descendants(outsider, group=leader.pid)) == sorted([leader.pid, mine])
+        monkeypatch.setenv("SLURM_PROCID", "1")
+        assert descendants(outsider, group=leader.pid) == [other]
+        monkeypatch.delenv("SLURM_PROCID")  # outside Slurm (the local backend: a group per task) the group is the task's
+        assert len(descendants(outsider, group=leader.pid)) == 3
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()

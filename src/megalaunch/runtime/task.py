@@ -89,7 +89,24 @@ def descendants(pid: int, *, group: int | None = None) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
-    return out + [m for m in members if m not in out]
+    return out + [m for m in members if m not in out and not _another_task(m)]
+
+
+def _another_task(pid: int) -> bool:
+    """A process of another task of this Slurm step. slurmstepd puts every task of a step on a node in
+    the first task's process group, so the group also holds the other ranks on the node: rank 0's
+    clean-up must never kill rank 1 while it still writes its last save. Told by SLURM_PROCID in the
+    process's environment (inherited by everything a task starts)."""
+    mine = os.environ.get("SLURM_PROCID")
+    if mine is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return False
+    theirs = next((e[len(b"SLURM_PROCID="):] for e in env if e.startswith(b"SLURM_PROCID=")), None)
+    return theirs is not None and theirs != mine.encode()
 
 
 def _own_group() -> int | None:
