@@ -76,6 +76,12 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("async save on CPU", "checkpoint: {async_save: true}\n", [], "checkpoint.async_save"),
     ("secret_env not exported", "cluster: {backend: slurm, gpus_per_node: 0, secret_env: [ML_TEST_UNSET_KEY]}\n",
      [], "cluster.secret_env"),
+    ("webhook_env not exported", "cluster: {backend: slurm, gpus_per_node: 0}\n"
+     "chain: {notify: {webhook_env: [ML_TEST_UNSET_HOOK]}}\n", [], "chain.notify.webhook_env"),
+    ("webhook URL with its token", "chain: {notify: {webhooks: ['https://hooks.slack.com/services/T0/B0/x']}}\n",
+     [], "chain.notify.webhooks[0]"),
+    ("mail_user not an address", "cluster: {backend: slurm, gpus_per_node: 0, mail_user: 'me at home'}\n", [],
+     "cluster.mail_user"),
 ]
 
 

@@ -78,6 +78,10 @@ class ClusterConfig:
     secret_env: list[str] = doc("names of variables that must be set in the submitting shell (W&B key...); "
                                 "sbatch passes them on, no file holds them", [])
     container: ContainerConfig = doc("container settings", ContainerConfig())
+    mail_user: str | None = doc("Slurm mails this address (#SBATCH --mail-user) about each training segment "
+                                "(null: no mail; chain.notify tells about the whole chain)", None)
+    mail_type: str = doc("which segment events Slurm mails (--mail-type, with mail_user): a comma-separated "
+                         "list of NONE BEGIN END FAIL REQUEUE ALL TIME_LIMIT TIME_LIMIT_90 ...", "END,FAIL")
     python: str = doc("Python interpreter inside the job", "python3", path="path")
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch", path="path")
     master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "

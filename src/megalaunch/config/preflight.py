@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megalaunch.config.notify import check_notify
 from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec, check_loads, resolve_tokenizer
 from megalaunch.config.values import check_no_secrets, check_sbatch_values, check_single_tokens
@@ -260,6 +261,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     the resolved data blend (`frozen_blend`, a run's own, when resuming on it: checked, not re-resolved)."""
     check_no_secrets(recipe)
     check_cluster(recipe)
+    check_notify(recipe)
     check_single_tokens(recipe)
     check_schedule(recipe)
     topo = topology(recipe)

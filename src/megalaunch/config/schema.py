@@ -158,6 +158,30 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NotifyConfig:
+    """Who is told when the chain stops for a reason that needs a person, or finishes (launcher/notify.py;
+    docs/training.md, "Telling a person"). A failed notification never changes what the chain does."""
+
+    commands: list[list[str]] = doc("commands, each an argument list (no shell), given the JSON on stdin and in "
+                                    "MEGALAUNCH_NOTIFY_JSON", [])
+    webhook_env: list[str] = doc("names of environment variables holding webhook URLs (set in the submitting "
+                                 "shell, like cluster.secret_env; the URL is never written to a file)", [])
+    webhooks: list[str] = doc("webhook URLs without a secret in them (no user:password@, no ?query, no token); "
+                              "a Slack/Teams/Discord hook goes in webhook_env", [])
+    on_every_segment: bool = doc("also tell at every segment end, also one that continues the chain", False)
+    timeout_s: float = doc("seconds each webhook POST may take", 10.0)
+    command_timeout_s: float = doc("seconds each command may run (then it is killed)", 30.0)
+
+    def job_slice(self) -> dict[str, Any] | None:
+        """What the job reads (RuntimeSettings.notify): None when nobody is to be told."""
+        if not (self.commands or self.webhook_env or self.webhooks):
+            return None
+        return {"commands": [list(c) for c in self.commands], "webhook_env": list(self.webhook_env),
+                "webhooks": list(self.webhooks), "on_every_segment": self.on_every_segment,
+                "timeout_s": self.timeout_s, "command_timeout_s": self.command_timeout_s}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChainConfig:
     """The self-requeuing chain and its guardrails."""
 
@@ -174,6 +198,8 @@ class ChainConfig:
     startup_timeout_s: float = doc("before the first iteration (imports, rendezvous, NCCL init, checkpoint "
                                    "load), no sign of life for this long: stacks, kill the step, outcome hung",
                                    1800.0)
+    notify: NotifyConfig = doc("commands and webhooks told when the chain needs a person or finishes",
+                               NotifyConfig())
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "startup_timeout_s"):

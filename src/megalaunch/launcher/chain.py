@@ -21,6 +21,7 @@ from megalaunch.launcher.nodes import (
     expand_hostlist,
     health_evidence,
 )
+from megalaunch.launcher.notify import Notifier, StopKind
 from megalaunch.launcher.signal_lead import record_lead, safe_plan
 from megalaunch.launcher.storage import storage_fix, storage_full
 from megalaunch.rundir.ledger import Ledger
@@ -40,6 +41,7 @@ SUCCESSOR_RETRY_S = (5, 10, 20, 30, 45)  # `job end`'s waits before each retry o
 class Verdict:
     proceed: bool  # begin: train now / end: the chain goes on
     reason: str
+    needs_person: bool = False  # a pause (not a stop) that a person must resume: chain.notify tells
 
 
 def log(message: str) -> None:
@@ -52,6 +54,7 @@ class Chain:
         self.scheduler = scheduler
         self.settings = settings or RuntimeSettings.load(paths)  # the job's slice, not the whole recipe
         self.ledger = Ledger(paths)
+        self.notifier = Notifier(paths, self.ledger, self.settings.notify)  # chain.notify (launcher/notify.py)
 
     # ----------------------------------------------------------------------------------- begin
     def begin(self, job_id: str) -> Verdict:
@@ -79,14 +82,14 @@ class Chain:
                                        requested_by=rec.get("user"), reason=rec.get("reason"),
                                        when="before training")
                     by = _who(rec) if rec["verb"] == verb else by
-                return self.stop(job_id, f"{verb} trigger{by} pending at segment start")
+                return self.stop(job_id, f"{verb} trigger{by} pending at segment start", kind="by_user")
         stopped_by_guard = self._guard(job_id, record_continue=False)
         if stopped_by_guard is not None:
             return stopped_by_guard
         target = self.settings.train_iters
         start = iteration if requested is None else requested
         if start is not None and start >= target:
-            return self.stop(job_id, f"training already reached its target (iteration {start})")
+            return self.stop(job_id, f"training already reached its target (iteration {start})", kind="finished")
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
                            **({} if requested is None else {"resume_from": requested}))
@@ -165,7 +168,7 @@ class Chain:
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
         self._write_goodput()
-        return self._after_end(job_id, status, reason, fix, now)
+        return self.notifier.segment_ended(job_id, status, self._after_end(job_id, status, reason, fix, now))
 
     def _what_ended(self, job_id: str, outcome: dict[str, Any] | None, ends: list[TaskEnd],
                     exit_code: int | None) -> tuple[str, Any, Any, dict[str, Any]]:
@@ -198,20 +201,20 @@ class Chain:
     def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
         """Stop the chain, or let the queued successor resume."""
         if status == "finished":
-            return self.stop(job_id, f"training reached its target (iteration {now})")
+            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
         if status in ("exited", "aborted"):
             verb = "exit" if status == "exited" else "abort"
             what = "saved and stopped" if verb == "exit" else "stopped without saving"
-            return self.stop(job_id, f"{verb} trigger{_requested_by(self.paths, verb, job_id)}: {what}")
+            return self.stop(job_id, f"{verb} trigger{_requested_by(self.paths, verb, job_id)}: {what}", kind="by_user")
         if status == "config_error":
             return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
                              fix=str(fix) if fix else "correct the recipe, then submit it again")
         if status == "storage_full":
             return self.stop(job_id, f"storage full, no retry can fix it: {reason}", fix=fix)
         if self.paths.cancel_requested.exists():
-            return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested")
+            return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested", kind="by_user")
         if now is not None and now >= self.settings.train_iters:
-            return self.stop(job_id, f"training reached its target (iteration {now})")
+            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
         stopped_by_guard = self._guard(job_id, record_continue=True)
         if stopped_by_guard is not None:
             return stopped_by_guard
@@ -258,7 +261,7 @@ class Chain:
                 log(f"could not queue the successor ({error})")
         self.ledger.append("successor_not_queued", job_id=job_id, when="end", error=error)
         return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
-                              f"pauses, nothing is lost: megalaunch resume {self.paths.root}")
+                              f"pauses, nothing is lost: megalaunch resume {self.paths.root}", needs_person=True)
 
     # ------------------------------------------------------------------------------ bad nodes
     def _node_health(self) -> NodeHealth | None:
@@ -359,8 +362,8 @@ class Chain:
         return [s.job_id for s in self.ledger.segments()
                 if s.started is None and s.ended is None and not s.skipped and s.job_id != current]
 
-    def stop(self, job_id: str | None, reason: str, *, fix: str | None = None) -> Verdict:
-        """End the chain: cancel the queued successor by job id and record why."""
+    def stop(self, job_id: str | None, reason: str, *, fix: str | None = None, kind: StopKind = "needs_person") -> Verdict:
+        """End the chain: cancel the queued successor by job id, record why, tell chain.notify (`kind`)."""
         successors = self.pending_successors(job_id)
         if successors:
             try:
@@ -371,6 +374,7 @@ class Chain:
                            **({"fix": fix} if fix else {}))
         log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
             + (f"\n  fix: {fix}" if fix else ""))
+        self.notifier.chain_stopped(job_id, reason, fix, kind)
         return Verdict(False, reason)
 
 

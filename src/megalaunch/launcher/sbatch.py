@@ -34,6 +34,8 @@ class JobHeader:
     signal: str | None = None  # e.g. USR2@61
     append: bool = False  # --open-mode=append (every segment of a chain appends to its own log)
     log_from: str = "the run directory"  # what the user set that the log path derives from (for errors)
+    mail_user: str | None = None  # #SBATCH --mail-user (config/notify.py checked it)
+    mail_type: str = "END,FAIL"
 
     def __post_init__(self) -> None:
         from megalaunch.config.values import SBATCH_SAFE

@@ -41,10 +41,14 @@ class SlurmBackend:
         """Write the run directory and queue the first segment."""
         from megalaunch.launcher.prepare import write_run
 
-        missing = [n for n in prepared.recipe.cluster.secret_env if not os.environ.get(n)]
-        if missing:
-            raise PreflightError(f"{', '.join(missing)} not set in this shell", field="cluster.secret_env",
-                                 fix=f"export {missing[0]}=... before submitting (its value is never written to disk)")
+        r = prepared.recipe
+        for field, names in (("cluster.secret_env", r.cluster.secret_env), ("chain.notify.webhook_env",
+                                                                            r.chain.notify.webhook_env)):
+            missing = [n for n in names if not os.environ.get(n)]
+            if missing:  # sbatch passes the submitting shell's environment on; no file holds the value
+                raise PreflightError(f"{', '.join(missing)} not set in this shell", field=field,
+                                     fix=f"export {missing[0]}=... before submitting (its value is never written "
+                                         "to disk)")
         self.client.check_available()  # fail before writing anything if Slurm is absent
         paths = write_run(prepared)
         plan = self._plan(paths, echo)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from megalaunch.rundir.paths import RunPaths
 
@@ -54,6 +55,8 @@ class RuntimeSettings:
     step_time_estimate_s: float = 0.0
     signal_margin_s: float = 0.0
     max_signal_lead_s: int | None = None  # a raised lead stops here: time limit - delay - min_train_time_s
+    # chain.notify (launcher/notify.py): commands, webhook variable NAMES and secret-free URLs; None: off
+    notify: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
