@@ -12,6 +12,8 @@ weights, fp32 main parameters, Adam's two fp32 moments: 14 bytes a parameter; ll
              writer threads: total, and the phases from its own debug log; then a load of it
   async tN   the same as an async request: the part that blocks training (planning + D2H staging)
              and the part that runs beside it
+  load       a resumed segment's load: cold, warm, and cold with runtime/readahead.py started
+             `--readahead-overlap-s` before it (the imports and model build it overlaps)
 
     python bench/save_profile.py --dir /tmp/prof [--params 1.24e9] [--threads 1,2,4,8] [--json out.json]
 
@@ -180,6 +182,43 @@ def profile_save(state: dict[str, Any], directory: Path, threads: int, handler: 
             "save_gbps": on_disk / save_s / GB, "load_gbps": on_disk / load_s / GB, "phases": phases}
 
 
+def profile_readahead(state: dict[str, Any], directory: Path, threads: int, overlap_s: float) -> dict[str, Any]:
+    """A resumed segment's load, cold (the checkpoint not in the page cache: the successor on another
+    node, or hours later), warm (just written), and cold with megalaunch's read-ahead started
+    `overlap_s` before the load (what the imports, the health check and the model build take)."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megalaunch.runtime import readahead
+
+    ckpt = directory / "iter_0000100"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    ckpt.mkdir(parents=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    strategy.thread_count = threads
+    dist_checkpointing.save(sharded(state), str(ckpt), strategy)
+    template = {k: torch.empty_like(t) for k, t in state.items()}
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        dist_checkpointing.load(sharded(template), str(ckpt))
+        _sync()
+        return time.perf_counter() - t0
+
+    out: dict[str, Any] = {"overlap_s": overlap_s}
+    _drop_cache(ckpt)
+    out["cold_s"] = load()
+    out["warm_s"] = load()
+    _drop_cache(ckpt)
+    reader, why = readahead.start(ckpt, local_rank=0, nodes=1)
+    time.sleep(overlap_s)
+    out["ahead_s"] = load()
+    out["ahead"] = reader.figures() if reader is not None else {"why": why}
+    shutil.rmtree(ckpt)
+    return out
+
+
 def profile_async(state: dict[str, Any], directory: Path, threads: int) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -219,6 +258,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--readahead-overlap-s", type=float, default=10.0,
+                    help="the load with runtime/readahead.py started this long before it (0: skip)")
+    ap.add_argument("--skip-saves", action="store_true", help="only dd, D2H and the read-ahead probe")
     args = ap.parse_args()
 
     import torch
@@ -259,7 +301,7 @@ def main() -> int:
     print(f"torch.save into memory: {out['serialize_gbps']:.1f} GB/s", flush=True)
 
     out["saves"] = []
-    for t in threads:
+    for t in [] if args.skip_saves else threads:
         r = profile_save(state, args.dir, t, handler)
         out["saves"].append(r)
         print(f"save t{t}: {r['save_s']:.1f} s = {r['save_gbps']:.2f} GB/s "
@@ -268,11 +310,16 @@ def main() -> int:
         for line in r["phases"][-6:]:
             print(f"    {line[:160]}")
     out["async"] = []
-    for t in threads[-2:]:  # the two largest: what async saves would use
+    for t in [] if args.skip_saves else threads[-2:]:  # the two largest: what async saves would use
         r = profile_async(state, args.dir, t)
         out["async"].append(r)
         print(f"async t{t}: blocks {r['blocking_s']:.1f} s (plan {r['plan_s']:.1f}, D2H staging {r['stage_s']:.1f}); "
               f"writes {r['background_s']:.1f} s beside training = {r['background_gbps']:.2f} GB/s", flush=True)
+    if args.readahead_overlap_s > 0:
+        r = profile_readahead(state, args.dir, threads[-1], args.readahead_overlap_s)
+        out["readahead"] = r
+        print(f"load: cold {r['cold_s']:.1f} s, warm (page cache) {r['warm_s']:.1f} s, cold with the read-ahead "
+              f"started {r['overlap_s']:g} s before {r['ahead_s']:.1f} s; read-ahead {r['ahead']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     dist.destroy_process_group()

@@ -25,6 +25,7 @@ from megalaunch.runtime.decisions import DecisionConfig, Decisions
 from megalaunch.runtime.fault_hooks import FaultHooks
 from megalaunch.runtime.hooks import SaveKind
 from megalaunch.runtime.observe import ObserveConfig, Observer
+from megalaunch.runtime.readahead import ReadAhead
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag
 from megalaunch.runtime.stop_window import StopWindow, WindowConfig
@@ -60,6 +61,7 @@ class Session:
         self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
         self.window = StopWindow(self.ctx, window_config(settings))
         self.faults = FaultHooks.from_env(rank)
+        self.readahead: ReadAhead | None = None  # runtime/readahead.py, started by runtime/train.py
 
     # --- what the entry reads -----------------------------------------------------------------------------
     @property
@@ -124,6 +126,12 @@ class Session:
     def loaded(self, iteration: int, consumed_samples: int) -> None:
         self.observe.loaded(iteration, consumed_samples)
         self.checkpoints.loaded(iteration, consumed_samples)
+        if self.readahead is not None:  # runtime/readahead.py: how much of the load it had read already
+            figures = self.readahead.figures()
+            self.ctx.log(f"checkpoint read-ahead of {figures['directory']}: {figures['read_bytes'] / 1e9:.2f} of "
+                         f"{figures['bytes'] / 1e9:.2f} GB in {figures['seconds']} s"
+                         + ("" if figures["done"] else " (still reading when the load ended)"))
+            self.ctx.ledger("readahead", **figures)
 
     # --- the step's hooks (runtime/hooks.StepHooks) --------------------------------------------------------
     def maybe_hang(self) -> None:

@@ -81,12 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = opts.resume_from if opts.resume_from is not None and opts.resume_from >= 0 else None
     session = Session(paths, settings, flag, rank=rank, world=world, resume_from=resume_from)
     session.observe.profiler = profiler
+    _start_readahead(session, env.local_rank, resume_from)
     if rank == 0 and settings.eval_interval > 0:
         from megalaunch.runtime.eval_queue import EvalQueue
 
         session.checkpoints.evals = EvalQueue(paths, interval=settings.eval_interval, submit=settings.eval_submit,
                                               job_id=session.ctx.job_id, log=session.ctx.log)
     return run_session(session, settings)
+
+
+def _start_readahead(session: Session, local_rank: int, resume_from: int | None) -> None:
+    """The checkpoint this segment will likely load, read into the page cache while Python imports
+    (runtime/readahead.py); its figures are logged once the load is done (Session.loaded)."""
+    from megalaunch.runtime import readahead
+
+    paths = session.ctx.paths
+    iteration = resume_from if resume_from is not None else paths.read_tracker()
+    nodes = int(os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+    try:
+        reader, why = readahead.start(resume.iter_dir(paths, iteration) if iteration is not None else None,
+                                      local_rank=local_rank, nodes=nodes)
+    except OSError as e:  # never a reason not to train
+        reader, why = None, f"not started: {e}"
+    session.readahead = reader
+    if reader is not None or local_rank == 0:
+        session.ctx.log(f"checkpoint read-ahead: {why}")
 
 
 def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str]:
