@@ -14,11 +14,12 @@ import pytest
 
 
 @contextmanager
-def mounted_tmpfs(directory: Path, size: str = "64m") -> Iterator[Path]:
+def mounted_tmpfs(directory: Path, size: str = "64m", *, inodes: int | None = None) -> Iterator[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (mount -t tmpfs); run as root or in CI's container")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(directory)],
+    options = f"size={size},mode=0755" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
                        capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {(p.stderr or p.stdout).strip()}")

@@ -181,6 +181,26 @@ def test_a_stop_save_short_of_room_keeps_only_the_newest_checkpoint_a_periodic_o
     assert resume.checkpoint_iterations(paths) == [20, 31]
 
 
+def test_a_filesystem_out_of_inodes_is_short_of_room_whatever_its_free_bytes(tmp_path: Path) -> None:
+    """Plenty of bytes, no inodes left (a tmpfs with nr_inodes, a quota on files, Lustre's MDT full):
+    a save would fail creating its files. Counted like bytes: the periodic save is skipped and says
+    why, the stop save squeezes retention (deleting 10 frees its 3 inodes) and goes ahead."""
+    with mounted_tmpfs(tmp_path / "fs", "64m", inodes=64) as fs:
+        paths = _run(fs)
+        for i in (10, 20):
+            _checkpoint(paths, i, 1000)  # 3 inodes each: iter_N, mp_rank_00, the file
+        paths.ledger.write_text("")  # the ledger's own inode, before the filesystem runs out
+        room = _room(paths, train_iters=100)
+        n = 0
+        while retention.free_inodes(fs) > 3:  # fill the inode table, not the bytes
+            (fs / f"empty-{n}").touch()
+            n += 1
+        assert free_bytes(fs) > 60 * MiB
+        assert not room.before_save(30, "periodic")
+        (skip,) = [e for e in read_jsonl(paths.ledger) if e["event"] == "save_skipped"]
+        assert (skip["iteration"], skip["free_inodes"], skip["need_inodes"]) == (30, 3, 6)  # 3 x 1.05 + 2, rounded up
+        assert room.before_save(31, "stop")
+        assert resume.checkpoint_iterations(paths) == [20]
 def test_status_counts_why_each_checkpoint_is_kept(fs: Path) -> None:
     paths = _run(fs)
     paths.runtime_json.write_text(RuntimeSettings(train_iters=100, save_interval=10, keep_last=2,

@@ -144,7 +144,7 @@ class Checkpoints:
         try:
             check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
                                           stop=self.needed(iteration, kind), make_room=self._retain,
-                                          squeeze=self._squeeze)
+                                          squeeze=self._squeeze, inodes=self.sizes.inodes(paths))
         except OSError as e:
             self.ctx.log(f"free space before the save at iteration {iteration} not measured ({e}): saving")
             return _SAVE
@@ -162,7 +162,8 @@ class Checkpoints:
         if check.verdict == "skip":
             self.ctx.log(f"{kind} save at iteration {iteration} skipped: not enough free space: {where}; "
                          "training goes on")
-            self._ledger("save_skipped", iteration=iteration, kind=kind, **_figures(paths, check.free, check.need))
+            self._ledger("save_skipped", iteration=iteration, kind=kind, **_figures(paths, check.free, check.need),
+                         **({"free_inodes": check.inodes[0], "need_inodes": check.inodes[1]} if check.inodes else {}))
             return _SKIP
         self.no_room = f"no room for the {kind} save at iteration {iteration}: {where}"
         self.ctx.log(self.no_room)

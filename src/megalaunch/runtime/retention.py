@@ -18,6 +18,7 @@ a periodic or `save`-trigger save is skipped (training goes on), a stop save end
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +35,7 @@ from megalaunch.runtime.resume import (
     iter_dir,
     read_tracker,
 )
-from megalaunch.runtime.storage import describe, free_bytes
+from megalaunch.runtime.storage import describe, free_bytes, free_inodes
 
 MARGIN = 0.05  # room asked for beyond one checkpoint's bytes (metadata, file-system rounding)
 
@@ -136,6 +137,16 @@ class Sizes:
 
     def __init__(self) -> None:
         self.complete: dict[int, int] = {}
+        self.entries: dict[int, int] = {}  # files and directories of a complete checkpoint: the inodes it takes
+
+    def inodes(self, paths: RunPaths) -> int | None:
+        """The inodes the next save takes: those of the newest complete checkpoint (None before one)."""
+        for i in reversed(checkpoint_iterations(paths)):
+            if i in self.entries or is_complete(paths, i):
+                if i not in self.entries:
+                    self.entries[i] = sum(1 + len(files) for _r, _d, files in os.walk(iter_dir(paths, i)))
+                return self.entries[i]
+        return None
 
     def need(self, paths: RunPaths, predicted: int | None) -> tuple[int | None, int | None]:
         """(bytes the next save needs, the iteration they were measured on or None: the prediction).
@@ -164,32 +175,46 @@ class SpaceCheck:
     need: int | None
     measured_on: int | None  # the checkpoint whose size `need` is; None: the prediction
     deleted: list[int]
-    squeezed: bool = False  # a stop save fitted only once retention kept just the newest complete checkpoint
+    squeezed: bool = False
+    inodes: tuple[int, int] | None = None  # (free, needed) when the inodes, not the bytes, are short  # a stop save fitted only once retention kept just the newest complete checkpoint
 
     def where(self, directory: Path) -> str:
         """'filesystem tmpfs (/x, tmpfs), 0.3 MB free, 1.9 MB needed' (+ where the figure comes from)."""
         basis = (f"the size of checkpoint {self.measured_on}" if self.measured_on is not None
                  else "the predicted checkpoint size")
-        return describe(directory, self.need or 0, free=self.free, fix=None) + f" ({basis}; a {MARGIN:.0%} margin more is asked)"
+        inodes = f"; {self.inodes[0]:,} free inodes (files), {self.inodes[1]:,} needed" if self.inodes else ""
+        return (describe(directory, self.need or 0, free=self.free, fix=None) + inodes
+                + f" ({basis}; a {MARGIN:.0%} margin more is asked)")
 
 
 def check_space(directory: Path, need: tuple[int | None, int | None], *, stop: bool,
-                make_room: Callable[[], list[int]], squeeze: Callable[[], list[int]] | None = None) -> SpaceCheck:
-    """Whether a save of `need[0]` bytes fits the free space of `directory`; when not, `make_room()`
-    (retention) first, then measure again. `stop`: a save the segment cannot go on without; for one,
-    `squeeze()` (retention down to the newest complete checkpoint) comes next, since the iterations
-    since that checkpoint are worth more than an older one kept by `keep_last`."""
+                make_room: Callable[[], list[int]], squeeze: Callable[[], list[int]] | None = None,
+                inodes: int | None = None) -> SpaceCheck:
+    """Whether a save of `need[0]` bytes (and `inodes` files, where the filesystem counts them) fits
+    `directory`'s filesystem; when not, `make_room()` (retention) first, then measure again. `stop`: a
+    save the segment cannot go on without; for one, `squeeze()` (retention down to the newest complete
+    checkpoint) comes next, since the iterations since that checkpoint are worth more than an older
+    one kept by `keep_last`."""
     size, measured_on = need
+
+    def measure(deleted: list[int], squeezed: bool = False) -> SpaceCheck | None:
+        free, files = free_bytes(directory), free_inodes(directory)
+        wanted = None if inodes is None else math.ceil(inodes * (1 + MARGIN)) + 2  # + the tracker's rewrite
+        short = None if wanted is None or files is None or files >= wanted else (files, wanted)
+        if (size is None or free >= size * (1 + MARGIN)) and short is None:
+            return SpaceCheck("save", free, size, measured_on, deleted, squeezed)
+        return None if short is None else SpaceCheck("", free, size, measured_on, deleted, squeezed, short)
+
+    first = measure([])
+    if first is not None and first.verdict == "save":
+        return first
+    deleted = make_room()  # measured again: retention may also have removed leftovers it does not list
+    check = measure(deleted)
+    if (check is None or check.verdict != "save") and stop and squeeze is not None:
+        deleted = deleted + squeeze()
+        check = measure(deleted, squeezed=True)
+    if check is not None and check.verdict == "save":
+        return check
     free = free_bytes(directory)
-    if size is None or free >= size * (1 + MARGIN):
-        return SpaceCheck("save", free, size, measured_on, [])
-    deleted = make_room()
-    free = free_bytes(directory)  # measured again: retention may also have removed leftovers it does not list
-    if free >= size * (1 + MARGIN):
-        return SpaceCheck("save", free, size, measured_on, deleted)
-    if stop and squeeze is not None:
-        deleted += squeeze()
-        free = free_bytes(directory)
-        if free >= size * (1 + MARGIN):
-            return SpaceCheck("save", free, size, measured_on, deleted, squeezed=True)
-    return SpaceCheck("storage_full" if stop else "skip", free, size, measured_on, deleted)
+    return SpaceCheck("storage_full" if stop else "skip", free, size, measured_on, deleted,
+                      inodes=check.inodes if check is not None else None)

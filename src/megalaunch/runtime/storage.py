@@ -141,6 +141,13 @@ def free_bytes(directory: str | os.PathLike[str]) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def free_inodes(directory: str | os.PathLike[str]) -> int | None:
+    """Files an unprivileged user may still create on the filesystem of `directory` (statvfs f_favail);
+    None where the filesystem has no inode limit (it reports no inodes at all)."""
+    st = os.statvfs(nearest_existing(directory))
+    return st.f_favail if st.f_files > 0 else None
+
+
 def fits(directory: str | os.PathLike[str], need_bytes: float, margin: float = 0.05) -> bool:
     """Whether `need_bytes`, plus `margin` of it, fit the free space of `directory`'s filesystem."""
     return free_bytes(directory) >= need_bytes * (1 + margin)
