@@ -173,6 +173,10 @@ def test_a_stop_save_short_of_room_keeps_only_the_newest_checkpoint_a_periodic_o
     assert resume.checkpoint_iterations(paths) == [20]
     (squeezed,) = [e for e in read_jsonl(paths.ledger) if e["event"] == "retention_squeezed"]
     assert (squeezed["iteration"], squeezed["kind"], squeezed["deleted"], squeezed["keep_last"]) == (31, "stop", [10], 2)
+    lines = "\n".join(format_usage(checkpoint_usage(paths, events=read_jsonl(paths.ledger))))
+    assert "warning: the periodic save at iteration 30 was skipped (job 7): filesystem tmpfs" in lines
+    assert "warning: the stop save at iteration 31 fit only after retention deleted checkpoint(s) [10] beyond " \
+           "keep_last 2 (job 7); fix: " in lines
     # keep_last 0 (every save kept) is never squeezed: the stop save that does not fit ends storage_full
     keep_all = Checkpoints(RankContext(paths, 0, 1, "7"), CheckpointConfig(keep_last=0))
     _checkpoint(paths, 31, 2 * MiB)  # the stop save: ~1 MiB left again
@@ -201,6 +205,8 @@ def test_a_filesystem_out_of_inodes_is_short_of_room_whatever_its_free_bytes(tmp
         assert (skip["iteration"], skip["free_inodes"], skip["need_inodes"]) == (30, 3, 6)  # 3 x 1.05 + 2, rounded up
         assert room.before_save(31, "stop")
         assert resume.checkpoint_iterations(paths) == [20]
+        lines = "\n".join(format_usage(checkpoint_usage(paths, events=read_jsonl(paths.ledger))))
+        assert "was skipped (job 7): filesystem tmpfs" in lines and "had 3 free inodes, 6 needed; fix: " in lines
 def test_status_counts_why_each_checkpoint_is_kept(fs: Path) -> None:
     paths = _run(fs)
     paths.runtime_json.write_text(RuntimeSettings(train_iters=100, save_interval=10, keep_last=2,

@@ -68,12 +68,15 @@ def checkpoint_usage(paths: RunPaths, recipe: Recipe | None = None,
     iterations = checkpoint_iterations(paths)
     peak = predicted_peak(paths, recipe)
     fs = filesystem_of(paths.checkpoints)
-    skipped = [e for e in events or [] if e.get("event") == "save_skipped"]
+    # the saves skipped for want of room (not those the signal window skipped: the stop save took their place)
+    skipped = [e for e in events or [] if e.get("event") == "save_skipped" and e.get("filesystem")]
+    squeezed = [e for e in events or [] if e.get("event") == "retention_squeezed"]
     return {"count": len(iterations), "iterations": iterations, "bytes": disk_usage(paths.checkpoints),
             "predicted_bytes": peak.checkpoint.total if peak else None, "peak_bytes": peak.total if peak else None,
             "peak": peak.describe() if peak else None, "filesystem": fs.describe(),
             "free_bytes": free_bytes(paths.checkpoints), "kept": kept_checkpoints(paths, iterations),
-            "last_skipped": skipped[-1] if skipped else None, "fix": storage_fix(paths)}
+            "last_skipped": skipped[-1] if skipped else None, "last_squeezed": squeezed[-1] if squeezed else None,
+            "fix": storage_fix(paths)}
 
 
 def kept_checkpoints(paths: RunPaths, iterations: list[int]) -> dict[str, Any] | None:
@@ -117,12 +120,20 @@ def format_usage(usage: dict[str, Any] | None) -> list[str]:
                    ("other", "being written or unfinished")) if kept[k]]
         lines.append("  kept: " + ", ".join(parts))
     lines.append(f"  disk: {usage['filesystem']}: {gb(usage['free_bytes'])} free")
+    fix = usage.get("fix") or STORAGE_FIX
     skip = usage.get("last_skipped")
     if skip:
+        short = (f"{skip['free_inodes']:,} free inodes, {skip.get('need_inodes', 0):,} needed"
+                 if skip.get("free_inodes") is not None else
+                 f"{gb(skip.get('free_bytes') or 0)} free, {gb(skip.get('need_bytes') or 0)} needed")
         lines.append(f"  warning: the {skip.get('kind')} save at iteration {skip.get('iteration')} was skipped "
                      f"(job {skip.get('job_id')}): filesystem {skip.get('filesystem')} ({skip.get('mount')}) had "
-                     f"{gb(skip.get('free_bytes') or 0)} free, {gb(skip.get('need_bytes') or 0)} needed; "
-                     f"fix: {usage.get('fix') or STORAGE_FIX}")
+                     f"{short}; fix: {fix}")
+    squeeze = usage.get("last_squeezed")
+    if squeeze:
+        lines.append(f"  warning: the {squeeze.get('kind')} save at iteration {squeeze.get('iteration')} fit only "
+                     f"after retention deleted checkpoint(s) {squeeze.get('deleted')} beyond keep_last "
+                     f"{squeeze.get('keep_last')} (job {squeeze.get('job_id')}); fix: {fix}")
     return lines
 
 
