@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the run directory (or set MEGALAUNCH_RUN_DIR)")
     profiler = StartupProfile.start()
     paths = RunPaths(Path(opts.run_dir).absolute())
+    from megalaunch.runtime.bytecode import enable_cache
+
+    bytecode = enable_cache(paths.state / "pycache")  # before torch and Megatron are imported
     settings = RuntimeSettings.load(paths)
     # First thing after knowing which signal: before the handler exists, SIGUSR2 would kill us.
     flag = SignalFlag(resolve_signal(settings.stop_signal))
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(paths, settings, flag, rank=rank, world=world, resume_from=resume_from)
     session.observe.profiler = profiler
     _start_readahead(session, env.local_rank, resume_from)
+    if bytecode and rank == 0:
+        session.ctx.log(bytecode)
     if rank == 0 and settings.eval_interval > 0:
         from megalaunch.runtime.eval_queue import EvalQueue
 

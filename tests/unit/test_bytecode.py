@@ -1,0 +1,41 @@
+"""The trainer's bytecode cache where PYTHONDONTWRITEBYTECODE turned Python's off (runtime/bytecode.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import sys
+from pathlib import Path
+from megalaunch.runtime.bytecode import enable_cache
+print(enable_cache(Path(sys.argv[1])))
+sys.path.insert(0, sys.argv[2])
+import probe_module  # noqa
+"""
+
+
+def _run(tmp_path: Path, **env: str) -> str:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "probe_module.py").write_text("X = 1\n")
+    full = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), str(src)], env={**full, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_bytecode_goes_to_the_cache_when_the_environment_turned_it_off(tmp_path: Path) -> None:
+    said = _run(tmp_path, PYTHONDONTWRITEBYTECODE="1")
+    assert said.startswith("PYTHONDONTWRITEBYTECODE is set: bytecode cached under")
+    assert list((tmp_path / "cache").rglob("probe_module.cpython-*.pyc"))  # written under the prefix ...
+    assert not (tmp_path / "src" / "__pycache__").exists()  # ... never next to the sources
+
+
+def test_python_left_alone_when_it_writes_bytecode_or_when_asked(tmp_path: Path) -> None:
+    assert _run(tmp_path) == "None"
+    assert _run(tmp_path, PYTHONDONTWRITEBYTECODE="1", MEGALAUNCH_BYTECODE_CACHE="0") == "None"
+    assert not (tmp_path / "cache").exists()
