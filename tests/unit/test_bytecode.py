@@ -39,3 +39,10 @@ def test_python_left_alone_when_it_writes_bytecode_or_when_asked(tmp_path: Path)
     assert _run(tmp_path) == "None"
     assert _run(tmp_path, PYTHONDONTWRITEBYTECODE="1", MEGALAUNCH_BYTECODE_CACHE="0") == "None"
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_directory_others_can_write_is_never_used(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache").chmod(0o770)  # group-writable: a member could plant bytecode there
+    said = _run(tmp_path, PYTHONDONTWRITEBYTECODE="1")
+    assert said.startswith("bytecode cache not enabled:") and not list((tmp_path / "cache").rglob("*.pyc"))

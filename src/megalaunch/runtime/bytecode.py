@@ -12,6 +12,7 @@ MEGALAUNCH_BYTECODE_CACHE=0 leaves Python's setting alone."""
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -24,9 +25,14 @@ def enable_cache(directory: Path) -> str | None:
     if not sys.dont_write_bytecode or os.environ.get(BYTECODE_ENV, "1") == "0":
         return None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+        st = os.lstat(directory)
     except OSError as e:
         return f"bytecode cache not enabled ({e})"
+    # Python runs what it finds there: only a directory of ours that nobody else can write (an older,
+    # group-writable run might hold one a member made)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return f"bytecode cache not enabled: {directory} is not a directory only this user can write"
     sys.pycache_prefix = str(directory)
     sys.dont_write_bytecode = False
     # the ranks' own children (data-loader workers, the checkpoint writer) start with the same setting
