@@ -11,18 +11,19 @@ SCRIPT = """
 import sys
 from pathlib import Path
 from megalaunch.runtime.bytecode import enable_cache
-print(enable_cache(Path(sys.argv[1])))
+print(enable_cache(Path(sys.argv[1]), probe=sys.argv[3]))
 sys.path.insert(0, sys.argv[2])
 import probe_module  # noqa
 """
 
 
-def _run(tmp_path: Path, **env: str) -> str:
+def _run(tmp_path: Path, probe: str = "probe_module", **env: str) -> str:
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     (src / "probe_module.py").write_text("X = 1\n")
     full = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), str(src)], env={**full, **env},
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), str(src), probe],
+                          env={**full, **env, "PYTHONPATH": f"{src}{os.pathsep}{full.get('PYTHONPATH', '')}"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
@@ -46,3 +47,13 @@ def test_a_cache_directory_others_can_write_is_never_used(tmp_path: Path) -> Non
     (tmp_path / "cache").chmod(0o770)  # group-writable: a member could plant bytecode there
     said = _run(tmp_path, PYTHONDONTWRITEBYTECODE="1")
     assert said.startswith("bytecode cache not enabled:") and not list((tmp_path / "cache").rglob("*.pyc"))
+
+
+def test_packages_installed_with_bytecode_keep_it(tmp_path: Path) -> None:
+    """pip compiles what it installs: a prefix would only make Python compile it all again."""
+    import py_compile
+
+    _run(tmp_path, MEGALAUNCH_BYTECODE_CACHE="0")  # writes the probe module
+    py_compile.compile(str(tmp_path / "src" / "probe_module.py"))  # its bytecode beside it, as pip leaves it
+    assert _run(tmp_path, PYTHONDONTWRITEBYTECODE="1") == "None"
+    assert not (tmp_path / "cache").exists()

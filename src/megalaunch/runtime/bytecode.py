@@ -7,10 +7,13 @@ of every segment (and every restart) pays that. So when bytecode writing is off,
 it under RUN/state/pycache instead (`sys.pycache_prefix`: nothing is written next to the installed
 sources, which is what the setting was for): the first segment of a run compiles, the others read.
 RUN/state is the owner's (2750), so no team member can plant bytecode the job would run.
-MEGALAUNCH_BYTECODE_CACHE=0 leaves Python's setting alone."""
+Only where the packages were installed without bytecode (torch's `__init__` has no `.pyc` beside it):
+a pip install compiles them, and a prefix would then make Python ignore that bytecode and compile
+everything again, once per run. MEGALAUNCH_BYTECODE_CACHE=0 leaves Python's setting alone."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 import sys
@@ -19,10 +22,25 @@ from pathlib import Path
 BYTECODE_ENV = "MEGALAUNCH_BYTECODE_CACHE"
 
 
-def enable_cache(directory: Path) -> str | None:
-    """Turn bytecode writing on, into `directory`, if the environment turned it off; returns what was
-    done (for the log), or None when Python writes bytecode already (or it was asked to stay off)."""
+def installed_with_bytecode(package: str) -> bool:
+    """Whether `package` (found, not imported) has its bytecode next to its sources: pip compiles at
+    install, and then a prefix would only make Python compile everything again into it."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    return os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
+def enable_cache(directory: Path, probe: str = "torch") -> str | None:
+    """Turn bytecode writing on, into `directory`, if the environment turned it off and `probe` (the
+    heaviest import) was installed without bytecode; returns what was done (for the log), or None when
+    Python writes or finds bytecode already (or it was asked to stay off)."""
     if not sys.dont_write_bytecode or os.environ.get(BYTECODE_ENV, "1") == "0":
+        return None
+    if installed_with_bytecode(probe):
         return None
     try:
         directory.mkdir(mode=0o750, parents=True, exist_ok=True)
