@@ -27,7 +27,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -113,8 +112,6 @@ def sharded(state: dict[str, Any]) -> dict[str, Any]:
 
 class PhaseLog(logging.Handler):
     """megatron-core's dist_checkpointing logs its phases at DEBUG with their times: keep them."""
-
-    PHASE = re.compile(r"(D2H and push|bucket_prep|write_preloaded_data|gather|plan|metadata)[^0-9]*time: ([0-9.]+)")
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)

@@ -62,3 +62,18 @@ def test_a_file_that_vanishes_is_an_error_in_the_figures_not_an_exception(tmp_pa
     figures = _wait(reader)
     assert figures["done"] and "FileNotFoundError" in figures["error"]
     assert time.monotonic() - reader.started < 30
+
+
+def test_only_regular_files_are_read_never_a_link_or_a_fifo(tmp_path: Path) -> None:
+    """A FIFO or a link left in an older, group-writable run would hang a reader or read elsewhere."""
+    import os
+
+    d, total = _checkpoint(tmp_path)
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"\2" * 4096)
+    (d / "link.distcp").symlink_to(outside)
+    os.mkfifo(d / "fifo.distcp")
+    reader, _ = readahead.start(d, local_rank=0, nodes=1)
+    assert reader is not None
+    figures = _wait(reader)
+    assert (figures["bytes"], figures["read_bytes"], figures["done"]) == (total, total, True)

@@ -194,9 +194,10 @@ class Checkpoints:
                 self.ctx.log(f"eval of iteration {iteration} not queued: {e}")
         self._retain()
 
-    def _retain(self, protect: set[int] | None = None) -> list[int]:
-        """Rank 0: retention (runtime/retention.keep); an eval still to run keeps its checkpoint."""
-        deleted = retention.prune(self.ctx.paths, keep_last=self.config.keep_last,
+    def _retain(self, protect: set[int] | None = None, keep_last: int | None = None) -> list[int]:
+        """Rank 0: retention (runtime/retention.keep); an eval still to run keeps its checkpoint.
+        `keep_last` lower than the setting: a stop save short of room (`_squeeze`)."""
+        deleted = retention.prune(self.ctx.paths, keep_last=self.config.keep_last if keep_last is None else keep_last,
                                   milestone_interval=self.config.milestone_interval,
                                   eval_pending=pending_iterations(self.ctx.paths), resumed_from=self.resumed_from,
                                   protect=protect or set(), job_id=self.ctx.job_id)
@@ -207,14 +208,7 @@ class Checkpoints:
     def _squeeze(self) -> list[int]:
         """Rank 0, a stop save short of room after retention: keep only the newest complete regular
         checkpoint (milestones and those waiting for an evaluation stay); keep_last 0 keeps every save."""
-        if self.config.keep_last < 1:
-            return []
-        deleted = retention.prune(self.ctx.paths, keep_last=1, milestone_interval=self.config.milestone_interval,
-                                  eval_pending=pending_iterations(self.ctx.paths), resumed_from=self.resumed_from,
-                                  job_id=self.ctx.job_id)
-        if deleted:
-            self.ctx.log(f"retention (to make room for the stop save): deleted checkpoints {deleted}")
-        return deleted
+        return self._retain(keep_last=1) if self.config.keep_last >= 1 else []
 
     def ended_full(self) -> dict[str, Any]:
         """Rank 0, the segment ending `storage_full`: the unfinished save of this segment removed (saves

@@ -229,7 +229,7 @@ def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -
     node = node_name()
     started = time.perf_counter()
     key, tflops, gbps, error = "?", None, None, None
-    baseline = baselines.reference(device_key(torch, device, n)) if baselines is not None and rank == 0 else None
+    baseline: float | None = None
     for attempt in range(ATTEMPTS):
         try:
             key = device_key(torch, device, n)
@@ -239,8 +239,11 @@ def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -
             tflops = got if tflops is None else max(tflops, got)
         except Exception as e:  # this rank fails the check; it still takes part in the collectives below
             error = f"{type(e).__name__}: {e}"[:300]
-        if dist.is_initialized() and attempt == 0:
-            gbps = measure_allreduce(torch, dist, device, nbytes=nbytes, iterations=iterations)
+        if attempt == 0:
+            # a device whose name cannot be read fails the check above ("?"), not the segment here
+            baseline = baselines.reference(key) if baselines is not None and rank == 0 else None
+            if dist.is_initialized():
+                gbps = measure_allreduce(torch, dist, device, nbytes=nbytes, iterations=iterations)
         mine = RankFigures(rank=rank, node=node, device=key, tflops=tflops, allreduce_gbps=gbps,
                            seconds=time.perf_counter() - started, error=error)
         gathered: list[Any] = [(asdict(mine), baseline)]

@@ -14,6 +14,7 @@ gives it back under pressure; evicting the node's whole cache for it would not p
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,10 +94,11 @@ def start(directory: Path | None, *, local_rank: int, nodes: int) -> tuple[ReadA
         for name in names:
             path = Path(root) / name
             try:
-                st = path.stat()
+                st = path.lstat()
             except OSError:
                 continue
-            files.append((path, st.st_size))
+            if stat.S_ISREG(st.st_mode):  # what Megatron wrote; never a link or a FIFO left in an older run
+                files.append((path, st.st_size))
     total = sum(size for _, size in files)
     if not files or total == 0:
         return None, f"nothing to read in {directory.name}"

@@ -18,6 +18,7 @@ a periodic or `save`-trigger save is skipped (training goes on), a stop save end
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -136,29 +137,29 @@ class Sizes:
     """The measured size of complete checkpoints (a complete checkpoint never changes: measured once)."""
 
     def __init__(self) -> None:
-        self.complete: dict[int, int] = {}
-        self.entries: dict[int, int] = {}  # files and directories of a complete checkpoint: the inodes it takes
+        self.complete: dict[int, tuple[int, int]] = {}  # iteration -> (bytes, inodes: its files and directories)
+
+    def _newest(self, paths: RunPaths, present: list[int]) -> int | None:
+        """The newest complete checkpoint, measured (once: a complete checkpoint never changes)."""
+        for i in reversed(present):
+            if i in self.complete or is_complete(paths, i):
+                if i not in self.complete:
+                    d = iter_dir(paths, i)
+                    self.complete[i] = (bytes_on_disk(d), sum(1 + len(files) for _r, _d, files in os.walk(d)))
+                return i
+        return None
 
     def inodes(self, paths: RunPaths) -> int | None:
         """The inodes the next save takes: those of the newest complete checkpoint (None before one)."""
-        for i in reversed(checkpoint_iterations(paths)):
-            if i in self.entries or is_complete(paths, i):
-                if i not in self.entries:
-                    self.entries[i] = sum(1 + len(files) for _r, _d, files in os.walk(iter_dir(paths, i)))
-                return self.entries[i]
-        return None
+        newest = self._newest(paths, checkpoint_iterations(paths))
+        return None if newest is None else self.complete[newest][1]
 
     def need(self, paths: RunPaths, predicted: int | None) -> tuple[int | None, int | None]:
         """(bytes the next save needs, the iteration they were measured on or None: the prediction).
         An unfinished newer save (an asynchronous one still writing) adds what it has left to write."""
         present = checkpoint_iterations(paths)
-        newest: int | None = None
-        for i in reversed(present):
-            if i in self.complete or is_complete(paths, i):
-                self.complete.setdefault(i, bytes_on_disk(iter_dir(paths, i)))
-                newest = i
-                break
-        one = self.complete[newest] if newest is not None else predicted
+        newest = self._newest(paths, present)
+        one = self.complete[newest][0] if newest is not None else predicted
         if one is None:
             return None, None
         writing = [i for i in present if newest is None or i > newest]
@@ -175,8 +176,8 @@ class SpaceCheck:
     need: int | None
     measured_on: int | None  # the checkpoint whose size `need` is; None: the prediction
     deleted: list[int]
-    squeezed: bool = False
-    inodes: tuple[int, int] | None = None  # (free, needed) when the inodes, not the bytes, are short  # a stop save fitted only once retention kept just the newest complete checkpoint
+    squeezed: bool = False  # a stop save fitted only once retention kept just the newest complete checkpoint
+    inodes: tuple[int, int] | None = None  # (free, needed) when the inodes, not the bytes, are short
 
     def where(self, directory: Path) -> str:
         """'filesystem tmpfs (/x, tmpfs), 0.3 MB free, 1.9 MB needed' (+ where the figure comes from)."""
@@ -196,25 +197,20 @@ def check_space(directory: Path, need: tuple[int | None, int | None], *, stop: b
     checkpoint) comes next, since the iterations since that checkpoint are worth more than an older
     one kept by `keep_last`."""
     size, measured_on = need
+    wanted = None if inodes is None else math.ceil(inodes * (1 + MARGIN)) + 2  # + the tracker's rewrite
 
-    def measure(deleted: list[int], squeezed: bool = False) -> SpaceCheck | None:
+    def measure(deleted: list[int], squeezed: bool = False) -> SpaceCheck:
+        """verdict "save" when both fit, else "" (decided by the caller); the short inodes if they are."""
         free, files = free_bytes(directory), free_inodes(directory)
-        wanted = None if inodes is None else math.ceil(inodes * (1 + MARGIN)) + 2  # + the tracker's rewrite
-        short = None if wanted is None or files is None or files >= wanted else (files, wanted)
-        if (size is None or free >= size * (1 + MARGIN)) and short is None:
-            return SpaceCheck("save", free, size, measured_on, deleted, squeezed)
-        return None if short is None else SpaceCheck("", free, size, measured_on, deleted, squeezed, short)
+        short = (files, wanted) if wanted is not None and files is not None and files < wanted else None
+        fits = (size is None or free >= size * (1 + MARGIN)) and short is None
+        return SpaceCheck("save" if fits else "", free, size, measured_on, deleted, squeezed, short)
 
-    first = measure([])
-    if first is not None and first.verdict == "save":
-        return first
-    deleted = make_room()  # measured again: retention may also have removed leftovers it does not list
-    check = measure(deleted)
-    if (check is None or check.verdict != "save") and stop and squeeze is not None:
-        deleted = deleted + squeeze()
-        check = measure(deleted, squeezed=True)
-    if check is not None and check.verdict == "save":
+    check = measure([])
+    if check.verdict != "save":
+        check = measure(make_room())  # measured again: retention may also remove leftovers it does not list
+    if check.verdict != "save" and stop and squeeze is not None:
+        check = measure(check.deleted + squeeze(), squeezed=True)
+    if check.verdict == "save":
         return check
-    free = free_bytes(directory)
-    return SpaceCheck("storage_full" if stop else "skip", free, size, measured_on, deleted,
-                      inodes=check.inodes if check is not None else None)
+    return dataclasses.replace(check, verdict="storage_full" if stop else "skip", squeezed=False)
