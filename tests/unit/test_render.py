@@ -131,7 +131,8 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
                           f'for _ in $(seq 200); do grep -q "^job watch" {rec}/megalaunch.calls && break; sleep 0.05; done')
     _stub(bindir, "scontrol", "echo node1")
     _stub(bindir, "module", f'printf "%s\\0" "$@" >> {rec}/module.argv')
-    _stub(bindir, "megalaunch", f'echo "$@" >> {rec}/megalaunch.calls')
+    _stub(bindir, "megalaunch", f'echo "$@" >> {rec}/megalaunch.calls\n'
+                                'if [ "$2" = step-nodes ]; then echo node1; fi')
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
            "SLURM_NNODES": "1", "HOME": str(tmp_path)}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
@@ -148,8 +149,11 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
     assert module_argv == [x for h in hostile[:3] for x in ("load", h)]
     calls = (rec / "megalaunch.calls").read_text().splitlines()
     run_dir = str(tmp_path / "runs" / "hostile-00000000")
-    assert calls[0] == f"job begin {run_dir}" and calls[2].startswith("job end ")
-    assert re.fullmatch(rf"job watch {re.escape(run_dir)} --shell-pid \d+", calls[1]), calls
+    assert calls[0] == f"job begin {run_dir}" and calls[1] == f"job step-nodes {run_dir} --step 0", calls
+    assert re.fullmatch(rf"job watch {re.escape(run_dir)} --shell-pid \d+", calls[2]), calls
+    assert calls[3] == f"job step-end {run_dir} --step 0 --exit-code 0" and calls[4].startswith("job end "), calls
+    assert srun_env["MASTER_ADDR"] == "node1" and srun_env["WORLD_SIZE"] == "1", srun_env
+    assert "--nodelist=node1" in srun_argv and "--nodes=1" in srun_argv
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (CI installs it)")

@@ -1,5 +1,6 @@
-"""`megalaunch job begin|end|watch RUN`: run by the job script at the start and end of every segment,
-and (watch) in the background while the training step runs."""
+"""`megalaunch job begin|end|watch|step-nodes|step-end RUN`: run by the job script at the start and end
+of every segment, (watch) in the background while the training step runs, and (step-nodes, step-end)
+around each training step of the segment (in-job restarts: launcher/restart.py)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,36 @@ def end(
 ) -> None:
     """Segment end: read the outcome and stop or continue the chain."""
     _chain(run).end(_job_id(), exit_code)
+
+
+@app.command("step-nodes")
+def step_nodes(
+    run: Annotated[str, typer.Argument(help="Run directory.")],
+    step: Annotated[int, typer.Option("--step", help="The step's number in this segment (0, 1, ...).")] = 0,
+) -> None:
+    """Before each training step: the nodes it runs on (comma-separated), healthy ones first."""
+    from megalaunch.launcher.restart import step_nodes as choose
+
+    print(",".join(choose(_chain(run), _job_id(), step)))
+
+
+@app.command("step-end")
+def step_end(
+    run: Annotated[str, typer.Argument(help="Run directory.")],
+    step: Annotated[int, typer.Option("--step", help="The step's number in this segment.")] = 0,
+    exit_code: Annotated[int | None, typer.Option("--exit-code", help="The training step's exit status.")] = None,
+) -> None:
+    """After each training step: exit 101 to restart it in this allocation, 0 to end the segment."""
+    from megalaunch.launcher.restart import RESTART_EXIT_CODE
+    from megalaunch.launcher.restart import step_end as decide
+
+    try:
+        restart = decide(_chain(run), _job_id(), step, exit_code).restart
+    except Exception as e:  # the decision must never lose the segment's end: `job end` follows
+        print(f"megalaunch: could not decide on an in-job restart ({e}); the segment ends", file=sys.stderr)
+        restart = False
+    if restart:
+        sys.exit(RESTART_EXIT_CODE)
 
 
 @app.command()

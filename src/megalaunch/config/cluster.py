@@ -60,6 +60,9 @@ class ClusterConfig:
 
     backend: Literal["slurm", "local"] = doc("slurm (sbatch) or local (this machine)", "slurm")
     nodes: int = doc("nodes per segment", 1)
+    spare_nodes: int = doc("nodes allocated beyond `nodes` (Slurm): each training step runs on `nodes` healthy ones "
+                           "(node-health ledger, health check at start) and an in-job restart swaps a spare in for "
+                           "the node that failed (chain.restarts_per_segment)", 0)
     gpus_per_node: int = doc("GPUs per node (0: CPU-only)", 8)
     tasks_per_node: int | None = doc("tasks per node (default: gpus_per_node, or 1 on CPU)", None)
     cpus_per_task: int = doc("CPU cores per task", 8)
@@ -109,6 +112,11 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("cluster.nodes must be >= 1")
+        if self.spare_nodes < 0:
+            raise ValueError(f"cluster.spare_nodes must be >= 0, got {self.spare_nodes}; fix: --set cluster.spare_nodes=1")
+        if self.spare_nodes and self.backend != "slurm":
+            raise ValueError("cluster.spare_nodes needs backend: slurm (the local backend runs on this machine only); "
+                             "fix: --set cluster.spare_nodes=0")
         if self.gpus_per_node < 0:
             raise ValueError("cluster.gpus_per_node must be >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:

@@ -200,8 +200,15 @@ class ChainConfig:
                                    1800.0)
     notify: NotifyConfig = doc("commands and webhooks told when the chain needs a person or finishes",
                                NotifyConfig())
+    restarts_per_segment: int = doc("in-job restarts: a step that failed for a reason a restart can fix (a rank "
+                                    "killed, a collective error, a hang, a node failing its health check) starts "
+                                    "again inside the same allocation, from the newest complete checkpoint, at "
+                                    "most this many times per segment (0: off, the next segment resumes)", 2)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.restarts_per_segment <= 100:
+            raise ValueError(f"chain.restarts_per_segment must be 0-100, got {self.restarts_per_segment}; "
+                             "fix: --set chain.restarts_per_segment=2 (0 turns in-job restarts off)")
         for name in ("hang_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
             if not value > 0:  # also refuses NaN

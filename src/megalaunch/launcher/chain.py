@@ -164,7 +164,7 @@ class Chain:
         self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
                            checkpoint_iteration=now, new_checkpoint=new_ckpt,
                            first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}),
-                           **figures)
+                           **figures, **self.ledger.step_progress(job_id, now))
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
         self._write_goodput()

@@ -13,6 +13,9 @@ from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths
 
 # srun: error: node2: task 1: Killed / tasks 0-3: Exited with exit code 1 / task 0: Segmentation fault
+# `job step-end` prints this before an in-job restart (launcher/restart.py): a step's srun lines follow
+# the last one (the steps before it were judged at their own end)
+RESTART_MARKER = "megalaunch: in-job restart:"
 SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$", re.M)
 
 
@@ -79,7 +82,8 @@ def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:
     except OSError:
         return []
     out = []
-    for m in SRUN_TASK_LINE.finditer(text):
+    at = text.rfind(RESTART_MARKER)
+    for m in SRUN_TASK_LINE.finditer(text, max(at, 0)):
         for rank in _expand(m.group("tasks")):
             out.append((rank, m.group("node"), m.group("what").strip()))
     return out

@@ -18,6 +18,8 @@ always add up to the wall time:
   exit             -> the outcome is written (the save on the signal is in checkpoint_save)
   teardown         -> job end (process-group teardown, interpreter exit, srun, the chain's bookkeeping)
   failed           a segment that failed, hung or was killed: from its last sign of life to job end
+  restart          an in-job restart (launcher/restart.py): the failed step from its last sign of life to
+                   the restart, and the next step's start-up up to its first iteration's data
   untracked        a segment without a trainer timeline (a `workload` instead of Megatron's loop)
 
 Queue wait between segments (`wait`: from the previous segment's end, or the submission, to this
@@ -34,11 +36,12 @@ from typing import Any
 from megalaunch.config.gpus import GPUS
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger, segment_numbers
-from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.runtime.timeline import STARTUP_PHASES
 
 STARTUP = tuple(name for name, _ in STARTUP_PHASES)
-COMPONENTS = (*STARTUP, "health_check", "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "untracked")
+COMPONENTS = (*STARTUP, "health_check", "productive", "checkpoint_save", "lost_work", "exit", "teardown", "failed", "restart",
+              "untracked")
 FAILED_OUTCOMES = {"failed", "hung", "killed", "config_error", "storage_full"}
 
 # Dense bf16 peak TFLOP/s per GPU, by a substring of torch.cuda.get_device_name() (first match wins):
@@ -178,6 +181,31 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
     return seg
 
 
+def restarted_segment_time(paths: RunPaths, job_id: str, started: dict[str, Any], ended: dict[str, Any] | None,
+                           timeline: Any, restarts: list[dict[str, Any]], metrics: list[dict[str, Any]],
+                           now: float) -> SegmentTime:
+    """A segment with in-job restarts: each step cut on its own (its timeline was moved aside at the
+    restart), then summed; a failed step's end and the next step's start-up become `restart`."""
+    bounds = [float(started["time"]), *(float(r["time"]) for r in restarts)]
+    steps: list[SegmentTime] = []
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else None
+        tl = read_json(step_file(paths.timeline(job_id), i)) if hi is not None else timeline
+        mine = [m for m in metrics if lo <= float(m.get("time") or 0) < (hi if hi is not None else math.inf)]
+        end = {"time": hi, "outcome": "failed"} if hi is not None else ended
+        steps.append(segment_time(job_id, {"time": lo}, end, tl if isinstance(tl, dict) else None, mine, now))
+    parts = {k: 0.0 for k in COMPONENTS}
+    for i, st in enumerate(steps):
+        for k, v in st.parts.items():
+            moved = (i > 0 and k in STARTUP) or (i + 1 < len(steps) and k == "failed")
+            parts["restart" if moved else k] += v
+    seg = steps[-1]
+    seg.start, seg.parts = bounds[0], parts
+    seg.saves = [s for st in steps for s in st.saves]
+    seg.start_iteration = steps[0].start_iteration
+    return seg
+
+
 def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every segment's time and the chain's totals (goodput, badput by cause, wait). `metrics`: the
     lines of state/metrics.jsonl, when the caller has read them already."""
@@ -199,11 +227,18 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
             order.append(jid)
         elif e["event"] == "ended" and jid not in ended:
             ended[jid] = e
+    restarts: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["event"] == "restart":
+            restarts.setdefault(str(e.get("job_id")), []).append(e)
     segments: list[SegmentTime] = []
     previous_end: float | None = None
     for jid in order:
         tl = read_json(paths.timeline(jid))
-        seg = segment_time(jid, started[jid], ended.get(jid), tl if isinstance(tl, dict) else None, metrics, now)
+        if jid in restarts:
+            seg = restarted_segment_time(paths, jid, started[jid], ended.get(jid), tl, restarts[jid], metrics, now)
+        else:
+            seg = segment_time(jid, started[jid], ended.get(jid), tl if isinstance(tl, dict) else None, metrics, now)
         since = max(x for x in (submitted.get(jid), previous_end) if x is not None) \
             if (submitted.get(jid) is not None or previous_end is not None) else None
         seg.wait = max(0.0, seg.start - since) if since is not None and seg.start is not None else None

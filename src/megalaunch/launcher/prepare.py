@@ -126,7 +126,9 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         signal_lead_s=signal_lead_s(recipe), signal_delay_s=check_period_s(recipe),
         step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
         max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
-        notify=recipe.chain.notify.job_slice())
+        notify=recipe.chain.notify.job_slice(), restarts_per_segment=recipe.chain.restarts_per_segment,
+        spare_nodes=recipe.cluster.spare_nodes, tasks_per_node=recipe.cluster.ntasks_per_node,
+        min_train_time_s=recipe.chain.min_train_time_s)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:
@@ -144,13 +146,13 @@ def node_health_dir(recipe: Recipe, runs: Path | None = None) -> str:
 def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str, created: str) -> dict[str, Any]:
     cl = recipe.cluster
     job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), log_from="run.root", time=cl.time, cpus_per_task=cl.cpus_per_task,
-                    nodes=cl.nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
+                    nodes=cl.nodes + cl.spare_nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
                     options=cluster_options(cl), exclusive=cl.exclusive,
                     signal=f"{recipe.chain.stop_signal.removeprefix('SIG')}@{signal_lead_s(recipe)}", append=True,
                     mail_user=cl.mail_user, mail_type=cl.mail_type)
     return {
         "version": __version__, "source": source, "created": created, "run_dir": str(paths.root), "job": job,
-        "tasks_per_node": cl.ntasks_per_node, **environment_context(cl, [str(paths.root)]),
+        "tasks_per_node": cl.ntasks_per_node, "train_nodes": cl.nodes, **environment_context(cl, [str(paths.root)]),
         "secret_env": [*cl.secret_env, *(n for n in recipe.chain.notify.webhook_env if n not in cl.secret_env)],
         "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
         "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys, "master_port": cl.master_port,

@@ -17,14 +17,14 @@ COMPONENT_COLOURS = {
     "checkpoint_load": "#1f77b4", "data_setup": "#dbdb8d", "health_check": "#bcbd22",
     "productive": "#2ca02c",
     "checkpoint_save": "#ff7f0e", "lost_work": "#d62728", "exit": "#c5b0d5", "teardown": "#9467bd",
-    "failed": "#7f0000", "untracked": "#bbbbbb",
+    "failed": "#7f0000", "restart": "#e377c2", "untracked": "#bbbbbb",
 }
 COMPONENT_LABELS = {
     "launch": "launch", "imports": "imports", "init": "init", "model_build": "model build",
     "checkpoint_load": "checkpoint load", "data_setup": "data setup", "health_check": "health check",
     "productive": "productive",
     "checkpoint_save": "checkpoint save", "lost_work": "lost work", "exit": "exit", "teardown": "teardown",
-    "failed": "failed", "untracked": "untracked",
+    "failed": "failed", "restart": "in-job restart", "untracked": "untracked",
 }
 OUTCOME_COLOURS = {
     "finished": "#2ca02c", "saved": "#1f77b4", "exited": "#555555", "aborted": "#ff7f0e",
@@ -97,4 +97,4 @@ def summary_line(data: dict[str, Any]) -> str:
     return (f"goodput {100 * g:.1f}%" if g is not None else "goodput -") + \
         (f" of {duration(wall)} over {len(segs)} segment{'s' if len(segs) != 1 else ''} ({state}); "
          f"start-up {pct(STARTUP)}, saves {pct(['checkpoint_save'])}, lost work {pct(['lost_work'])}, "
-         f"failed {pct(['failed'])}, exit+teardown {pct(['exit', 'teardown'])}; queue wait {duration(c['wait'])}")
+         f"failed {pct(['failed'])}, restarts {pct(['restart'])}, exit+teardown {pct(['exit', 'teardown'])}; queue wait {duration(c['wait'])}")

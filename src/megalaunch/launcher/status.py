@@ -96,7 +96,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
                              for e in events if e.get("event") == "trigger_refused"],
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
-        "nodes": _node_decisions(events),
+        "nodes": _node_decisions(events), "restarts": restart_lines(events),
         "health": _health_lines(events),
         "stragglers": _straggler_lines(events),
         "stop_signal": stop_lines(events),
@@ -121,6 +121,20 @@ def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
             parts = ([f"excludes {', '.join(e['excluded'])}"] if e.get("excluded") else []) + [
                 f"keeps {n} ({why})" for n, why in sorted((e.get("kept") or {}).items())]
             out.append(f"job {e.get('job_id')} " + "; ".join(parts))
+    return out
+
+
+def restart_lines(events: list[dict[str, Any]]) -> list[str]:
+    """In-job restarts (launcher/restart.py) and the ones refused, oldest first."""
+    out = []
+    for e in events:
+        if e.get("event") == "restart":
+            off = f"; kept off {', '.join(e['exclude'])}" if e.get("exclude") else ""
+            out.append(f"job {e.get('job_id')} started step {e.get('step')} after {e.get('after')} "
+                       f"({e.get('reason')}), from checkpoint {e.get('checkpoint_iteration')}{off}")
+        elif e.get("event") == "restart_refused":
+            out.append(f"job {e.get('job_id')} did not restart step {e.get('step')} ({e.get('after')}): "
+                       f"{e.get('reason')}")
     return out
 
 
@@ -198,6 +212,8 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"  slurm: {st['slurm_error']}")
     for line in st.get("nodes") or []:
         lines.append(f"  nodes: {line}")
+    for line in st.get("restarts") or []:
+        lines.append(f"  in-job restart: {line}")
     for line in st.get("health") or []:
         lines.append(f"  health check: {line}")
     for line in st.get("stragglers") or []:

@@ -99,15 +99,29 @@ class Ledger:
         return None
 
     def consecutive_without_progress(self) -> int:
-        """Ended segments, counted back from the newest, that made no new checkpoint."""
+        """Failures counted back from the newest that made no new checkpoint: ended segments, and the
+        failed steps of a segment that were restarted inside it (`restart`, launcher/restart.py). A
+        segment whose restarted steps saved counts from its last restart on."""
         n = 0
-        for seg in reversed(self.segments(self.current_epoch())):
-            if seg.ended is None:
+        for e in reversed(self.current_epoch()):
+            if e["event"] == "ended":
+                progress = e.get("step_new_checkpoint", e.get("new_checkpoint"))
+            elif e["event"] == "restart":
+                progress = e.get("new_checkpoint")
+            else:
                 continue
-            if seg.ended.get("new_checkpoint"):
+            if progress:
                 break
             n += 1
         return n
+
+    def step_progress(self, job_id: str, now: int | None) -> dict[str, Any]:
+        """For `ended`: whether the segment's last step made a new checkpoint, where it restarted in-job."""
+        last = next((e for e in reversed(self.events()) if e["event"] == "restart" and str(e.get("job_id")) == job_id), None)
+        if last is None:
+            return {}
+        before = last.get("checkpoint_iteration")
+        return {"restarts": last.get("step"), "step_new_checkpoint": now is not None and (before is None or now > before)}
 
     def last(self, event: str) -> dict[str, Any] | None:
         for e in reversed(self.events()):

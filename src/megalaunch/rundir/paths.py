@@ -228,3 +228,11 @@ class ConversionPaths:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+
+def step_file(path: os.PathLike[str] | str, step: int) -> str:
+    """Where a file of one training step goes when an in-job restart starts the next step
+    (launcher/restart.py): `NAME.stepN.EXT`, or `NAME.stepN` for a name without an extension."""
+    p = os.fspath(path)
+    base, dot, ext = p.rpartition(".") if "." in os.path.basename(p) else (p, "", "")
+    return f"{base}.step{step}{dot}{ext}"

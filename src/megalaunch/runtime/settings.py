@@ -57,6 +57,11 @@ class RuntimeSettings:
     max_signal_lead_s: int | None = None  # a raised lead stops here: time limit - delay - min_train_time_s
     # chain.notify (launcher/notify.py): commands, webhook variable NAMES and secret-free URLs; None: off
     notify: dict[str, Any] | None = None
+    # in-job restarts (launcher/restart.py; issue 25): 0 in runs made before they existed
+    restarts_per_segment: int = 0
+    spare_nodes: int = 0
+    tasks_per_node: int = 1
+    min_train_time_s: float = 60.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
