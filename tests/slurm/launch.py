@@ -32,7 +32,9 @@ def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str 
                     "env": {"COUNTER_STEP_S": "0.05"}},
         "checkpoint": {"save_time_estimate_s": 1, "save_interval": 100},
         # lead = save 1 + step 0.5 + Slurm's 30 s check + margin 29 = 61 s (FACTS: use >= 60 s)
-        "chain": {"step_time_estimate_s": 0.5, "signal_margin_s": 29, "min_train_time_s": 20},
+        # in-job restarts off: these tests follow a failure to the segment's end (test_restart_slurm.py: on)
+        "chain": {"step_time_estimate_s": 0.5, "signal_margin_s": 29, "min_train_time_s": 20,
+                  "restarts_per_segment": 0},
     }
     for key, value in sections.items():
         recipe.setdefault(key, {})

@@ -81,7 +81,8 @@ def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s:
         "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
         # lead = save 10 + step 1 + Slurm's 30 s check period + margin 19 = 60 s
         "chain": {"step_time_estimate_s": 1, "signal_margin_s": 19, "min_train_time_s": 30,
-                  "trigger_interval": 1, "hang_timeout_s": 300},
+                  "trigger_interval": 1, "hang_timeout_s": 300,
+                  "restarts_per_segment": 0},  # a failure ends the segment (test_restart_slurm.py: restarts on)
     }
     for key, value in sections.items():
         recipe.setdefault(key, {})

@@ -153,7 +153,7 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
     assert re.fullmatch(rf"job watch {re.escape(run_dir)} --shell-pid \d+", calls[2]), calls
     assert calls[3] == f"job step-end {run_dir} --step 0 --exit-code 0" and calls[4].startswith("job end "), calls
     assert srun_env["MASTER_ADDR"] == "node1" and srun_env["WORLD_SIZE"] == "1", srun_env
-    assert "--nodelist=node1" in srun_argv and "--nodes=1" in srun_argv
+    assert "--nodelist=node1" in srun_argv and "--nodes=1" in srun_argv and "--ntasks=1" in srun_argv
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (CI installs it)")

@@ -74,6 +74,11 @@ def main() -> int:
     if bad and os.environ.get("SLURMD_NODENAME") == bad:
         log(f"this node ({bad}) is bad on purpose (COUNTER_FAIL_ON_NODE): dying at start")
         os.kill(os.getpid(), signal.SIGBUS)
+    if os.environ.get("COUNTER_FAIL") in ("config_error", "storage_full"):  # what no restart fixes
+        status = os.environ["COUNTER_FAIL"]
+        write_outcome(paths, status, reason=f"COUNTER_FAIL={status}: failing at start on purpose")
+        log(f"failing at start on purpose: {status}")
+        return 1
     if os.environ.get("COUNTER_FAIL") == "start":
         write_outcome(paths, "failed", reason="COUNTER_FAIL=start: crashing before training")
         log("failing at start on purpose")
