@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh plan               # 4 GPUs: the planner's 8B ranking, trained (~8 min)
 #   bash bench/gpu_session.sh storage            # the 1B chain on the disk: peak, saves, bandwidth (~8 min)
 #   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
+#   bash bench/gpu_session.sh load               # where a resumed segment's load goes (~3 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -116,12 +117,20 @@ stage_profile() {  # issue 23: a save's phases and writer threads against the di
   rm -rf "$WORK/profile"
 }
 
+stage_load() {  # issue 25: where a resumed segment's checkpoint load goes (allocator variants, a profile)
+  rm -rf "$WORK/load"
+  # shellcheck disable=SC2086
+  "$PY" bench/load_profile.py --dir "$WORK/load" --json "$OUT/load_profile.json" ${LOAD_ARGS:-} 2>&1 \
+    | grep -vE "warn|Warn" | tee "$OUT/load_profile.txt"
+  rm -rf "$WORK/load"
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -168,7 +168,8 @@ class NotifyConfig:
                                  "shell, like cluster.secret_env; the URL is never written to a file)", [])
     webhooks: list[str] = doc("webhook URLs without a secret in them (no user:password@, no ?query, no token); "
                               "a Slack/Teams/Discord hook goes in webhook_env", [])
-    on_every_segment: bool = doc("also tell at every segment end, also one that continues the chain", False)
+    on_every_segment: bool = doc("also tell at every segment end, also one that continues the chain, and at every "
+                                 "in-job restart (chain.restarts_per_segment)", False)
     timeout_s: float = doc("seconds each webhook POST may take", 10.0)
     command_timeout_s: float = doc("seconds each command may run (then it is killed)", 30.0)
 

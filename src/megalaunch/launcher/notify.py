@@ -1,6 +1,7 @@
 """Telling a person (issue #25, "Tell a person"): `chain.notify`'s commands and webhooks are given one
 JSON message when the chain stops for a reason that needs a person, when it finishes, when it pauses
-(the successor could not be queued), and, with `on_every_segment`, at every segment end.
+(the successor could not be queued), and, with `on_every_segment`, at every segment end and every
+in-job restart (launcher/restart.py).
 
 Which stops tell (`Chain.stop(..., kind=...)`): every `chain_stopped` is `needs_person` unless it is
 `finished` (training reached its target: told too, as good news) or `by_user` (an exit or abort
@@ -108,6 +109,13 @@ class Notifier:
             self._tell(job_id, "continues" if verdict.proceed else "ended", verdict.reason, None,
                        needs_person=False, segment=status)
         return verdict
+
+    def restarted(self, job_id: str, step: int, status: str, reason: str) -> None:
+        """From an in-job restart (launcher/restart.py): told with on_every_segment."""
+        if self.settings is not None and self.settings.on_every_segment:
+            self._tell(job_id, "restarted", f"step {step} started in the same job after {status}: {reason}", None,
+                       needs_person=False, segment=status)
+            self.told.discard(job_id)  # the segment's own end is still told
 
     def _tell(self, job_id: str | None, outcome: str, reason: str, fix: str | None, *, needs_person: bool,
               segment: str | None = None) -> None:

@@ -128,6 +128,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
           flush=True)
     log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}")
     chain._write_goodput()
+    chain.notifier.restarted(job_id, step + 1, status, str(reason or status))
     return StepEnd(True, status, str(reason or status))
 
 
