@@ -40,6 +40,8 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.heartbeat import task_start_beat
 from megalaunch.runtime.signals import block, resolve_signal
 
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # c10's CPU allocator: madvise(MADV_HUGEPAGE) on large blocks
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 2.0  # left-overs may finish on their own first (the resource tracker cleans up)
@@ -204,6 +206,11 @@ def run(command: list[str], stop_signal: signal.Signals) -> int:
         signal.signal(sig, lambda signum, frame: None)
     started = time.time()
     _first_beat()
+    # Huge pages for torch's large host tensors (read once, at torch's first allocation): a resumed
+    # segment's checkpoint load stages every tensor in fresh host memory, and faulting it in 4 KB
+    # pages made llama3-1b's 17.3 GB load 16.2 s on an H100, 9.8 s with 2 MB pages
+    # (bench/load_profile.py; docs/results.md). THP_MEM_ALLOC_ENABLE=0 in cluster.env turns it off.
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")
     try:
         child = subprocess.Popen(command, preexec_fn=_die_with_parent)  # preexec_fn is safe: no threads here
     except OSError as e:
