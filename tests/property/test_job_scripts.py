@@ -142,11 +142,14 @@ def run_train_script(box: Sandbox, prepared: PreparedRun) -> None:
     # the hang watcher runs in the background and may be stopped before its stub records the call
     # (tests/unit/test_render.py waits for it); when recorded, it is this exact argv
     watch = [c for c in calls if c[:2] == ["job", "watch"]]
-    assert [c for c in calls if c not in watch] == [["job", "begin", run_dir], ["job", "end", run_dir, "--exit-code", "0"]]
+    assert [c for c in calls if c not in watch] == [
+        ["job", "begin", run_dir], ["job", "step-nodes", run_dir, "--step", "0"],
+        ["job", "step-end", run_dir, "--step", "0", "--exit-code", "0"], ["job", "end", run_dir, "--exit-code", "0"]]
     assert all(c[:4] == ["job", "watch", run_dir, "--shell-pid"] and len(c) == 5 and c[4].isdigit() for c in watch), watch
     assert box.calls("module") == [["load", m] for m in cl.modules]
     supervisor = [home(cl.python), "-m", "megalaunch.runtime.task", "--signal", r.chain.stop_signal, "--"]
-    expected = ["--kill-on-bad-exit=1", f"--ntasks-per-node={cl.ntasks_per_node}",
+    expected = ["--kill-on-bad-exit=1", f"--nodes={cl.nodes}", "--nodelist=node1", f"--ntasks={cl.world_size}",
+                f"--ntasks-per-node={cl.ntasks_per_node}",
                 *srun_container_args(r, run_dir), *supervisor, *job_command(r, prepared.paths)]
     assert box.calls("srun") == [expected]
     env = box.srun_env()

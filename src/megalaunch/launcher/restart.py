@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.chain import Chain, log
 from megalaunch.launcher.evidence import RESTART_MARKER, abnormal_ends
 from megalaunch.launcher.nodes import NodeHealth, expand_hostlist
@@ -58,6 +59,8 @@ def step_nodes(chain: Chain, job_id: str, step: int, env: dict[str, str] | None 
     """The nodes this step runs on: `cluster.nodes` of the allocation's, healthy first; recorded."""
     env = dict(os.environ) if env is None else env
     allocated = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+    if not allocated:  # the job script falls back to the allocation's first nodes (scontrol)
+        raise MegalaunchError("no SLURM_JOB_NODELIST in the environment", fix="`job step-nodes` runs inside a job")
     need = max(1, chain.settings.nodes)
     failed = failed_in_job(chain, job_id)
     suspect = _suspects(chain)
