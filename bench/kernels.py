@@ -60,7 +60,6 @@ def timed(fn: Any, inputs: list[Any], reps: int = 20) -> tuple[float, float]:
 def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
     """op -> {"inputs": [...], "megatron": fn, "liger": fn[, "liger-default-chunks": fn]}."""
     import torch
-    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
     from megatron.core import parallel_state
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -106,7 +105,7 @@ def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
         "rope": {"inputs": [torch.randn(s, b, groups, (heads // groups + 2) * d, **bf16)], "megatron": megatron_rope,
                  "liger": lambda m: liger_layers.rope_qkv(m, freqs, freqs, split)},
         "swiglu": {"inputs": [torch.randn(s, b, 2 * ffn, **bf16)], "megatron": lambda y: bias_swiglu_impl(y, None),
-                   "liger": LigerFusedGateUpSiLUMulFunction.apply},
+                   "liger": liger_layers.swiglu},
         "linear_ce": {"inputs": [torch.randn(s, b, h, **bf16), 0.02 * torch.randn(vocab, h, **bf16)],
                       "megatron": megatron_ce, "liger": liger_ce,
                       "liger-default-chunks": lambda x, w: liger_ce(x, w, chunks=False)},

@@ -100,8 +100,9 @@ def test_rope(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(dtype: torch.dtype) -> None:
     """Megatron's fused (torch.compile'd) bias-SwiGLU and its unfused glu vs liger's fused gate-up."""
-    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    from megalaunch.runtime import liger_layers
 
     y = torch.randn(512, 2, 2 * 8192, device="cuda", dtype=dtype)
 
@@ -111,7 +112,7 @@ def test_swiglu(dtype: torch.dtype) -> None:
 
     ref = _grads(unfused, y)
     _compare("swiglu-megatron-fused", dtype, ref, _grads(lambda t: bias_swiglu_impl(t, None), y), TOL[dtype])
-    _compare("swiglu", dtype, ref, _grads(LigerFusedGateUpSiLUMulFunction.apply, y), TOL[dtype])
+    _compare("swiglu", dtype, ref, _grads(liger_layers.swiglu, y), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

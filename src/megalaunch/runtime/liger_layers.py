@@ -83,14 +83,21 @@ def mlp_class() -> type:
         def forward(self, hidden_states: Any, per_token_scale: Any = None, **kwargs: Any) -> Any:
             if per_token_scale is not None or not self.config.gated_linear_unit or self.activation_func is not F.silu:
                 return super().forward(hidden_states, per_token_scale, **kwargs)
-            from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
-
             intermediate, bias = self.linear_fc1(hidden_states)
             if bias is not None:
                 intermediate = intermediate + bias
-            return self.linear_fc2(LigerFusedGateUpSiLUMulFunction.apply(intermediate))
+            return self.linear_fc2(swiglu(intermediate))
 
     return LigerSwiGLUMLP
+
+
+def swiglu(y: Any) -> Any:
+    """silu(gate) x up over [..., 2 x ffn] (gate first, as Megatron's fc1 lays it out) in liger's one kernel;
+    2-D for the kernel, whose backward gives the gradient in its own [rows, 2 x ffn] shape."""
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+    out = LigerFusedGateUpSiLUMulFunction.apply(y.reshape(-1, y.shape[-1]))
+    return out.view(*y.shape[:-1], y.shape[-1] // 2)
 
 
 def with_liger_mlp(mlp: Any) -> Any:
