@@ -58,6 +58,7 @@ def test_auto_takes_only_the_ops_measured_faster(monkeypatch) -> None:
     (["--rotary-percent", "0.5"], "rope", "partial rotary"),
     (["--normalization", "LayerNorm"], "rmsnorm", "not RMSNorm"),
     (["--mtp-num-layers", "1"], "linear_ce", "multi-token prediction"),
+    (["--num-experts", "8"], "swiglu", "mixture-of-experts"),
     (["--tensor-model-parallel-size", "4", "--num-query-groups", "2"], "rope", "2 KV heads for TP 4"),
 ])
 def test_an_op_liger_cannot_take_falls_back_with_its_reason(monkeypatch, extra, op, words) -> None:

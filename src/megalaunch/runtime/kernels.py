@@ -63,6 +63,8 @@ def liger_unsupported(argv: list[str]) -> dict[str, str]:
         out["rope"] = rope_why[0]
     if "--swiglu" not in argv:
         out["swiglu"] = "the MLP is not SwiGLU"
+    elif flag_value(argv, "--num-experts"):
+        out["swiglu"] = "mixture-of-experts layers keep Megatron's expert MLPs"
     tp = int(flag_value(argv, "--tensor-model-parallel-size") or 1)
     groups = int(flag_value(argv, "--num-query-groups") or 0)
     if "rope" not in out and 0 < groups < tp:
