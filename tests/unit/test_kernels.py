@@ -168,3 +168,14 @@ def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
     assert plain.total - fused.total > 4.5 * 2**30
     tp2 = Layout(**{**layout.__dict__, "tp": 2, "dp": 4})
     assert estimate(shape, tp2).logits == estimate(shape, Layout(**{**tp2.__dict__, "fused_loss": False})).logits
+
+
+def test_a_liger_failure_at_model_build_names_the_way_out() -> None:
+    from megalaunch.runtime.failures import known_fix
+
+    try:
+        raise ImportError("cannot import name 'LigerRopeFunction' from 'liger_kernel.ops.rope'")
+    except ImportError as e:
+        failure = classify(e, started=False)
+    assert failure.config and "training.kernels=megatron" in (failure.fix or "")
+    assert known_fix("ValueError: training.kernels: liger's norm is RMSNorm") is not None

@@ -66,6 +66,8 @@ KNOWN_FIXES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I
     (r"flash.?attn|flash_attn|FlashAttention",
      "flash-attn is not installed on this node: drop --use-flash-attn from megatron_args "
      "(training.attention=sdpa uses torch's fused attention), or install flash-attn"),
+    (r"liger", "liger-kernel failed on this node (the reason says how): --set training.kernels=megatron, or install "
+               "the liger-kernel and triton that match the job's torch"),
     (r"apex", "apex is not installed on this node: use training.transformer_impl=local and drop the apex-only "
               "flags from megatron_args"),
     (r"nvidia_resiliency_ext|nvrx",
