@@ -11,12 +11,13 @@
 #   bash bench/gpu_session.sh storage            # the 1B chain on the disk: peak, saves, bandwidth (~8 min)
 #   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
 #   bash bench/gpu_session.sh load               # where a resumed segment's load goes (~3 min)
+#   bash bench/gpu_session.sh kernels            # liger-kernel vs Megatron: ops, 1B end to end, tests (~8 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
 # torch is preinstalled there. Wheels needed (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 -d .carry/wheels ...): megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe
-# packaging pytest pluggy iniconfig pytest-timeout. numpy must be there already (torch images have it).
+# packaging pytest pluggy iniconfig pytest-timeout (the kernels stage: liger-kernel). numpy must be there already (torch images have it).
 # The eval stage also needs (same command): typer annotated-doc click rich markdown-it-py mdurl pygments
 # shellingham transformers tokenizers safetensors huggingface-hub hf-xet httpx2 httpcore2 h11 anyio idna
 # truststore filelock fsspec regex tqdm typing-extensions (no lm-eval: held-out perplexity and the
@@ -101,6 +102,21 @@ stage_plan() {  # issue 13: the planner's ranking of the whole 8B on this node, 
   tar -czf "$OUT/plan_logs.tgz" -C "$WORK" --exclude runs plan 2>/dev/null || true
 }
 
+stage_kernels() {  # issue 27: liger-kernel vs Megatron's kernels, per op and llama3-1b end to end, then the tests
+  "$PY" -c "import liger_kernel" 2>/dev/null \
+    || "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" liger-kernel 2>&1 | tail -n 1
+  timeout "${KERNELS_OPS_S:-150}" "$PY" bench/kernels.py --stage ops --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/kernels_ops.txt" | grep -vE "warn|Warn" || true
+  # shellcheck disable=SC2086
+  timeout "${KERNELS_E2E_S:-330}" "$PY" bench/kernels.py --stage e2e --out "$WORK/kernels" ${KERNELS_ARGS:-} 2>&1 \
+    | tee "$OUT/kernels_e2e.txt" | grep -v "^  {" || true
+  cp "$WORK"/kernels/*.json "$OUT"/ 2>/dev/null || true
+  tar -czf "$OUT/kernels_logs.tgz" -C "$WORK" --exclude runs kernels 2>/dev/null || true
+  timeout "${KERNELS_TESTS_S:-200}" "$PY" -m pytest -m gpu tests/gpu/test_kernels_gpu.py -s -q -p no:cacheprovider \
+    --basetemp="$OUT/pytest-kernels" --junitxml="$OUT/kernels-tests.xml" 2>&1 | tee "$OUT/kernels-tests.txt" \
+    | grep -E "^\[|passed|failed|error|Error" || true
+}
+
 stage_storage() {  # issue 23: the 1B chain on this machine's disk with the shipped keep_last: 2
   rm -rf "$WORK/storage"
   # shellcheck disable=SC2086
@@ -128,9 +144,9 @@ stage_load() {  # issue 25: where a resumed segment's checkpoint load goes (allo
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

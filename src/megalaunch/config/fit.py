@@ -30,7 +30,8 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
-                  attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe))
+                  attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
+                  fused_loss=t.kernels == "liger")  # not auto: the node may lack liger-kernel
 
 
 @dataclass(frozen=True)

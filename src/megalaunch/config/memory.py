@@ -109,6 +109,7 @@ class Layout:
     precision: str = "bf16"
     attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
     fused: bool = False  # training.fused_kernels: 4 h + 3 f per token and layer kept, not 6 h + 4 f
+    fused_loss: bool = False  # training.kernels: liger: its fused linear cross entropy (TP 1) keeps no logits
 
     @property
     def world(self) -> int:
@@ -231,6 +232,8 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
         # (calibrated on H200: 10 bytes overestimated every llama3-1b case by 5-20 %, docs/results.md)
         vocab = shape.padded_vocab(layout.tp) / layout.tp
         logits = tokens * (4 * shape.hidden / (layout.tp if sp else 1) + 6 * vocab)
+        if layout.fused_loss and layout.tp == 1:
+            logits = fused_loss_bytes(shape, tokens)
     # The backward's working set: one layer's activation gradients plus a layer's weight gradient (bf16,
     # before it is added into the fp32 main grads); with full recompute, the layer rebuilt for its backward.
     grad_work = running * 0.5 + 2 * shape.layer_matmul_params() / layout.tp
@@ -246,6 +249,17 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
         transient, acts, logits = step_work, 0.0, 0.0
     return MemoryEstimate(params=wb * n, grads=gb * n, optimizer=ob * n, activations=acts, logits=logits,
                           transient=transient, stage=stage)
+
+
+def fused_loss_bytes(shape: ModelShape, tokens: float) -> float:
+    """liger's fused linear cross entropy (runtime/liger_layers.py), from its algorithm, not yet measured:
+    the final norm in/out (4 h), the input's gradient it computes in the forward and keeps (2 h) and an fp32
+    loss per token; the weight's gradient (bf16, vocabulary x h) kept from the forward to the backward; one
+    chunk of CHUNK_ROWS rows of bf16 logits at a time. No [tokens x vocabulary] tensor."""
+    from megalaunch.runtime.liger_layers import CHUNK_ROWS
+
+    vocab = shape.padded_vocab(1)
+    return tokens * (6 * shape.hidden + 4) + 2 * vocab * shape.hidden + 2 * min(CHUNK_ROWS, tokens) * vocab
 
 
 def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:

@@ -65,7 +65,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
-            precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False) -> list[Layout]:
+            precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
+            fused_loss: bool = False) -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
     micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
@@ -95,7 +96,8 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                                 out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb,
                                                   num_microbatches=m, recompute=rc, sequence_parallel=sp,
                                                   distributed_optimizer=distributed_optimizer,
-                                                  precision=precision, attention=attention, fused=fused))
+                                                  precision=precision, attention=attention, fused=fused,
+                                                  fused_loss=fused_loss))
     return out
 
 
@@ -161,12 +163,12 @@ def step_key(step_s: float) -> float:
 
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
-         fused: bool = False) -> list[Candidate]:
+         fused: bool = False, fused_loss: bool = False) -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
-                          fused=fused):
+                          fused=fused, fused_loss=fused_loss):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
@@ -247,7 +249,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                  global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                  distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                 fused=fused_kernels(recipe, gpn))
+                 fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger")
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",

@@ -181,6 +181,15 @@ def check_cluster(recipe: Recipe) -> None:
                  "false or auto when gpus_per_node is 0", "--set checkpoint.async_save=auto")
         _require(t.precision == "fp32", "training.precision",
                  f"{t.precision} on a CPU-only job", "fp32 when gpus_per_node is 0", "--set training.precision=fp32")
+        _require(t.kernels != "liger", "training.kernels", "liger-kernel's Triton kernels need a GPU",
+                 "auto or megatron when gpus_per_node is 0", "--set training.kernels=auto")
+    te = t.transformer_impl == "transformer_engine"
+    _require(t.kernels != "liger" or not te, "training.kernels",
+             "liger goes with transformer_impl: local (transformer-engine's layers bring their own fusions)",
+             "auto, te or megatron with transformer_impl: transformer_engine", "--set training.kernels=auto")
+    _require(t.kernels != "te" or te, "training.kernels", "te means transformer-engine's layers",
+             "te with transformer_impl: transformer_engine; auto, liger or megatron with local",
+             "--set training.kernels=auto (or --set training.transformer_impl=transformer_engine)")
     lead = signal_lead_s(recipe)
     period = check_period_s(recipe)
     room = cl.time_limit_s - lead - period

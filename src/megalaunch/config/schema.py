@@ -85,6 +85,10 @@ class TrainingConfig:
     attention: Literal["auto", "local", "sdpa", "te"] = doc(
         "attention kernel: auto (chosen in the job: transformer-engine if importable, else flash-attn, else "
         "torch SDPA; recorded in the ledger), local (Megatron's, slow), sdpa (torch), te", "auto")
+    kernels: Literal["auto", "megatron", "liger", "te"] = doc(
+        "RMSNorm, RoPE, SwiGLU and the output layer's cross entropy: auto (chosen in the job: te with "
+        "transformer_impl transformer_engine, else liger-kernel's where importable on a GPU and measured faster, "
+        "else Megatron's; recorded in the ledger), megatron, liger (needs liger-kernel and a GPU), te", "auto")
     recompute: Literal["none", "selective", "full"] = doc(
         "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
         "compute, least memory)", "none")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.conversion.dims import padded_vocab_size
-from megalaunch.runtime.model import decoder_spec, layer_spec
+from megalaunch.runtime.model import decoder_spec, gpt_class, layer_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -64,7 +64,7 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
 def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",
                     params_dtype: torch.dtype | None = None, pre_process: bool = True,
                     post_process: bool = True, make_vocab_size_divisible_by: int | None = None,
-                    **config_overrides: Any) -> GPTModel:
+                    liger_ops: frozenset[str] = frozenset(), **config_overrides: Any) -> GPTModel:
     """Build a Megatron-core GPTModel (the one `megalaunch.runtime.train` trains) from a recipe's
     ModelConfig, outside of the training loop.
 
@@ -75,6 +75,7 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
         attention: "local" (Megatron's), "sdpa" (torch SDPA) or "te" (transformer-engine).
         params_dtype: parameter dtype (default float32).
         make_vocab_size_divisible_by: default `model.make_vocab_size_divisible_by`.
+        liger_ops: the ops liger-kernel computes (runtime/kernels.py OPS; its kernels need a GPU).
         config_overrides: extra TransformerConfig fields.
 
     Megatron's model-parallel state must exist: inside training it does; in a test or a converter
@@ -83,14 +84,14 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
     linear_qkv.weight`, ..., `output_layer.weight`), identical to the checkpoints training writes.
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model, params_dtype=params_dtype, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
     impl = "transformer_engine" if attention == "te" else "local"
-    spec = layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization)
-    return GPTModel(
+    spec = layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization,
+                      liger_ops=liger_ops)
+    return gpt_class(config, liger_ops)(
         config=config,
         transformer_layer_spec=decoder_spec(config, spec),
         vocab_size=padded_vocab_size(vocab_size, divisible, tp),

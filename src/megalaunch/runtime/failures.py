@@ -66,6 +66,8 @@ KNOWN_FIXES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.I
     (r"flash.?attn|flash_attn|FlashAttention",
      "flash-attn is not installed on this node: drop --use-flash-attn from megatron_args "
      "(training.attention=sdpa uses torch's fused attention), or install flash-attn"),
+    (r"liger", "liger-kernel failed on this node (the reason says how): --set training.kernels=megatron, or install "
+               "the liger-kernel and triton that match the job's torch"),
     (r"apex", "apex is not installed on this node: use training.transformer_impl=local and drop the apex-only "
               "flags from megatron_args"),
     (r"nvidia_resiliency_ext|nvrx",
@@ -179,7 +181,7 @@ def installed(module: str) -> bool:
 def check_kernels(argv: list[str], attention: str) -> list[str]:
     """Refuse, before Megatron starts, a feature whose library is not importable here; return the
     notes to log for what is used instead. Raises ConfigFailure naming the field and the fix."""
-    te_wanted = attention == "te" or _flag_value(argv, "--transformer-impl") == "transformer_engine"
+    te_wanted = attention == "te" or flag_value(argv, "--transformer-impl") == "transformer_engine"
     if te_wanted and not installed("transformer_engine"):
         field = "training.attention: te" if attention == "te" else "training.transformer_impl: transformer_engine"
         raise ConfigFailure(f"{field} needs transformer-engine, which is not installed on this node",
@@ -201,7 +203,7 @@ def resolve_attention(requested: str, argv: list[str], *, cpu: bool) -> tuple[st
     (which torch SDPA and flash-attn here do not support) the fallback is Megatron's local attention."""
     if requested != "auto":
         return requested, "set in the recipe"
-    cp = int(_flag_value(argv, "--context-parallel-size") or 1)
+    cp = int(flag_value(argv, "--context-parallel-size") or 1)
     if not cpu and installed("transformer_engine"):
         return "te", "auto: transformer-engine is importable"
     if cp > 1:
@@ -212,7 +214,7 @@ def resolve_attention(requested: str, argv: list[str], *, cpu: bool) -> tuple[st
         else "auto: torch SDPA on the CPU"
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
+def flag_value(argv: list[str], flag: str) -> str | None:
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
             return argv[i + 1]

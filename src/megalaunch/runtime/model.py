@@ -142,8 +142,10 @@ def _make_sdpa_class() -> type:
 
 
 def layer_spec(config: TransformerConfig, *, attention: str = "local", transformer_impl: str = "local",
-               normalization: str = "RMSNorm", qk_layernorm: bool = False) -> ModuleSpec:
-    """The transformer-layer spec for this attention implementation."""
+               normalization: str = "RMSNorm", qk_layernorm: bool = False,
+               liger_ops: frozenset[str] = frozenset()) -> ModuleSpec:
+    """The transformer-layer spec for this attention implementation, with liger-kernel's norm and SwiGLU
+    where `liger_ops` names them (runtime/kernels.py; the rotary embedding and the loss are the model's)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
     num_experts = getattr(config, "num_moe_experts", None)
@@ -161,16 +163,35 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = \
             sdpa_attention_class() if attention == "sdpa" else flash_attention_class()
+    if liger_ops & {"rmsnorm", "swiglu"}:
+        from megalaunch.runtime import liger_layers
+
+        spec = copy.deepcopy(spec)
+        if "swiglu" in liger_ops:
+            spec.submodules.mlp = liger_layers.with_liger_mlp(spec.submodules.mlp)
+        if "rmsnorm" in liger_ops:  # it marks its weights for sequence parallelism itself
+            return _with_norm(spec, liger_layers.norm_class())
     if getattr(config, "sequence_parallel", False):
         spec = _with_norm(copy.deepcopy(spec), sequence_parallel_norm_class())
     return spec
 
 
+def _custom_norm(layer: ModuleSpec) -> type | None:
+    """megalaunch's norm in this layer spec (the sequence-parallel torch norm, liger's), if any."""
+    import sys
+
+    candidates = [sequence_parallel_norm_class()]
+    if "megalaunch.runtime.liger_layers" in sys.modules:  # only a spec built with liger's ops can hold it
+        candidates.append(sys.modules["megalaunch.runtime.liger_layers"].norm_class())
+    return next((c for c in candidates if spec_uses(layer, c)), None)
+
+
 def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | None = None) -> Any:
-    """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or, with sequence
-    parallelism on Megatron's local layers, the block's submodules with the sequence-parallel torch
-    norm as its final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
-    if not getattr(config, "sequence_parallel", False) or not spec_uses(layer, sequence_parallel_norm_class()):
+    """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or, where the layers use
+    megalaunch's norm (the sequence-parallel torch norm, liger's), the block's submodules with that norm as
+    its final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
+    norm = _custom_norm(layer)
+    if norm is None:
         return layer
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -178,7 +199,7 @@ def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | N
     )
 
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=sequence_parallel_norm_class())
+                                      layer_norm=norm)
 
 
 _SP_NORM: list[type] = []
@@ -305,21 +326,21 @@ def megatron_parallel_state(seed: int = 1234) -> Iterator[None]:
 
 # --- inside Megatron's loop -------------------------------------------------------------------
 
-def model_provider(attention: str) -> Any:
+def model_provider(attention: str, liger_ops: frozenset[str] = frozenset()) -> Any:
     """Megatron's `model_provider(pre_process, post_process, vp_stage, config, pg_collection)` for
-    a GPT built from the parsed Megatron arguments, with the given attention implementation."""
+    a GPT built from the parsed Megatron arguments, with the given attention implementation and the
+    ops liger-kernel computes (runtime/kernels.py)."""
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                 config: Any = None, pg_collection: Any = None) -> GPTModel:
-        from megatron.core.models.gpt import GPTModel
         from megatron.training import get_args
         from megatron.training.argument_utils import core_transformer_config_from_args
 
         args = get_args()
         cfg = config if config is not None else core_transformer_config_from_args(args)
         spec = layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
-                          normalization=args.normalization, qk_layernorm=args.qk_layernorm)
-        return GPTModel(
+                          normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops)
+        return gpt_class(cfg, liger_ops)(
             config=cfg,
             transformer_layer_spec=decoder_spec(cfg, spec, vp_stage),
             vocab_size=args.padded_vocab_size,
@@ -339,3 +360,19 @@ def model_provider(attention: str) -> Any:
         )
 
     return provide
+
+
+def gpt_class(config: Any, liger_ops: frozenset[str]) -> type:
+    """GPTModel, or liger's loss model (runtime/liger_layers.py); with liger's rotary embedding, the config
+    asks for Megatron's single-QKV rotary seam, which liger then fills."""
+    from megatron.core.models.gpt import GPTModel
+
+    if liger_ops & {"rope", "linear_ce"}:
+        from megalaunch.runtime import liger_layers
+
+        if "rope" in liger_ops:
+            liger_layers.install_rope()
+            config.fused_single_qkv_rope = True
+        if "linear_ce" in liger_ops:
+            return liger_layers.gpt_model_class()
+    return GPTModel

@@ -23,6 +23,7 @@ class RuntimeSettings:
     milestone_interval: int = 0
     cpu: bool = False  # gpus_per_node == 0: the job hides any GPU and runs on the CPU (gloo)
     attention: str = "local"
+    kernels: str = "megatron"  # training.kernels, resolved in the job (runtime/kernels.py); runs made before it: megatron
     allow_blend_change: bool = False
     profile_window: bool = False  # --profile-step-start/end count from the iteration resumed from
     run_name: str = "run"

@@ -84,7 +84,9 @@ def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, A
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def make_forward_step(session: StepHooks | None) -> Any:
+def make_forward_step(session: StepHooks | None, *, skip_masked_labels: bool = False) -> Any:
+    """Megatron's forward step; `skip_masked_labels`: labels where the loss mask is 0 become liger's
+    ignore index, so that its fused loss (which takes no mask) skips them (runtime/liger_layers.py)."""
     from functools import partial
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
@@ -92,7 +94,10 @@ def make_forward_step(session: StepHooks | None) -> Any:
             session.maybe_hang()
             session.forward_begin()
         batch = get_batch(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        labels = batch["labels"]
+        if skip_masked_labels:
+            labels = labels.masked_fill(batch["loss_mask"] == 0, -100)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=labels)
         if session is not None:
             session.forward_end()
         return output, partial(loss_func, batch["loss_mask"])
@@ -100,7 +105,8 @@ def make_forward_step(session: StepHooks | None) -> Any:
     return forward_step
 
 
-def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None) -> None:
+def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None,
+                 liger_ops: frozenset[str] = frozenset()) -> None:
     """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain`."""
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -115,11 +121,12 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None) 
         cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
     finally:
         sys.argv = saved_argv
-    provide_model, provide_data = model_provider(attention), dataset_provider
+    provide_model, provide_data = model_provider(attention, liger_ops), dataset_provider
     if session is not None:
         provide_model = _timed(provide_model, session, "model_build")
         provide_data = _timed(dataset_provider, session, "data")
-    pretrain(cfg, provide_data, ModelType.encoder_or_decoder, make_forward_step(session),
+    pretrain(cfg, provide_data, ModelType.encoder_or_decoder,
+             make_forward_step(session, skip_masked_labels="linear_ce" in liger_ops),
              model_provider=provide_model)
 
 

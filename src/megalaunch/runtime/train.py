@@ -48,6 +48,7 @@ from megalaunch.runtime.failures import (
 )
 from megalaunch.runtime.fault_hooks import maybe_skip_rendezvous
 from megalaunch.runtime.health import UnhealthyNode
+from megalaunch.runtime.kernels import KernelChoice, resolve_kernels
 from megalaunch.runtime.session import Session
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
@@ -113,7 +114,7 @@ def _start_readahead(session: Session, local_rank: int, resume_from: int | None)
         session.ctx.log(f"checkpoint read-ahead: {why}")
 
 
-def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str]:
+def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str, KernelChoice]:
     """Everything before Megatron starts: blend check, CPU mode, seams, W&B."""
     ctx, observe = session.ctx, session.observe
     try:
@@ -141,6 +142,10 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str]
     for note in check_kernels(argv, attention):  # a missing library: config_error, now
         ctx.log(note)
         ctx.ledger("kernel", note=note)
+    kernels = resolve_kernels(settings.kernels, argv, cpu=cpu)  # a missing library: config_error, now
+    ctx.log(f"kernels: {kernels.library} ({kernels.why})" + "".join(
+        f"; {op}: Megatron's ({why})" for op, why in kernels.fallbacks.items() if kernels.library == "liger"))
+    ctx.ledger("kernels", **kernels.ledger())
     from megalaunch.runtime import megatron_seams
 
     megatron_seams.install(session)
@@ -148,9 +153,9 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str]
     if ctx.is_zero and settings.wandb_project:
         observe.open_wandb()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
-    observe.timeline.mark("setup_done", gpu=gpu, attention=attention)
+    observe.timeline.mark("setup_done", gpu=gpu, attention=attention, kernels=kernels.library)
     maybe_skip_rendezvous(ctx)
-    return argv, attention
+    return argv, attention, kernels
 
 
 @dataclass
@@ -189,8 +194,8 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
     """Set up, run Megatron's loop, and tell how it ended: whatever it raises becomes the Ending."""
     end = Ending()
     try:
-        argv, attention = _setup(session, settings)
-        run_pretrain(argv, attention=attention, session=session)
+        argv, attention, kernels = _setup(session, settings)
+        run_pretrain(argv, attention=attention, session=session, liger_ops=kernels.liger_ops)
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger

@@ -1,0 +1,119 @@
+"""`training.kernels`: which library computes RMSNorm, RoPE, SwiGLU and the output layer with its cross
+entropy on Megatron's local layers, decided in the job like `training.attention: auto` (where importability
+and the GPU are known) and recorded in the ledger.
+
+- `megatron`: Megatron's own (unfused torch norm and rotary embedding; the torch.compile'd SwiGLU and cross
+  entropy of `training.fused_kernels`);
+- `liger`:    liger-kernel's Triton kernels (runtime/liger_layers.py) for each op whose shape they support,
+  Megatron's for the rest (each fallback is named in the ledger); a CUDA GPU is needed;
+- `te`:       transformer-engine's own fused layers (`transformer_impl: transformer_engine`);
+- `auto`:     te with transformer_impl: transformer_engine; else liger, where liger-kernel is importable on a
+  GPU, for the ops measured faster than Megatron's (LIGER_FASTER, docs/results.md); else megatron.
+
+The parameters and their names are the same whichever library computes the op, so a checkpoint saved with
+one choice loads with another (tests/unit/test_kernels.py).
+
+Standard library only at module level: the launcher's tests import it without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalaunch.runtime.failures import ConfigFailure, flag_value, installed
+
+KERNELS = ("auto", "megatron", "liger", "te")
+OPS = ("rmsnorm", "rope", "swiglu", "linear_ce")
+# The ops where liger-kernel was measured faster than Megatron's path (bench/kernels.py, docs/results.md "Fused
+# kernels"): what `auto` takes from liger. An op not named keeps Megatron's under auto. Empty until measured:
+# no GPU run of this branch has been made yet, so auto stays with Megatron's kernels (kernels: liger opts in).
+LIGER_FASTER: frozenset[str] = frozenset()
+LIGER_FIX = ("pip install liger-kernel in the job's environment (it comes with megalaunch[train]), "
+             "or --set training.kernels=auto (Megatron's kernels where liger-kernel is missing)")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The library that computes each op on this node, and why."""
+
+    requested: str
+    library: str                                 # megatron | liger | te: the choice as a whole
+    why: str
+    liger_ops: frozenset[str] = frozenset()      # the ops liger-kernel computes (library == liger)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why Megatron's computes it instead
+
+    def ledger(self) -> dict[str, object]:
+        return {"requested": self.requested, "chosen": self.library, "why": self.why,
+                "liger_ops": sorted(self.liger_ops), "fallbacks": dict(self.fallbacks)}
+
+
+def liger_unsupported(argv: list[str]) -> dict[str, str]:
+    """Which ops liger-kernel cannot take in this model and layout (Megatron's argument list), and why."""
+    out: dict[str, str] = {}
+    if (flag_value(argv, "--normalization") or "LayerNorm") != "RMSNorm":
+        out["rmsnorm"] = "the model's norm is not RMSNorm"
+    cp = int(flag_value(argv, "--context-parallel-size") or 1)
+    rope_why = [why for bad, why in (
+        ((flag_value(argv, "--position-embedding-type") or "learned_absolute") != "rope", "no rotary embedding"),
+        (cp > 1, f"context parallelism (CP {cp}) splits the sequence"),
+        ("--qk-layernorm" in argv, "q/k norms come between the projection and the rotation"),
+        ("--rotary-interleaved" in argv, "interleaved rotary layout"),
+        (float(flag_value(argv, "--rotary-percent") or 1.0) != 1.0, "partial rotary embedding"),
+    ) if bad]
+    if rope_why:
+        out["rope"] = rope_why[0]
+    if "--swiglu" not in argv:
+        out["swiglu"] = "the MLP is not SwiGLU"
+    elif flag_value(argv, "--num-experts"):
+        out["swiglu"] = "mixture-of-experts layers keep Megatron's expert MLPs"
+    tp = int(flag_value(argv, "--tensor-model-parallel-size") or 1)
+    groups = int(flag_value(argv, "--num-query-groups") or 0)
+    if "rope" not in out and 0 < groups < tp:
+        out["rope"] = f"{groups} KV heads for TP {tp}: each rank takes a slice of the query heads after the rotation"
+    if tp > 1:
+        out["linear_ce"] = f"TP {tp} shards the vocabulary (liger's fused linear cross entropy needs the whole)"
+    elif flag_value(argv, "--mtp-num-layers"):
+        out["linear_ce"] = "multi-token prediction computes its own losses"
+    return out
+
+
+def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoice:
+    """`training.kernels` decided for this node; raises ConfigFailure when the recipe asks for a library
+    this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error)."""
+    if requested not in KERNELS:
+        raise ConfigFailure(f"training.kernels: {requested!r} is not one of {', '.join(KERNELS)}",
+                            "--set training.kernels=auto")
+    te_impl = flag_value(argv, "--transformer-impl") == "transformer_engine"
+    if requested == "te" or (requested == "auto" and te_impl):
+        if not installed("transformer_engine"):
+            raise ConfigFailure("training.kernels: te needs transformer-engine, which is not installed on this node",
+                                "--set training.kernels=auto --set training.transformer_impl=local, "
+                                "or install transformer-engine (pip install megalaunch[te])")
+        return KernelChoice(requested, "te", "set in the recipe" if requested == "te"
+                            else "auto: transformer_impl is transformer_engine (its layers bring their own fusions)")
+    if requested == "megatron":
+        return KernelChoice(requested, "megatron", "set in the recipe")
+    if requested == "liger":
+        if not installed("liger_kernel"):
+            raise ConfigFailure("training.kernels: liger needs liger-kernel, which is not installed on this node",
+                                LIGER_FIX)
+        if cpu:
+            raise ConfigFailure("training.kernels: liger needs a CUDA GPU (its kernels are Triton's); this job has none",
+                                "--set training.kernels=auto (Megatron's kernels on the CPU)")
+        return _liger(requested, argv, frozenset(OPS), "set in the recipe")
+    if cpu:
+        return KernelChoice(requested, "megatron", "auto: Megatron's kernels on the CPU (liger-kernel needs CUDA)")
+    if not installed("liger_kernel"):
+        return KernelChoice(requested, "megatron", "auto: liger-kernel is not importable on this node")
+    if not LIGER_FASTER:
+        return KernelChoice(requested, "megatron", "auto: none of liger-kernel's kernels is measured faster yet "
+                            "(bench/kernels.py); training.kernels=liger uses them")
+    return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster")
+
+
+def _liger(requested: str, argv: list[str], wanted: frozenset[str], why: str) -> KernelChoice:
+    unsupported = liger_unsupported(argv)
+    ops = frozenset(op for op in wanted if op not in unsupported)
+    fallbacks = {op: unsupported.get(op, "Megatron's was measured as fast or faster") for op in OPS if op not in ops}
+    if not ops:
+        return KernelChoice(requested, "megatron", f"{why}, but none of its ops fits this model", fallbacks=fallbacks)
+    return KernelChoice(requested, "liger", why, ops, fallbacks)

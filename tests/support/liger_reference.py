@@ -1,0 +1,84 @@
+"""Plain-torch stand-ins for liger-kernel's Triton functions, with liger's signatures and layouts, so that
+megalaunch's wiring of them into Megatron (runtime/liger_layers.py) can be tested on the CPU: the layout
+changes, the rotary seam, the deferred logits and the masked labels. The kernels themselves are compared
+with Megatron's on the GPU (tests/gpu/test_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class RopeFunction(torch.autograd.Function):
+    """liger's LigerRopeFunction: q [b, heads, s, d], k [b, kv heads, s, d], cos/sin [1, s, d]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Any, k: Any, cos: Any, sin: Any, *rest: Any) -> Any:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dq: Any, dk: Any) -> Any:
+        cos, sin = ctx.saved_tensors
+        return _rotate(dq, cos, -sin), _rotate(dk, cos, -sin), None, None
+
+
+def _rotate(t: Any, cos: Any, sin: Any) -> Any:
+    c, s = cos.unsqueeze(1).to(t.dtype), sin.unsqueeze(1).to(t.dtype)
+    x1, x2 = t.chunk(2, dim=-1)
+    return t * c + torch.cat((-x2, x1), dim=-1) * s
+
+
+class GateUpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Any) -> Any:
+        gate, up = y.chunk(2, dim=-1)
+        with torch.enable_grad():
+            y_ = y.detach().requires_grad_()
+            g, u = y_.chunk(2, dim=-1)
+            out = F.silu(g) * u
+        ctx.save_for_backward(y_, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, dc: Any) -> Any:
+        y_, out = ctx.saved_tensors
+        (dy,) = torch.autograd.grad(out, y_, dc)
+        return dy
+
+
+class FusedLinearCE(torch.autograd.Function):
+    """liger's fused linear cross entropy, reduction "sum": the gradient computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, w: Any, target: Any, bias: Any, ce_weight: Any, ignore_index: int,
+                lse: float, smoothing: float, reduction: str, *rest: Any) -> Any:
+        assert reduction == "sum"
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+            loss = F.cross_entropy((x_ @ w_.t()).float(), target, ignore_index=ignore_index, reduction="sum")
+            gx, gw = torch.autograd.grad(loss, (x_, w_))
+        ctx.save_for_backward(gx, gw)
+        return loss.detach(), None, None, None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any, *unused: Any) -> Any:
+        gx, gw = ctx.saved_tensors
+        return (gx * grad, gw * grad) + (None,) * 16
+
+
+def rms_norm_forward(self: Any, x: Any) -> Any:
+    return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.variance_epsilon).to(x.dtype)
+
+
+def install(monkeypatch: Any) -> None:
+    """Point liger's functions, where megalaunch reaches them, at these stand-ins."""
+    from liger_kernel.ops import fused_linear_cross_entropy, rope, swiglu
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    monkeypatch.setattr(rope, "LigerRopeFunction", RopeFunction)
+    monkeypatch.setattr(swiglu, "LigerFusedGateUpSiLUMulFunction", GateUpFunction)
+    monkeypatch.setattr(fused_linear_cross_entropy, "LigerFusedLinearCrossEntropyFunction", FusedLinearCE)
+    monkeypatch.setattr(LigerRMSNorm, "forward", rms_norm_forward)

@@ -1,0 +1,181 @@
+"""`training.kernels` resolved in the job (runtime/kernels.py) and checked before submission (preflight):
+which library computes each op, the fallbacks and why, and the config errors for a library a node lacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megalaunch.errors import PreflightError
+from megalaunch.runtime import kernels
+from megalaunch.runtime.failures import ConfigFailure, classify
+
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+         "--tensor-model-parallel-size", "1", "--transformer-impl", "local"]
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, *present: str) -> None:
+    monkeypatch.setattr(kernels, "installed", lambda module: module in present)
+
+
+@pytest.mark.parametrize(("requested", "present", "cpu", "library", "ops"), [
+    ("auto", ("liger_kernel",), False, "liger" if kernels.LIGER_FASTER else "megatron", kernels.LIGER_FASTER),
+    ("auto", (), False, "megatron", frozenset()),               # no liger here: Megatron's, said in the ledger
+    ("auto", ("liger_kernel",), True, "megatron", frozenset()),  # CPU: liger needs CUDA
+    ("liger", ("liger_kernel",), False, "liger", frozenset(kernels.OPS)),
+    ("megatron", ("liger_kernel",), False, "megatron", frozenset()),
+])
+def test_kernels_resolve_per_node(monkeypatch, requested, present, cpu, library, ops) -> None:
+    _installed(monkeypatch, *present)
+    choice = kernels.resolve_kernels(requested, LLAMA, cpu=cpu)
+    assert (choice.library, choice.liger_ops) == (library, ops)
+    record = choice.ledger()
+    assert record["requested"] == requested and record["chosen"] == library and record["why"]
+    if library == "liger":
+        assert set(record["fallbacks"]) == set(kernels.OPS) - ops
+
+
+def test_auto_without_liger_says_why(monkeypatch) -> None:
+    _installed(monkeypatch)
+    assert "not importable" in kernels.resolve_kernels("auto", LLAMA, cpu=False).why
+
+
+def test_auto_takes_only_the_ops_measured_faster(monkeypatch) -> None:
+    _installed(monkeypatch, "liger_kernel")
+    monkeypatch.setattr(kernels, "LIGER_FASTER", frozenset({"rope", "linear_ce"}))
+    choice = kernels.resolve_kernels("auto", LLAMA, cpu=False)
+    assert choice.library == "liger" and choice.liger_ops == {"rope", "linear_ce"}
+    assert "measured as fast or faster" in choice.fallbacks["swiglu"]
+    monkeypatch.setattr(kernels, "LIGER_FASTER", frozenset())
+    assert kernels.resolve_kernels("auto", LLAMA, cpu=False).library == "megatron"
+
+
+@pytest.mark.parametrize(("extra", "op", "words"), [
+    (["--tensor-model-parallel-size", "2"], "linear_ce", "TP 2 shards the vocabulary"),
+    (["--context-parallel-size", "2"], "rope", "context parallelism"),
+    (["--qk-layernorm"], "rope", "q/k norms"),
+    (["--rotary-percent", "0.5"], "rope", "partial rotary"),
+    (["--normalization", "LayerNorm"], "rmsnorm", "not RMSNorm"),
+    (["--mtp-num-layers", "1"], "linear_ce", "multi-token prediction"),
+    (["--num-experts", "8"], "swiglu", "mixture-of-experts"),
+    (["--tensor-model-parallel-size", "4", "--num-query-groups", "2"], "rope", "2 KV heads for TP 4"),
+])
+def test_an_op_liger_cannot_take_falls_back_with_its_reason(monkeypatch, extra, op, words) -> None:
+    """(flag_value reads a flag's first occurrence: the variations come before the llama flags.)"""
+    _installed(monkeypatch, "liger_kernel")
+    choice = kernels.resolve_kernels("liger", [*extra, *LLAMA], cpu=False)
+    assert op not in choice.liger_ops and words in choice.fallbacks[op]
+    assert choice.library == "liger"  # the other ops still are liger's
+
+
+def test_nothing_fits_means_megatron(monkeypatch) -> None:
+    _installed(monkeypatch, "liger_kernel")
+    choice = kernels.resolve_kernels("liger", ["--tensor-model-parallel-size", "2"], cpu=False)
+    assert choice.library == "megatron" and not choice.liger_ops and set(choice.fallbacks) == set(kernels.OPS)
+
+
+@pytest.mark.parametrize(("requested", "present", "cpu", "argv", "words"), [
+    ("liger", (), False, LLAMA, "liger-kernel, which is not installed"),
+    ("liger", ("liger_kernel",), True, LLAMA, "needs a CUDA GPU"),
+    ("te", (), False, LLAMA, "transformer-engine, which is not installed"),
+    ("auto", (), False, ["--transformer-impl", "transformer_engine"], "transformer-engine"),
+    ("fast", ("liger_kernel",), False, LLAMA, "not one of auto, megatron, liger, te"),
+])
+def test_a_missing_library_is_a_config_error_before_megatron_starts(monkeypatch, requested, present, cpu, argv,
+                                                                    words) -> None:
+    _installed(monkeypatch, *present)
+    with pytest.raises(ConfigFailure) as e:
+        kernels.resolve_kernels(requested, argv, cpu=cpu)
+    assert words in e.value.reason and "training.kernels" in e.value.reason and e.value.fix
+    failure = classify(e.value, started=False)
+    assert failure.config and failure.fix == e.value.fix  # outcome config_error: the chain stops after one segment
+
+
+def test_te_with_transformer_engine_present(monkeypatch) -> None:
+    _installed(monkeypatch, "transformer_engine", "liger_kernel")
+    te = ["--transformer-impl", "transformer_engine", *LLAMA[:-2]]
+    assert kernels.resolve_kernels("auto", te, cpu=False).library == "te"
+    assert kernels.resolve_kernels("te", te, cpu=False).library == "te"
+
+
+@pytest.mark.parametrize(("sets", "words"), [
+    (["training.kernels=liger", "cluster.gpus_per_node=0", "training.precision=fp32"], "need a GPU"),
+    (["training.kernels=liger", "training.transformer_impl=transformer_engine", "cluster.gpus_per_node=1"],
+     "transformer_impl: local"),
+    (["training.kernels=te", "cluster.gpus_per_node=1"], "transformer-engine's layers"),
+])
+def test_preflight_refuses_a_kernels_choice_that_cannot_work(sets, words, tmp_path: Path) -> None:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.preflight import check_cluster
+
+    recipe = load_recipe("tiny", sets).recipe
+    with pytest.raises(PreflightError) as e:
+        check_cluster(recipe)
+    assert "training.kernels" in str(e.value) and words in str(e.value)
+
+
+def test_kernels_is_megalaunch_s_own_field_not_a_megatron_flag(tmp_path: Path) -> None:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.megatron_args import megatron_args
+    from megalaunch.launcher.prepare import runtime_settings
+    from megalaunch.rundir.paths import RunPaths
+
+    recipe = load_recipe("tiny", ["training.kernels=megatron"]).recipe
+    assert "--kernels" not in megatron_args(recipe, RunPaths(tmp_path))
+    assert runtime_settings(recipe).kernels == "megatron"
+    assert load_recipe("tiny").recipe.training.kernels == "auto"  # the shipped default
+
+
+def _shipped() -> list[str]:
+    from megalaunch.config.loader import shipped_recipes
+
+    return sorted(k for k in shipped_recipes() if k.startswith("train/"))
+
+
+@pytest.mark.parametrize("present", [(), ("liger_kernel",)])
+def test_shipped_recipes_run_as_shipped_with_and_without_liger(monkeypatch, present, tmp_path: Path) -> None:
+    """auto falls back to Megatron's kernels where liger-kernel is missing (and says so in the ledger), and
+    takes liger's measured-faster ops where it is there; no shipped recipe fixes the choice."""
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.megatron_args import megatron_args
+    from megalaunch.rundir.paths import RunPaths
+
+    _installed(monkeypatch, *present)
+    for ref in _shipped():
+        recipe = load_recipe(ref).recipe
+        assert recipe.training.kernels == "auto", ref
+        choice = kernels.resolve_kernels("auto", megatron_args(recipe, RunPaths(tmp_path)), cpu=False)
+        assert choice.library == ("liger" if present and kernels.LIGER_FASTER else "megatron"), (ref, choice)
+        assert present or "not importable" in choice.why
+
+
+def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
+    """llama3-1b, seq 2048, micro-batch 4, TP 1: Megatron's cross entropy keeps 6 bytes per logit (bf16 +
+    fp32 softmax); liger's fused linear cross entropy keeps none (its own terms: liger_layers.py). Not
+    measured yet: the formula is the algorithm's; with TP > 1 the layout keeps Megatron's loss."""
+    from megalaunch.config.fit import model_shape, recipe_layout
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.memory import Layout, estimate
+
+    recipe = load_recipe("train/llama3-1b", ["model.seq_length=2048", "training.micro_batch_size=4",
+                                             "training.kernels=liger"]).recipe
+    shape = model_shape(recipe, recipe.data.vocab_size)
+    layout = recipe_layout(recipe, 8, 8)
+    assert layout.fused_loss
+    fused, plain = estimate(shape, layout), estimate(shape, Layout(**{**layout.__dict__, "fused_loss": False}))
+    assert plain.logits / 2**30 > 5.5 and fused.logits / 2**30 < 1.0  # 5.9 against 0.8 GiB
+    assert plain.total - fused.total > 4.5 * 2**30
+    tp2 = Layout(**{**layout.__dict__, "tp": 2, "dp": 4})
+    assert estimate(shape, tp2).logits == estimate(shape, Layout(**{**tp2.__dict__, "fused_loss": False})).logits
+
+
+def test_a_liger_failure_at_model_build_names_the_way_out() -> None:
+    from megalaunch.runtime.failures import known_fix
+
+    try:
+        raise ImportError("cannot import name 'LigerRopeFunction' from 'liger_kernel.ops.rope'")
+    except ImportError as e:
+        failure = classify(e, started=False)
+    assert failure.config and "training.kernels=megatron" in (failure.fix or "")
+    assert known_fix("ValueError: training.kernels: liger's norm is RMSNorm") is not None
