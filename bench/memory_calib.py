@@ -12,9 +12,11 @@ cases run two at a time on a 2-GPU machine. Prints a table and writes OUT/memory
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -90,7 +92,7 @@ def launch(run: Path, devices: list[int], log: Path, port: int,
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "megalaunch.runtime.train", str(run)], env=env,
-                                      stdout=f, stderr=subprocess.STDOUT))
+                                      stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
 
@@ -103,6 +105,22 @@ def measure(log: Path, iters: int) -> dict[str, Any] | None:
     later = [r for r in rows if r[0] > 2] or rows
     return {"max_allocated_gib": max(mems) / 1024, "ms_per_iteration": statistics.mean(r[1] for r in later),
             "tflops_per_gpu": statistics.mean(r[2] for r in later)}
+
+
+def _wait_gpu_free(devices: list[int], timeout: float = 60.0) -> None:
+    """Until no process holds memory on `devices` (a killed case's memory is freed a little later)."""
+    def query(what: str, fields: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}={fields}", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False)
+        return [[f.strip() for f in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+    buses = {bus for index, bus in query("gpu", "index,pci.bus_id") if index.isdigit() and int(index) in devices}
+    deadline = time.monotonic() + timeout
+    while buses and any(bus in buses for _, bus in query("compute-apps", "pid,gpu_bus_id")):
+        if time.monotonic() > deadline:
+            print(f"  GPU memory still held after {timeout:g} s: the next case may be slower", flush=True)
+            return
+        time.sleep(1)
 
 
 def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, timeout: float,
@@ -130,10 +148,11 @@ def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, time
             got = measure(log, iters)
             dead = any(p.poll() is not None for p in procs)
             if got or dead or time.monotonic() - t0 > timeout:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                for p in procs:  # the whole session: a trainer's helpers (checkpoint workers) hold GPU memory too
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+                _wait_gpu_free(devs)
                 running.remove(item)
                 free += devs
                 row = {"case": name, "gpus": len(devs), "estimate_gib": est.total / 2**30,
