@@ -143,6 +143,10 @@ class DataConfig:
                                       "(HuggingFaceTokenizer; frozen into RUN/tokenizer/)", None, path="path")
     vocab_size: int | None = doc("vocabulary size (NullTokenizer; a Hugging Face tokenizer brings its own)", None)
     num_workers: int = doc("data-loader workers per rank", 2)
+    format: Literal["tokens", "chat"] = doc(
+        "tokens: documents concatenated into sequences, every token trained on (pre-training); chat: the output "
+        "of `megalaunch data sft`, one conversation per sequence, the loss on the assistant's tokens only "
+        "(docs/finetuning.md); with data.mock, Megatron's mock data (smoke tests, benchmarks)", "tokens")
 
     def __post_init__(self) -> None:
         if self.blend and self.blend_file:

@@ -57,6 +57,8 @@ class RuntimeSettings:
     max_signal_lead_s: int | None = None  # a raised lead stops here: time limit - delay - min_train_time_s
     # chain.notify (launcher/notify.py): commands, webhook variable NAMES and secret-free URLs; None: off
     notify: dict[str, Any] | None = None
+    # data.format (runtime/step.py): "tokens" (GPTDataset) or "chat" (finetune/dataset.py)
+    data_format: str = "tokens"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,109 @@
+"""Conversation rows from JSONL or parquet files, checked one by one: a row is either a conversation
+(`{"messages": [{"role": ..., "content": ...}, ...]}`) or a prompt/response pair (`{"prompt": ...,
+"response": ...}`, optionally `"system"`; `completion` is accepted for `response`). A row that is
+neither is *malformed*: it is counted and named by its 1-based row number, never dropped silently.
+Standard library only (parquet needs pyarrow)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Message = dict[str, Any]
+SUFFIXES = (".jsonl", ".json", ".parquet")
+FORMATS = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} '
+           'or {"prompt": "...", "response": "..."}')
+
+
+@dataclass(frozen=True)
+class Row:
+    """One input row: its 1-based number and either its messages or why it is malformed."""
+
+    number: int
+    messages: list[Message] | None = None
+    problem: str | None = None
+
+
+def read_rows(path: Path) -> Iterator[Row]:
+    """Every row of a .jsonl (blank lines skipped, still counted) or .parquet file, checked."""
+    if path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+        return
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Row(number, problem=f"not UTF-8 text (byte {e.start})")
+                continue
+            try:
+                record = json.loads(text)
+            except ValueError as e:
+                yield Row(number, problem=f"not JSON ({e.msg} at column {e.colno})")
+                continue
+            yield check_record(number, record)
+
+
+def _parquet_rows(path: Path) -> Iterator[Row]:
+    from megalaunch.errors import require
+
+    require("pyarrow", "tokenize")
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            number += 1
+            yield check_record(number, record)
+
+
+def check_record(number: int, record: Any) -> Row:
+    """The row's messages, or the first thing wrong with it."""
+    if not isinstance(record, dict):
+        return Row(number, problem=f"a row must be a JSON object, got {type(record).__name__}")
+    if "messages" in record and record["messages"] is not None:
+        return _check_messages(number, record["messages"])
+    response = record.get("response", record.get("completion"))
+    if "prompt" in record or response is not None:
+        return _pair(number, record, response)
+    return Row(number, problem="neither 'messages' nor 'prompt'/'response'")
+
+
+def _pair(number: int, record: dict[str, Any], response: Any) -> Row:
+    prompt, system = record.get("prompt"), record.get("system")
+    for name, value in (("prompt", prompt), ("response", response)):
+        if not isinstance(value, str) or not value:
+            return Row(number, problem=f"'{name}' must be non-empty text")
+    if system is not None and not isinstance(system, str):
+        return Row(number, problem="'system' must be text")
+    messages: list[Message] = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    return Row(number, messages=messages)
+
+
+def _check_messages(number: int, messages: Any) -> Row:
+    if not isinstance(messages, list):
+        return Row(number, problem="'messages' must be a list of {role, content} objects")
+    if not messages:
+        return Row(number, problem="'messages' is empty")
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return Row(number, problem=f"messages[{i}] is not an object")
+        role = m.get("role")
+        if not isinstance(role, str) or not role.strip():
+            return Row(number, problem=f"messages[{i}] has no role")
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            return Row(number, problem=f"messages[{i}] ({role}) has no content")
+        if content is not None and not isinstance(content, (str, list)):
+            return Row(number, problem=f"messages[{i}] ({role}): content must be text")
+        out.append({k: v for k, v in m.items() if v is not None})
+    if not any(m["role"] == "assistant" for m in out):
+        return Row(number, problem="no assistant message (nothing to learn from)")
+    return Row(number, messages=out)
