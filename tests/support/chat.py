@@ -79,3 +79,14 @@ def make_chat_model(out: Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
     cfg.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def preference_rows(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """Pairs: the chosen answer reverses the prompt's words, the rejected one repeats them unchanged."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(2, 4))
+        rows.append({"prompt": " ".join(words), "chosen": " ".join(reversed(words)),
+                     "rejected": " ".join(rng.choices(WORDS, k=len(words)))})
+    return rows

@@ -120,3 +120,22 @@ def test_counts_pairs_parquet_and_resume(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "in" / "a.jsonl", chat_rows(5))  # changed input: redone
     redo = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
     assert [(s.skipped, s.conversations) for s in redo] == [(False, 5), (True, 2)]
+
+
+def test_preference_pairs_are_two_conversations_and_files_do_not_mix(tmp_path: Path) -> None:
+    from tests.support.chat import preference_rows
+
+    from megalaunch.data.index import read_index_header
+
+    make_chat_tokenizer(tmp_path / "tok")
+    rows = [*preference_rows(3), {"messages": [{"role": "user", "content": "sun"}], "chosen": "nus",
+                                  "rejected": [{"role": "assistant", "content": "moon"}]}]
+    write_jsonl(tmp_path / "in" / "pairs.jsonl", rows)
+    stats = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
+    assert (stats[0].pairs, stats[0].conversations) == (4, 8)
+    assert read_index_header(str(tmp_path / "out" / "pairs")).sequence_count == 8
+
+    write_jsonl(tmp_path / "mixed" / "m.jsonl", [*preference_rows(1), *chat_rows(1), {"prompt": "a", "chosen": ""}])
+    with pytest.raises(PreflightError, match=r"row 2: a single conversation in a file of preference pairs.*"
+                                             r"row 3: 'chosen' must be non-empty text"):
+        build([str(tmp_path / "mixed")], tmp_path / "out2", tokenizer=tmp_path / "tok")

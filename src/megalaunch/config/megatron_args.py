@@ -15,7 +15,8 @@ from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_TRAINING_OWN = {"precision", "attention", "recompute", "fused_kernels", "log_interval", "eval_interval", "eval_iters"}
+_TRAINING_OWN = {"precision", "attention", "recompute", "fused_kernels", "log_interval", "eval_interval", "eval_iters",
+                 "flow"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
                    "async_save", "disk_check", "writer_threads"}
 

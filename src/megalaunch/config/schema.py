@@ -89,6 +89,9 @@ class TrainingConfig:
         "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
         "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
+    flow: str | None = doc(
+        "a user-defined training step, 'module:Class' importable in the job (runtime/flows.py; e.g. "
+        "megalaunch.runtime.preference_flow:PreferenceFlow); null: next-token loss on the loss mask", None)
     fused_kernels: bool | Literal["auto"] = doc(
         "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
         "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
@@ -99,6 +102,9 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 1")
         if self.lr <= 0:
             raise ValueError("training.lr must be > 0")
+        if self.flow is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z", self.flow):
+            raise ValueError(f"training.flow {self.flow!r} must be 'module:Class' (e.g. "
+                             "megalaunch.runtime.preference_flow:PreferenceFlow)")
 
 
 @dataclass(frozen=True, kw_only=True)

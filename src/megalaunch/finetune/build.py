@@ -31,7 +31,8 @@ class FileStats:
 
     input: str
     prefix: str = ""
-    conversations: int = 0
+    conversations: int = 0  # documents written (a preference pair writes two: chosen, then rejected)
+    pairs: int = 0  # preference pairs (a file holds pairs or single conversations, never both)
     tokens: int = 0
     trained_tokens: int = 0  # tokens under the loss mask
     longest: int = 0
@@ -139,23 +140,26 @@ def convert_file(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_length
 def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any, stats: FileStats,
                  seq_length: int | None) -> None:
     for row in read_rows(path):
-        problem = row.problem
-        if row.messages is not None:
-            try:
-                enc = renderer.encode(row.messages)
-            except RenderError as e:
-                problem = str(e)
+        problem, encoded = row.problem, []
+        if problem is None and stats.conversations and (row.rejected is not None) != (stats.pairs > 0):
+            problem = ("a preference pair in a file of conversations" if row.rejected is not None else
+                       "a single conversation in a file of preference pairs") + "; keep them in separate files"
+        try:
+            encoded = [renderer.encode(m) for m in (row.messages, row.rejected) if m is not None and problem is None]
+        except RenderError as e:
+            problem = str(e)
         if problem is not None:
             stats.malformed.append({"row": row.number, "problem": problem})
             continue
-        writer.add_batch([enc.tokens])
-        mask_file.write(bytes(enc.mask))
-        stats.conversations += 1
-        stats.tokens += len(enc.tokens)
-        stats.trained_tokens += sum(enc.mask)
-        stats.longest = max(stats.longest, len(enc.tokens))
-        if seq_length is not None and len(enc.tokens) > seq_length + 1:
-            stats.over_seq_length += 1
+        stats.pairs += row.rejected is not None
+        for enc in encoded:
+            writer.add_batch([enc.tokens])
+            mask_file.write(bytes(enc.mask))
+            stats.conversations += 1
+            stats.tokens += len(enc.tokens)
+            stats.trained_tokens += sum(enc.mask)
+            stats.longest = max(stats.longest, len(enc.tokens))
+            stats.over_seq_length += seq_length is not None and len(enc.tokens) > seq_length + 1
 
 
 def _malformed_error(path: Path, stats: FileStats) -> PreflightError:

@@ -1,6 +1,8 @@
 """Conversation rows from JSONL or parquet files, checked one by one: a row is either a conversation
 (`{"messages": [{"role": ..., "content": ...}, ...]}`) or a prompt/response pair (`{"prompt": ...,
-"response": ...}`, optionally `"system"`; `completion` is accepted for `response`). A row that is
+"response": ...}`, optionally `"system"`; `completion` is accepted for `response`), or a preference
+pair (`{"prompt": ... or "messages": [...], "chosen": ..., "rejected": ...}`, each answer a text or
+a list of assistant messages; written as two conversations, chosen then rejected). A row that is
 neither is *malformed*: it is counted and named by its 1-based row number, never dropped silently.
 Standard library only (parquet needs pyarrow)."""
 
@@ -25,6 +27,7 @@ class Row:
     number: int
     messages: list[Message] | None = None
     problem: str | None = None
+    rejected: list[Message] | None = None  # a preference pair: `messages` is the chosen conversation
 
 
 def read_rows(path: Path) -> Iterator[Row]:
@@ -66,6 +69,8 @@ def check_record(number: int, record: Any) -> Row:
     """The row's messages, or the first thing wrong with it."""
     if not isinstance(record, dict):
         return Row(number, problem=f"a row must be a JSON object, got {type(record).__name__}")
+    if "chosen" in record or "rejected" in record:
+        return _preference(number, record)
     if "messages" in record and record["messages"] is not None:
         return _check_messages(number, record["messages"])
     response = record.get("response", record.get("completion"))
@@ -107,3 +112,33 @@ def _check_messages(number: int, messages: Any) -> Row:
     if not any(m["role"] == "assistant" for m in out):
         return Row(number, problem="no assistant message (nothing to learn from)")
     return Row(number, messages=out)
+
+
+def _answer(value: Any, name: str) -> list[Message] | str:
+    """A pair's answer as assistant messages, or what is wrong with it."""
+    if isinstance(value, str) and value:
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") == "assistant"
+                                                 and isinstance(m.get("content"), str) for m in value):
+        return [dict(m) for m in value]
+    return f"'{name}' must be non-empty text or a list of assistant messages"
+
+
+def _preference(number: int, record: dict[str, Any]) -> Row:
+    answers = {name: _answer(record.get(name), name) for name in ("chosen", "rejected")}
+    for problem in answers.values():
+        if isinstance(problem, str):
+            return Row(number, problem=problem)
+    if record.get("messages") is not None:
+        prompt = _check_messages(number, [*record["messages"], {"role": "assistant", "content": "x"}])
+        if prompt.messages is None:
+            return prompt
+        context = prompt.messages[:-1]
+    else:
+        pair = _pair(number, {**record, "response": "x"}, "x")
+        if pair.messages is None:
+            return pair
+        context = pair.messages[:-1]
+    chosen, rejected = answers["chosen"], answers["rejected"]
+    assert not isinstance(chosen, str) and not isinstance(rejected, str)
+    return Row(number, messages=context + chosen, rejected=context + rejected)

@@ -71,11 +71,16 @@ class ChatDataset(MegatronDataset):
         return self.num_samples
 
     def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
+        if idx is None:  # a padding sample (Megatron's samplers may ask for one at the end of the data)
+            return self.sample(None)
+        return self.sample(int(self.indices[self.order[idx % len(self.order)]]))
+
+    def sample(self, doc: int | None) -> dict[str, torch.Tensor]:
+        """Conversation `doc` as one padded sequence (None: all padding, no loss)."""
         length = self.config.sequence_length + 1
         tokens = numpy.full(length, self.pad, dtype=numpy.int64)
         mask = numpy.zeros(length, dtype=numpy.float32)
-        if idx is not None:  # None: a padding sample (Megatron's samplers ask for one at the end of data)
-            doc = int(self.indices[self.order[idx % len(self.order)]])
+        if doc is not None:
             ids, bits = self.dataset.get(doc)
             n = min(len(ids), length)
             tokens[:n], mask[:n] = ids[:n], bits[:n]

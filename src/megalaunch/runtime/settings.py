@@ -59,6 +59,7 @@ class RuntimeSettings:
     notify: dict[str, Any] | None = None
     # data.format (runtime/step.py): "tokens" (GPTDataset) or "chat" (finetune/dataset.py)
     data_format: str = "tokens"
+    flow: str | None = None  # training.flow: a user-defined step, "module:Class" (runtime/flows.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -18,7 +18,7 @@ def megatron_argv(paths: RunPaths) -> list[str]:
 
 
 def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None, *,
-                     data_format: str = "tokens") -> Any:
+                     data_format: str = "tokens", flow: str | None = None) -> Any:
     """GPTDataset over RUN/data_blend.txt (Megatron's --data-args-path), or mock data; with
     `data_format` "chat", the chat dataset of `megalaunch data sft` (finetune/dataset.py)."""
     from megatron.core import mpu
@@ -46,6 +46,10 @@ def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None
         from megalaunch.runtime.chat_dataset import ChatDataset
 
         cls = ChatDataset
+    if flow is not None and not config.mock:
+        from megalaunch.runtime.flows import flow_dataset
+
+        cls = flow_dataset(flow) or cls
     return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, config).build()
 
 
@@ -125,7 +129,7 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
         cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
     finally:
         sys.argv = saved_argv
-    provide_data: Any = partial(dataset_provider, data_format=data_format)
+    provide_data: Any = partial(dataset_provider, data_format=data_format, flow=flow)
     provide_data.is_distributed = True
     provide_model = model_provider(attention)
     if session is not None:

@@ -190,7 +190,8 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
     end = Ending()
     try:
         argv, attention = _setup(session, settings)
-        run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format)
+        run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format,
+                     flow=settings.flow)
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger
