@@ -124,6 +124,8 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str]
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
+    if settings.cpu or not torch.cuda.is_available():
+        torch.set_flush_denormal(True)  # before Megatron's import starts torch's threads (runtime/cpu_compat.py)
     observe.phase("torch_imported")
     from megalaunch.runtime.stragglers import StepTimer
 
