@@ -17,8 +17,9 @@ Python), with one method and two optional attributes::
 Batch in: every tensor in `keys` of one micro-batch, as [rows, seq] (leading dimensions of the
 dataset's samples flattened, in the dataset's order), on this rank's device; megalaunch reads it on
 tensor-parallel rank 0 and broadcasts it to the others. Loss and metrics out: `loss` summed over the
-micro-batch's units (tokens, pairs, ...) and their `count`; Megatron divides, averages over
-micro-batches and data-parallel ranks, and backpropagates. Each metric is (sum, count), reported as
+micro-batch's units (tokens, pairs, ...) and their `count`; Megatron divides by the counts (with
+calculate_per_token_loss, as the SFT recipes set: by the step's total over micro-batches and
+data-parallel ranks) and backpropagates. Each metric is (sum, count), reported as
 sum/count over the whole step (all micro-batches and data-parallel ranks), next to `lm loss` (the
 flow's loss). Pipeline and context parallelism are refused for flows in this version."""
 
