@@ -217,6 +217,10 @@ def check_files(recipe: Recipe) -> None:
         _require(Path(os.path.expanduser(recipe.checkpoint.load)).is_dir(), "checkpoint.load",
                  f"{recipe.checkpoint.load} is not a directory", "a Megatron checkpoint directory",
                  "fix the path or remove checkpoint.load")
+    if recipe.checkpoint.from_hf:
+        _require(Path(os.path.expanduser(recipe.checkpoint.from_hf), "config.json").is_file(), "checkpoint.from_hf",
+                 f"{recipe.checkpoint.from_hf} has no config.json", "a Hugging Face model directory (config.json "
+                 "and safetensors)", "fix the path, or convert first and use checkpoint.load")
 
 
 def resolve_data_blend(recipe: Recipe) -> Any | None:

@@ -125,7 +125,15 @@ class CheckpointConfig:
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
     save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
     load: str | None = doc("start from this checkpoint directory (first segment only)", None, path="path")
+    from_hf: str | None = doc("start from this Hugging Face model directory: the first segment converts it into "
+                              "RUN/pretrained (`convert hf-to-mcore` with this recipe), then trains from it; "
+                              "instead of checkpoint.load (`submit --from-hf DIR`)", None, path="path")
     allow_blend_change: bool = doc("resume even if the data blend changed", False)
+
+    def __post_init__(self) -> None:
+        if self.load and self.from_hf:
+            raise ValueError("checkpoint.load and checkpoint.from_hf both name the weights to start from; give "
+                             "one of them (from_hf: a Hugging Face directory, converted by the first segment)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,7 +127,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
         max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
         notify=recipe.chain.notify.job_slice(), data_format=recipe.data.format,
-        flow=recipe.training.flow)
+        flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

@@ -59,6 +59,7 @@ class RuntimeSettings:
     notify: dict[str, Any] | None = None
     # data.format (runtime/step.py): "tokens" (GPTDataset) or "chat" (finetune/dataset.py)
     data_format: str = "tokens"
+    from_hf: str | None = None  # checkpoint.from_hf: converted into RUN/pretrained by `job begin` (launcher/first_stage.py)
     flow: str | None = None  # training.flow: a user-defined step, "module:Class" (runtime/flows.py)
 
     def to_json(self) -> str:
