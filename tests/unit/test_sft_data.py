@@ -50,7 +50,7 @@ def test_mask_covers_exactly_the_assistant_turns(template: str, end: str, tmp_pa
     assert renderer.tokenizer.decode(enc.tokens) == whole  # the model's own rendering, nothing added
 
 
-def test_template_errors_and_prefix_breaking_templates_name_the_row(tmp_path: Path) -> None:
+def test_template_errors_and_unusable_templates_name_the_row(tmp_path: Path) -> None:
     make_chat_tokenizer(tmp_path / "tok", template=CHATML_TEMPLATE)  # raises on roles it does not know
     rows = [*chat_rows(2), {"messages": [{"role": "critic", "content": "x"}, {"role": "assistant", "content": "y"}]}]
     write_jsonl(tmp_path / "in" / "c.jsonl", rows)
@@ -58,10 +58,11 @@ def test_template_errors_and_prefix_breaking_templates_name_the_row(tmp_path: Pa
         build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
     assert list((tmp_path / "out").iterdir()) == []
 
-    # a template that renders only the last user turn: earlier prefixes are not prefixes of the whole
+    # a template that renders only the last message: not even an answer follows its own prompt
     odd = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
     make_chat_tokenizer(tmp_path / "odd", template=odd)
-    with pytest.raises(PreflightError, match=r"row 1: the chat template does not render messages\[:3\] as a prefix"):
+    with pytest.raises(PreflightError, match=r"row 1: the chat template does not render messages\[:3\] as its "
+                                             r"prompt followed by the answer"):
         build([str(tmp_path / "in" / "c.jsonl")], tmp_path / "out2", tokenizer=tmp_path / "odd")
 
 
@@ -139,3 +140,27 @@ def test_preference_pairs_are_two_conversations_and_files_do_not_mix(tmp_path: P
     with pytest.raises(PreflightError, match=r"row 2: a single conversation in a file of preference pairs.*"
                                              r"row 3: 'chosen' must be non-empty text"):
         build([str(tmp_path / "mixed")], tmp_path / "out2", tokenizer=tmp_path / "tok")
+
+
+# Qwen3-style: an earlier assistant turn is rendered without its reasoning, the last one with it.
+REWRITING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\n' + m['content'].split('</think>')[-1] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_its_own_sample(tmp_path: Path) -> None:
+    make_chat_tokenizer(tmp_path / "tok", template=REWRITING_TEMPLATE)
+    renderer = ChatRenderer(tmp_path / "tok")
+    messages = [{"role": "user", "content": "red cat"}, {"role": "assistant", "content": "<think>r</think>cat red"},
+                {"role": "user", "content": "sun"}, {"role": "assistant", "content": "<think>s</think>sun"}]
+    encoded, split = renderer.encode_all(messages)
+    assert split and len(encoded) == 2
+    for enc, answer in zip(encoded, ("<think>r</think>cat red", "<think>s</think>sun"), strict=True):
+        trained = renderer.tokenizer.decode([t for t, m in zip(enc.tokens, enc.mask, strict=True) if m])
+        assert trained == f"{answer}<|im_end|>\n"
+    write_jsonl(tmp_path / "in" / "c.jsonl", [{"messages": messages}, *chat_rows(3)])
+    stats = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
+    # chat_rows have no reasoning to drop: rendered the same either way, one sample each
+    assert (stats[0].split_turns, stats[0].conversations, stats[0].malformed) == (1, 5, [])

@@ -33,6 +33,7 @@ class FileStats:
     prefix: str = ""
     conversations: int = 0  # documents written (a preference pair writes two: chosen, then rejected)
     pairs: int = 0  # preference pairs (a file holds pairs or single conversations, never both)
+    split_turns: int = 0  # conversations written one sample per assistant turn (finetune/render.py)
     tokens: int = 0
     trained_tokens: int = 0  # tokens under the loss mask
     longest: int = 0
@@ -145,7 +146,11 @@ def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any
             problem = ("a preference pair in a file of conversations" if row.rejected is not None else
                        "a single conversation in a file of preference pairs") + "; keep them in separate files"
         try:
-            encoded = [renderer.encode(m) for m in (row.messages, row.rejected) if m is not None and problem is None]
+            if problem is None and row.rejected is None and row.messages is not None:
+                encoded, split = renderer.encode_all(row.messages)
+                stats.split_turns += split
+            elif problem is None:
+                encoded = [renderer.encode(m) for m in (row.messages, row.rejected) if m is not None]
         except RenderError as e:
             problem = str(e)
         if problem is not None:

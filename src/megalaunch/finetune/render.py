@@ -9,9 +9,14 @@ characters belong to the assistant is found by rendering prefixes: for the assis
 
 and the characters between len(before_i) and len(after_i) of the whole rendering are the assistant's
 (its text and whatever the template closes a turn with, e.g. `<|eot_id|>`, so the model learns to
-stop). This works for any template whose renderings of a conversation's prefixes are prefixes of the
-whole; one that is not (e.g. it rewrites earlier turns) is refused with the row named. The whole text
-is then tokenized once and each token is trained on when its first character is the assistant's."""
+stop). The whole text is then tokenized once and each token is trained on when its first character is
+the assistant's.
+
+A template whose renderings of a conversation's prefixes are not prefixes of the whole (one that
+rewrites earlier turns, e.g. drops their reasoning) is handled turn by turn (`encode_all`): each
+assistant turn becomes a sample of its own, `render(messages[:i + 1])`, trained on that turn only, so
+every turn is trained on exactly as the template renders it when it is the last. Only where even that
+fails (the answer does not follow its own prompt) is the row refused, with its number."""
 
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ TRAINED_ROLES = ("assistant",)
 
 class RenderError(ValueError):
     """This conversation cannot be rendered with this template (the reason names what failed)."""
+
+
+class PrefixError(RenderError):
+    """The template does not render this conversation's prefixes as prefixes of the whole."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +86,36 @@ class ChatRenderer:
             before = self.render(messages[:i], generation_prompt=True) if i else ""
             after = self.render(messages[: i + 1])
             if not (whole.startswith(before) and whole.startswith(after) and len(after) >= len(before)):
-                raise RenderError(f"the chat template does not render messages[:{i + 1}] as a prefix of the "
+                raise PrefixError(f"the chat template does not render messages[:{i + 1}] as a prefix of the "
                                   "whole conversation, so the assistant's tokens cannot be told apart")
             if len(after) > len(before):
                 spans.append((len(before), len(after)))
         return whole, spans
 
     def encode(self, messages: list[Message]) -> Encoded:
-        whole, spans = self.spans(messages)
+        """The conversation as one sample, every assistant turn trained on (PrefixError if the template
+        cannot do that)."""
+        return self._masked(*self.spans(messages))
+
+    def encode_all(self, messages: list[Message]) -> tuple[list[Encoded], bool]:
+        """One sample, or (True) one per assistant turn where the template rewrites earlier turns."""
+        try:
+            return [self.encode(messages)], False
+        except PrefixError:
+            pass
+        out = []
+        for i, m in enumerate(messages):
+            if m["role"] not in TRAINED_ROLES:
+                continue
+            before = self.render(messages[:i], generation_prompt=True) if i else ""
+            text = self.render(messages[: i + 1])
+            if not text.startswith(before) or len(text) == len(before):
+                raise RenderError(f"the chat template does not render messages[:{i + 1}] as its prompt "
+                                  "followed by the answer, so the assistant's tokens cannot be told apart")
+            out.append(self._masked(text, [(len(before), len(text))]))
+        return out, True
+
+    def _masked(self, whole: str, spans: list[tuple[int, int]]) -> Encoded:
         enc: Any = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
         tokens = list(enc["input_ids"])
         mask = [0] * len(tokens)
