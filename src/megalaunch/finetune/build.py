@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.errors import PreflightError
-from megalaunch.finetune.render import ChatRenderer, RenderError
+from megalaunch.finetune.render import ChatRenderer, Encoded, RenderError
 from megalaunch.finetune.rows import FORMATS, SUFFIXES, read_rows
 from megalaunch.runtime.chat_format import MASK_SUFFIX
 
@@ -141,7 +141,7 @@ def convert_file(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_length
 def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any, stats: FileStats,
                  seq_length: int | None) -> None:
     for row in read_rows(path):
-        problem, encoded = row.problem, []
+        problem, encoded = row.problem, list[Encoded]()
         if problem is None and stats.conversations and (row.rejected is not None) != (stats.pairs > 0):
             problem = ("a preference pair in a file of conversations" if row.rejected is not None else
                        "a single conversation in a file of preference pairs") + "; keep them in separate files"

@@ -46,7 +46,7 @@ def read_rows(path: Path) -> Iterator[Row]:
                 continue
             try:
                 record = json.loads(text)
-            except ValueError as e:
+            except json.JSONDecodeError as e:
                 yield Row(number, problem=f"not JSON ({e.msg} at column {e.colno})")
                 continue
             yield check_record(number, record)
