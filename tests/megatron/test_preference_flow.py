@@ -2,7 +2,8 @@
 (runtime/preference_flow.py, named in the recipe as `training.flow`) trains on pairs written by
 `megalaunch data sft`, from a converted Hugging Face model, across two segments stopped by SIGUSR2;
 its losses equal an uninterrupted run's at every iteration (exact resume), its metrics are reported,
-the loss falls, and a flow that cannot be imported is a configuration error that ends the chain."""
+the loss falls, and a flow that cannot be imported is a configuration error that ends the chain. With
+tensor parallelism 2 the flow sees the same batches (its losses equal TP 1's)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,23 @@ ITERS = 16
 FLOW = "megalaunch.runtime.preference_flow:PreferenceFlow"
 
 
-def _run(root: Path, prep: dict[str, Path], name: str, flow: str = FLOW):
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A converted chat model and preference pairs written by `data sft` (made once for the module)."""
+    root = tmp_path_factory.mktemp("prefs")
+    hf = make_chat_model(root / "hf")
+    write_jsonl(root / "pairs" / "train.jsonl", preference_rows(64))
+    stats = build([str(root / "pairs")], root / "data", tokenizer=hf, seq_length=64)
+    assert stats[0].pairs == 64
+    hf_to_mcore(hf, root / "converted", model=load_recipe("sft-tiny").recipe.model, vocab_size=512, progress=False)
+    return {"hf": hf, "data": root / "data", "converted": root / "converted"}
+
+
+def _run(root: Path, prep: dict[str, Path], name: str, flow: str = FLOW, *more: str):
     sets = [*FAST, "training.global_batch_size=4", "training.micro_batch_size=2", f"training.train_iters={ITERS}",
             "checkpoint.save_interval=4", "checkpoint.keep_last=20", "data.mock=false",
             f"data.blend=[{{path: {prep['data']}}}]", "data.tokenizer_type=HuggingFaceTokenizer",
-            f"data.tokenizer_model={prep['hf']}", f"checkpoint.load={prep['converted']}", f"training.flow={flow}"]
+            f"data.tokenizer_model={prep['hf']}", f"checkpoint.load={prep['converted']}", f"training.flow={flow}", *more]
     return write_run(prepare_run(load_recipe("sft-tiny", sets, name=name), root=root))
 
 
@@ -45,15 +58,7 @@ def _segment(paths, job_id: str, loss_log: Path, stop_after: int | None) -> Trai
     return t
 
 
-def test_preference_flow_resumes_exactly_under_the_chain(tmp_path: Path) -> None:
-    hf = make_chat_model(tmp_path / "hf")
-    write_jsonl(tmp_path / "pairs" / "train.jsonl", preference_rows(64))
-    stats = build([str(tmp_path / "pairs")], tmp_path / "data", tokenizer=hf, seq_length=64)
-    assert stats[0].pairs == 64
-    hf_to_mcore(hf, tmp_path / "converted", model=load_recipe("sft-tiny").recipe.model, vocab_size=512,
-                progress=False)
-    prep = {"hf": hf, "data": tmp_path / "data", "converted": tmp_path / "converted"}
-
+def test_preference_flow_resumes_exactly_under_the_chain(prep: dict[str, Path], tmp_path: Path) -> None:
     straight = _run(tmp_path / "a", prep, "straight")
     ref_log = tmp_path / "straight.jsonl"
     t = _segment(straight, "100", ref_log, None)
@@ -78,3 +83,18 @@ def test_preference_flow_resumes_exactly_under_the_chain(tmp_path: Path) -> None
     assert t.wait() == [1]
     out = t.outcome()
     assert out["status"] == "config_error" and "nowhere.flows:Missing" in out["reason"], out
+
+
+def test_tensor_parallel_flow_gets_the_same_batches(prep: dict[str, Path], tmp_path: Path) -> None:
+    """TP = 2: rank 0 reads each micro-batch and megalaunch broadcasts it to the other TP rank; the losses
+    equal TP = 1's (to float rounding of the split matmuls)."""
+    got = {}
+    for tp in (1, 2):
+        paths = _run(tmp_path / f"tp{tp}", prep, f"tp{tp}", FLOW, "training.train_iters=4",
+                     f"parallel.tensor_model_parallel_size={tp}", f"cluster.tasks_per_node={tp}")
+        log = tmp_path / f"tp{tp}.jsonl"
+        t = Trainer(paths, world=tp, env={"MEGALAUNCH_LOSS_LOG": str(log), "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        assert t.wait() == [0] * tp, t.log()[-3000:]
+        got[tp] = losses(log)
+    assert sorted(got[1]) == sorted(got[2]) == [1, 2, 3, 4]
+    assert all(math.isclose(got[1][i], got[2][i], rel_tol=1e-5) for i in got[1]), got
