@@ -164,3 +164,14 @@ def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_its_own_samp
     stats = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
     # chat_rows have no reasoning to drop: rendered the same either way, one sample each
     assert (stats[0].split_turns, stats[0].conversations, stats[0].malformed) == (1, 5, [])
+
+
+def test_sharegpt_rows_are_conversations(tmp_path: Path) -> None:
+    make_chat_tokenizer(tmp_path / "tok")
+    rows = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "red cat"},
+                               {"from": "gpt", "value": "cat red"}]},
+            {"conversations": [{"from": "human", "value": "no answer"}]}]
+    write_jsonl(tmp_path / "in" / "s.jsonl", rows)
+    stats = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok", skip_malformed=True)
+    assert stats[0].conversations == 1 and stats[0].malformed == [
+        {"row": 2, "problem": "no assistant message (nothing to learn from)"}]

@@ -2,7 +2,9 @@
 (`{"messages": [{"role": ..., "content": ...}, ...]}`) or a prompt/response pair (`{"prompt": ...,
 "response": ...}`, optionally `"system"`; `completion` is accepted for `response`), or a preference
 pair (`{"prompt": ... or "messages": [...], "chosen": ..., "rejected": ...}`, each answer a text or
-a list of assistant messages; written as two conversations, chosen then rejected). A row that is
+a list of assistant messages; written as two conversations, chosen then rejected). ShareGPT rows
+(`{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`) are read as messages
+(human -> user, gpt -> assistant, function_call -> assistant, observation/function -> tool). A row that is
 neither is *malformed*: it is counted and named by its 1-based row number, never dropped silently.
 Standard library only (parquet needs pyarrow)."""
 
@@ -73,6 +75,8 @@ def check_record(number: int, record: Any) -> Row:
         return _preference(number, record)
     if "messages" in record and record["messages"] is not None:
         return _check_messages(number, record["messages"])
+    if isinstance(record.get("conversations"), list):
+        return _check_messages(number, [_from_sharegpt(m) for m in record["conversations"]])
     response = record.get("response", record.get("completion"))
     if "prompt" in record or response is not None:
         return _pair(number, record, response)
@@ -89,6 +93,17 @@ def _pair(number: int, record: dict[str, Any], response: Any) -> Row:
     messages: list[Message] = [{"role": "system", "content": system}] if system else []
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     return Row(number, messages=messages)
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "function_call": "assistant", "observation": "tool", "function": "tool", "tool": "tool"}
+
+
+def _from_sharegpt(m: Any) -> Any:
+    """A ShareGPT turn ({"from", "value"}) as a message; anything else is left for the checks to name."""
+    if isinstance(m, dict) and "from" in m and "role" not in m:
+        return {"role": SHAREGPT_ROLES.get(str(m["from"]), m["from"]), "content": m.get("value")}
+    return m
 
 
 def _check_messages(number: int, messages: Any) -> Row:
