@@ -20,11 +20,12 @@ from megalaunch.cli.main import app
 from megalaunch.errors import PreflightError
 from megalaunch.finetune.build import build
 from megalaunch.finetune.render import ChatRenderer
+from megalaunch.finetune.rows import check_record
 
 
-def _masked_text(renderer: ChatRenderer, messages: list[dict]) -> list[str]:
+def _masked_text(renderer: ChatRenderer, messages: list[dict], start: int = 0) -> list[str]:
     """The trained tokens, decoded run by run (each run of 1s in the mask)."""
-    enc = renderer.encode(messages)
+    enc = renderer.encode(messages, start)
     runs, current = [], []
     for t, m in zip(enc.tokens, enc.mask, strict=True):
         if m:
@@ -134,6 +135,14 @@ def test_preference_pairs_are_two_conversations_and_files_do_not_mix(tmp_path: P
     write_jsonl(tmp_path / "in" / "pairs.jsonl", rows)
     stats = build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
     assert (stats[0].pairs, stats[0].conversations) == (4, 8)
+    # a pair trains its answer only, not the assistant turns of its context
+    renderer = ChatRenderer(tmp_path / "tok")
+    context = [{"role": "user", "content": "red"}, {"role": "assistant", "content": "der"},
+               {"role": "user", "content": "sun"}]
+    row = check_record(1, {"messages": context, "chosen": "nus", "rejected": "moon"})
+    assert row.answer_from == 3
+    assert _masked_text(renderer, row.messages, row.answer_from) == ["nus<|eot_id|>"]
+    assert _masked_text(renderer, row.rejected, row.answer_from) == ["moon<|eot_id|>"]
     assert read_index_header(str(tmp_path / "out" / "pairs")).sequence_count == 8
 
     write_jsonl(tmp_path / "mixed" / "m.jsonl", [*preference_rows(1), *chat_rows(1), {"prompt": "a", "chosen": ""}])

@@ -150,7 +150,7 @@ def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any
                 encoded, split = renderer.encode_all(row.messages)
                 stats.split_turns += split
             elif problem is None:
-                encoded = [renderer.encode(m) for m in (row.messages, row.rejected) if m is not None]
+                encoded = [renderer.encode(m, row.answer_from) for m in (row.messages, row.rejected) if m is not None]
         except RenderError as e:
             problem = str(e)
         if problem is not None:

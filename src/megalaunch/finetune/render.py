@@ -76,12 +76,13 @@ class ChatRenderer:
             raise RenderError("the chat template did not render text")
         return text
 
-    def spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
-        """The whole rendering and the character spans of the assistant messages in it."""
+    def spans(self, messages: list[Message], start: int = 0) -> tuple[str, list[tuple[int, int]]]:
+        """The whole rendering and the character spans of the assistant messages in it (from
+        messages[start] on: a preference pair trains its answer, not the assistant turns of its context)."""
         whole = self.render(messages)
         spans: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
-            if m["role"] not in TRAINED_ROLES:
+            if m["role"] not in TRAINED_ROLES or i < start:
                 continue
             before = self.render(messages[:i], generation_prompt=True) if i else ""
             after = self.render(messages[: i + 1])
@@ -92,10 +93,10 @@ class ChatRenderer:
                 spans.append((len(before), len(after)))
         return whole, spans
 
-    def encode(self, messages: list[Message]) -> Encoded:
-        """The conversation as one sample, every assistant turn trained on (PrefixError if the template
-        cannot do that)."""
-        return self._masked(*self.spans(messages))
+    def encode(self, messages: list[Message], start: int = 0) -> Encoded:
+        """The conversation as one sample, every assistant turn (from messages[start] on) trained on
+        (PrefixError if the template cannot do that)."""
+        return self._masked(*self.spans(messages, start))
 
     def encode_all(self, messages: list[Message]) -> tuple[list[Encoded], bool]:
         """One sample, or (True) one per assistant turn where the template rewrites earlier turns."""

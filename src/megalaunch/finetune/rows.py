@@ -30,6 +30,7 @@ class Row:
     messages: list[Message] | None = None
     problem: str | None = None
     rejected: list[Message] | None = None  # a preference pair: `messages` is the chosen conversation
+    answer_from: int = 0  # a preference pair: its answers start at this message (the rest is context)
 
 
 def read_rows(path: Path) -> Iterator[Row]:
@@ -156,4 +157,4 @@ def _preference(number: int, record: dict[str, Any]) -> Row:
         context = pair.messages[:-1]
     chosen, rejected = answers["chosen"], answers["rejected"]
     assert not isinstance(chosen, str) and not isinstance(rejected, str)
-    return Row(number, messages=context + chosen, rejected=context + rejected)
+    return Row(number, messages=context + chosen, rejected=context + rejected, answer_from=len(context))
