@@ -12,12 +12,15 @@
 #   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
 #   bash bench/gpu_session.sh load               # where a resumed segment's load goes (~3 min)
 #   bash bench/gpu_session.sh kernels            # liger-kernel vs Megatron: ops, 1B end to end, tests (~8 min)
+#   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
 # torch is preinstalled there. Wheels needed (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 -d .carry/wheels ...): megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe
 # packaging pytest pluggy iniconfig pytest-timeout (the kernels stage: liger-kernel). numpy must be there already (torch images have it).
+# The sft stage needs nothing more: its Hugging Face-shaped checkpoint is written and converted by
+# megalaunch's own code (no transformers or safetensors package).
 # The eval stage also needs (same command): typer annotated-doc click rich markdown-it-py mdurl pygments
 # shellingham transformers tokenizers safetensors huggingface-hub hf-xet httpx2 httpcore2 h11 anyio idna
 # truststore filelock fsspec regex tqdm typing-extensions (no lm-eval: held-out perplexity and the
@@ -141,12 +144,22 @@ stage_load() {  # issue 25: where a resumed segment's checkpoint load goes (allo
   rm -rf "$WORK/load"
 }
 
+stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoint) beside pre-training
+  rm -rf "$WORK/sft"
+  # shellcheck disable=SC2086
+  "$PY" bench/sft_throughput.py --out "$WORK/sft" --attention "${ATTENTION:-sdpa}" ${SFT_ARGS:-} 2>&1 \
+    | tee "$OUT/sft.txt" | grep -vE "warn|Warn" | tail -n 12
+  cp "$WORK/sft/sft_throughput.json" "$OUT/" 2>/dev/null || true
+  tar -czf "$OUT/sft_logs.tgz" -C "$WORK/sft" pretrain.log sft.log 2>/dev/null || true
+  rm -rf "$WORK/sft"
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, sft, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -23,7 +23,7 @@ FLOORS: list[set[str]] = [
     {"runtime", "data"},  # inside the job; datasets (.bin/.idx, blends, mixtures)
     {"config"},  # recipes: schema, loading, preflight, Megatron's arguments
     {"launcher"},  # preparing and rendering runs, backends, the chain, status
-    {"tokenization", "conversion"},  # stages of their own
+    {"tokenization", "conversion", "finetune"},  # stages of their own (finetune: chat data for SFT)
     {"evaluation"},  # the eval stage: conversion, then perplexity and tasks
     {"cli"},  # parse, call one library function, print
 ]

@@ -16,7 +16,7 @@ from megalaunch.errors import ConfigError
 from megalaunch.launcher.prepare import prepare_run, write_run
 
 EXPECTED_PATH_FIELDS = {
-    "run.root", "checkpoint.load", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
+    "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
     "cluster.megalaunch", "cluster.container.image", "cluster.container.mounts", "cluster.container.environment",
     "debug.code_snapshot", "eval.heldout_blend", "eval.task_paths", "eval.local_tasks[].path",
 }

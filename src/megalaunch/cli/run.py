@@ -31,12 +31,15 @@ def submit(
     backend: Annotated[Backend | None, typer.Option("--backend", help="Override cluster.backend.")] = None,
     no_auto_requeue: Annotated[bool, typer.Option("--no-auto-requeue", help="Run one segment, no successor.")] = False,
     cluster: ClusterOpt = None,
+    from_hf: Annotated[str | None, typer.Option("--from-hf", metavar="DIR", help="Start from this Hugging Face "
+                                                "model: the first segment converts it (checkpoint.from_hf).")] = None,
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.launcher.backends import backend_for
     from megalaunch.launcher.prepare import disk_lines, dry_run_text, prepare_submission, summary
 
-    prepared = prepare_submission(recipe, set_ or [], name=name, cluster=cluster, check_disk=not dry_run,
+    sets = [*(set_ or []), *([f"checkpoint.from_hf={from_hf}"] if from_hf else [])]
+    prepared = prepare_submission(recipe, sets, name=name, cluster=cluster, check_disk=not dry_run,
                                   backend=backend.value if backend else None, auto_requeue=not no_auto_requeue)
     if dry_run:
         say(dry_run_text(prepared))

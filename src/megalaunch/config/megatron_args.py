@@ -15,8 +15,9 @@ from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_TRAINING_OWN = {"precision", "attention", "kernels", "recompute", "fused_kernels", "log_interval", "eval_interval", "eval_iters"}
-_CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "allow_blend_change",
+_TRAINING_OWN = {"precision", "attention", "kernels", "recompute", "fused_kernels", "log_interval", "eval_interval",
+                 "eval_iters", "flow"}
+_CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "from_hf", "allow_blend_change",
                    "async_save", "disk_check", "writer_threads"}
 
 
@@ -112,6 +113,8 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _section(out, c, _CHECKPOINT_OWN)
     if c.load:  # weights to start from when RUN/checkpoints holds nothing yet (e.g. a converted HF model)
         out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
+    if c.from_hf:  # converted by the chain's first stage (launcher/first_stage.py) into RUN/pretrained
+        out += ["--pretrained-checkpoint", str(paths.root / "pretrained")]
     if async_save(recipe):
         out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
         if c.writer_threads > 1:  # Megatron uses more than one writer only with a cached save plan

@@ -93,6 +93,9 @@ class TrainingConfig:
         "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
         "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
+    flow: str | None = doc(
+        "a user-defined training step, 'module:Class' importable in the job (runtime/flows.py; e.g. "
+        "megalaunch.runtime.preference_flow:PreferenceFlow); null: next-token loss on the loss mask", None)
     fused_kernels: bool | Literal["auto"] = doc(
         "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
         "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
@@ -103,6 +106,9 @@ class TrainingConfig:
                 raise ValueError(f"training.{name} must be >= 1")
         if self.lr <= 0:
             raise ValueError("training.lr must be > 0")
+        if self.flow is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z", self.flow):
+            raise ValueError(f"training.flow {self.flow!r} must be 'module:Class' (e.g. "
+                             "megalaunch.runtime.preference_flow:PreferenceFlow)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +129,15 @@ class CheckpointConfig:
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
     save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
     load: str | None = doc("start from this checkpoint directory (first segment only)", None, path="path")
+    from_hf: str | None = doc("start from this Hugging Face model directory: the first segment converts it into "
+                              "RUN/pretrained (`convert hf-to-mcore` with this recipe), then trains from it; "
+                              "instead of checkpoint.load (`submit --from-hf DIR`)", None, path="path")
     allow_blend_change: bool = doc("resume even if the data blend changed", False)
+
+    def __post_init__(self) -> None:
+        if self.load and self.from_hf:
+            raise ValueError("checkpoint.load and checkpoint.from_hf both name the weights to start from; give "
+                             "one of them (from_hf: a Hugging Face directory, converted by the first segment)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +161,10 @@ class DataConfig:
                                       "(HuggingFaceTokenizer; frozen into RUN/tokenizer/)", None, path="path")
     vocab_size: int | None = doc("vocabulary size (NullTokenizer; a Hugging Face tokenizer brings its own)", None)
     num_workers: int = doc("data-loader workers per rank", 2)
+    format: Literal["tokens", "chat"] = doc(
+        "tokens: documents concatenated into sequences, every token trained on (pre-training); chat: the output "
+        "of `megalaunch data sft`, one conversation per sequence, the loss on the assistant's tokens only "
+        "(docs/finetuning.md); with data.mock, Megatron's mock data (smoke tests, benchmarks)", "tokens")
 
     def __post_init__(self) -> None:
         if self.blend and self.blend_file:

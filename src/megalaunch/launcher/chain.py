@@ -13,6 +13,7 @@ from typing import Any
 
 from megalaunch.launcher.backend import JobControl, cancelled_by
 from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
+from megalaunch.launcher.first_stage import convert_from_hf
 from megalaunch.launcher.nodes import (
     ExclusionPlan,
     NodeHealth,
@@ -90,6 +91,8 @@ class Chain:
         start = iteration if requested is None else requested
         if start is not None and start >= target:
             return self.stop(job_id, f"training already reached its target (iteration {start})", kind="finished")
+        if self.settings.from_hf and (failed := convert_from_hf(self.paths, self.settings.from_hf, job_id, log)):
+            return self.stop(job_id, failed.reason, fix=failed.fix)
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
                            **({} if requested is None else {"resume_from": requested}))

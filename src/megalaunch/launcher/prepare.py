@@ -106,20 +106,17 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         stop_signal=recipe.chain.stop_signal, hang_timeout_s=recipe.chain.hang_timeout_s,
         startup_timeout_s=recipe.chain.startup_timeout_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
-        cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention,
-        kernels=recipe.training.kernels,
+        cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention, kernels=recipe.training.kernels,
         allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,
         run_name=recipe.name, wandb_project=recipe.logging.wandb_project, wandb_entity=recipe.logging.wandb_entity,
-        wandb_mode=recipe.logging.wandb_mode, backend=recipe.cluster.backend,
-        auto_requeue=recipe.chain.auto_requeue,
+        wandb_mode=recipe.logging.wandb_mode, backend=recipe.cluster.backend, auto_requeue=recipe.chain.auto_requeue,
         max_segments_without_progress=recipe.chain.max_segments_without_progress,
         nodes=recipe.cluster.nodes, partition=recipe.cluster.partition,
         node_health_dir=node_health_dir(recipe, paths.root.parent if paths is not None else None), suspect_ttl_s=recipe.cluster.suspect_ttl_h * 3600.0,
         exclude_suspects=recipe.cluster.exclude_suspects,
         health_check=recipe.cluster.health_check is True or (recipe.cluster.health_check == "auto"
                                                              and recipe.cluster.gpus_per_node > 0),
-        health_check_margin=recipe.cluster.health_check_margin,
-        straggler_threshold=recipe.cluster.straggler_threshold,
+        health_check_margin=recipe.cluster.health_check_margin, straggler_threshold=recipe.cluster.straggler_threshold,
         eval_interval=eval_interval(recipe),
         eval_submit=eval_submit_command(recipe, paths) if paths is not None and recipe.cluster.traits.job_script
         else None,
@@ -129,7 +126,8 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
         notify=recipe.chain.notify.job_slice(), restarts_per_segment=recipe.chain.restarts_per_segment,
         spare_nodes=recipe.cluster.spare_nodes, tasks_per_node=recipe.cluster.ntasks_per_node,
-        min_train_time_s=recipe.chain.min_train_time_s)
+        min_train_time_s=recipe.chain.min_train_time_s, data_format=recipe.data.format,
+        flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

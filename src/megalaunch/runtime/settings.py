@@ -63,6 +63,10 @@ class RuntimeSettings:
     spare_nodes: int = 0
     tasks_per_node: int = 1
     min_train_time_s: float = 60.0
+    # data.format (runtime/step.py): "tokens" (GPTDataset) or "chat" (finetune/dataset.py)
+    data_format: str = "tokens"
+    from_hf: str | None = None  # checkpoint.from_hf: converted into RUN/pretrained by `job begin` (launcher/first_stage.py)
+    flow: str | None = None  # training.flow: a user-defined step, "module:Class" (runtime/flows.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -17,8 +17,10 @@ def megatron_argv(paths: RunPaths) -> list[str]:
     return read_args_file(paths.megatron_args)
 
 
-def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> Any:
-    """GPTDataset over RUN/data_blend.txt (Megatron's --data-args-path), or mock data."""
+def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None, *,
+                     data_format: str = "tokens", flow: str | None = None) -> Any:
+    """GPTDataset over RUN/data_blend.txt (Megatron's --data-args-path), or mock data; with
+    `data_format` "chat", the chat dataset of `megalaunch data sft` (finetune/dataset.py)."""
     from megatron.core import mpu
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -39,7 +41,15 @@ def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None
         return (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()) and \
             mpu.get_tensor_model_parallel_rank() == 0
 
-    cls = MockGPTDataset if config.mock else GPTDataset
+    cls: Any = MockGPTDataset if config.mock else GPTDataset
+    if data_format == "chat" and not config.mock:
+        from megalaunch.runtime.chat_dataset import ChatDataset
+
+        cls = ChatDataset
+    if flow is not None and not config.mock:
+        from megalaunch.runtime.flows import flow_dataset
+
+        cls = flow_dataset(flow) or cls
     return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, config).build()
 
 
@@ -105,9 +115,12 @@ def make_forward_step(session: StepHooks | None, *, skip_masked_labels: bool = F
     return forward_step
 
 
-def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None,
-                 liger_ops: frozenset[str] = frozenset()) -> None:
-    """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain`."""
+def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, data_format: str = "tokens",
+                 flow: str | None = None, liger_ops: frozenset[str] = frozenset()) -> None:
+    """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain` (with the recipe's
+    data format, the kernels resolved for this node and, when named, a user flow's step: runtime/flows.py)."""
+    from functools import partial
+
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -121,13 +134,18 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None,
         cfg = pretrain_cfg_container_from_args(parse_and_validate_args())
     finally:
         sys.argv = saved_argv
-    provide_model, provide_data = model_provider(attention, liger_ops), dataset_provider
+    provide_data: Any = partial(dataset_provider, data_format=data_format, flow=flow)
+    provide_data.is_distributed = True
+    provide_model = model_provider(attention, liger_ops)
     if session is not None:
         provide_model = _timed(provide_model, session, "model_build")
-        provide_data = _timed(dataset_provider, session, "data")
-    pretrain(cfg, provide_data, ModelType.encoder_or_decoder,
-             make_forward_step(session, skip_masked_labels="linear_ce" in liger_ops),
-             model_provider=provide_model)
+        provide_data = _timed(provide_data, session, "data")
+    forward_step = make_forward_step(session, skip_masked_labels="linear_ce" in liger_ops)
+    if flow is not None:
+        from megalaunch.runtime.flows import flow_forward_step
+
+        forward_step = flow_forward_step(flow, session)
+    pretrain(cfg, provide_data, ModelType.encoder_or_decoder, forward_step, model_provider=provide_model)
 
 
 def _timed(fn: Any, session: StepHooks, phase: str) -> Any:

@@ -125,6 +125,8 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
+    if settings.cpu or not torch.cuda.is_available():
+        torch.set_flush_denormal(True)  # before Megatron's import starts torch's threads (runtime/cpu_compat.py)
     observe.phase("torch_imported")
     from megalaunch.runtime.stragglers import StepTimer
 
@@ -195,7 +197,8 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
     end = Ending()
     try:
         argv, attention, kernels = _setup(session, settings)
-        run_pretrain(argv, attention=attention, session=session, liger_ops=kernels.liger_ops)
+        run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format,
+                     flow=settings.flow, liger_ops=kernels.liger_ops)
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger
