@@ -51,3 +51,26 @@ def test_refusals_are_one_line(sets: list[str], expected: str, tmp_path: Path) -
     with pytest.raises((MegalaunchError, ValueError)) as e:
         preflight(load_recipe("sft-tiny", sets).recipe)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_chat_data_must_come_from_the_runs_tokenizer_with_a_chat_template(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tests.support.chat import chat_rows, make_chat_tokenizer, write_jsonl
+
+    from megalaunch.finetune.build import build
+
+    make_chat_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "in" / "c.jsonl", chat_rows(4))
+    build([str(tmp_path / "in")], tmp_path / "out", tokenizer=tmp_path / "tok")
+    data = ["data.mock=false", f"data.blend=[{{path: {tmp_path / 'out'}}}]", "data.tokenizer_type=HuggingFaceTokenizer"]
+    preflight(load_recipe("sft-tiny", [*data, f"data.tokenizer_model={tmp_path / 'tok'}"]).recipe)  # fine
+
+    make_chat_tokenizer(tmp_path / "other", vocab_size=448)
+    with pytest.raises(MegalaunchError, match="was tokenized with another tokenizer") as e:
+        preflight(load_recipe("sft-tiny", [*data, f"data.tokenizer_model={tmp_path / 'other'}"]).recipe)
+    assert e.value.field == "data.tokenizer_model" and "\n" not in str(e.value)
+
+    (tmp_path / "bare").mkdir()  # the same tokenizer.json without its chat template
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((tmp_path / "tok" / "tokenizer.json").read_bytes())
+    with pytest.raises(MegalaunchError, match="has no chat template"):
+        preflight(load_recipe("sft-tiny", [*data, f"data.tokenizer_model={tmp_path / 'bare'}"]).recipe)

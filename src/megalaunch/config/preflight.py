@@ -269,18 +269,6 @@ def check_blend_dtypes(recipe: Recipe, blend: Any, spec: TokenizerSpec | None = 
                                  fix=f"re-tokenize with this tokenizer, or check the dataset: megalaunch data check {prefix}")
 
 
-def check_chat_masks(blend: Any) -> None:
-    """data.format chat: every prefix has the loss mask `megalaunch data sft` writes beside it."""
-    from megalaunch.runtime.chat_format import MASK_SUFFIX
-
-    for prefix, _ in blend.prefixes:
-        if not os.path.isfile(prefix + MASK_SUFFIX):
-            raise PreflightError(f"{prefix} has no loss mask ({prefix}{MASK_SUFFIX})", field="data.blend",
-                                 valid="the output folder of `megalaunch data sft` (data.format: chat)",
-                                 fix="megalaunch data sft CONVERSATIONS --tokenizer MODEL_DIR --output DIR, "
-                                     "or --set data.format=tokens for pre-training data")
-
-
 def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topology, Any | None]:
     """Every check, in the order a user would want to hear about them. Returns the topology and
     the resolved data blend (`frozen_blend`, a run's own, when resuming on it: checked, not re-resolved)."""
@@ -300,7 +288,9 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
         blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
     if recipe.data.format == "chat" and blend is not None:
-        check_chat_masks(blend)
+        from megalaunch.config.chat_data import check_chat_data
+
+        check_chat_data(blend, spec)
     check_validation(recipe)
     check_eval(recipe)
     from megalaunch.config.fit import check_memory

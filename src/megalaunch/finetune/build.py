@@ -19,9 +19,8 @@ from typing import Any
 from megalaunch.errors import PreflightError
 from megalaunch.finetune.render import ChatRenderer, Encoded, RenderError
 from megalaunch.finetune.rows import FORMATS, SUFFIXES, read_rows
-from megalaunch.runtime.chat_format import MASK_SUFFIX
+from megalaunch.runtime.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
 
-MARKER_SUFFIX = ".done.json"
 SHOWN_ROWS = 8  # malformed rows named in the one-line error (all of them go to the marker)
 
 
@@ -41,6 +40,7 @@ class FileStats:
     malformed: list[dict[str, Any]] = field(default_factory=list)  # {"row": N, "problem": "..."}
     skipped: bool = False  # done by an earlier run
     identity: dict[str, int] = field(default_factory=dict)
+    tokenizer_sha256: str | None = None  # of the tokenizer.json used (preflight compares the run's)
 
 
 def input_files(inputs: list[str]) -> list[Path]:
@@ -85,7 +85,7 @@ def build(inputs: list[str], output: str | Path, *, tokenizer: str | Path, seq_l
     for path in files:
         prefix = out / _stem(path)
         done = _read_marker(prefix, path)
-        if done is not None:
+        if done is not None and done.tokenizer_sha256 == tokenizer_digest(tokenizer):
             results.append(done)
             continue
         renderer = renderer or ChatRenderer(tokenizer)
@@ -111,7 +111,8 @@ def convert_file(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_length
     """One input file -> prefix.bin/.idx/.mask + marker, or nothing (an error naming the rows)."""
     from megalaunch.data.writer import IndexedWriter, token_dtype_for_vocab
 
-    stats = FileStats(input=str(path), prefix=str(prefix), identity=_identity(path))
+    stats = FileStats(input=str(path), prefix=str(prefix), identity=_identity(path),
+                      tokenizer_sha256=tokenizer_digest(renderer.source))
     Path(str(prefix) + MARKER_SUFFIX).unlink(missing_ok=True)  # being redone: not done any more
     writer = IndexedWriter(prefix, token_dtype_for_vocab(renderer.vocab_size))
     mask_tmp = Path(str(prefix) + MASK_SUFFIX + ".tmp")

@@ -52,6 +52,7 @@ class ChatRenderer:
         require("transformers", "convert")
         from transformers import AutoTokenizer
 
+        self.source = Path(tokenizer_dir)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except (OSError, ValueError) as e:
