@@ -48,3 +48,40 @@ def test_failure_reason_puts_the_cause_first() -> None:
     own = TaskEnd(rank=0, node="node1", how="exited with status 1", time=1.0)
     assert failure_reason(own, "ValueError: bad", 1) == "ValueError: bad (rank 0 on node1)"
     assert failure_reason(None, None, 143) == "no outcome written (exit status 143)"
+
+
+def _error(paths: RunPaths, job: str, rank: int, reason: str, when: float) -> None:
+    path = paths.tasks(job) / f"error-rank-{rank:05d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"rank": rank, "reason": reason, "time": when, "config": False})
+
+
+def test_a_rank_whose_collective_lost_its_peer_is_not_the_first_failure(tmp_path: Path) -> None:
+    """Seen on the CI cluster: rank 1 was killed with SIGKILL; rank 0's gloo all-reduce failed with
+    "Connection reset by peer" and its supervisor recorded its exit 44 ms before rank 1's."""
+    paths = RunPaths(tmp_path)
+    _record(paths, "9", 0, "node1", 100.00, code=1)
+    _record(paths, "9", 1, "node2", 100.04, signal="SIGKILL")
+    _error(paths, "9", 0, "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer.", 99.9)
+    assert [e.rank for e in abnormal_ends(paths, "9")] == [1, 0]
+    # a rank that crashed on its own stays first, even when another is killed right after
+    other = RunPaths(tmp_path / "b")
+    _record(other, "9", 0, "node1", 100.00, code=1)
+    _record(other, "9", 1, "node2", 100.04, signal="SIGKILL")
+    _error(other, "9", 0, "RuntimeError: CUDA error: an illegal memory access was encountered", 99.9)
+    assert [e.rank for e in abnormal_ends(other, "9")] == [0, 1]
+    # a peer lost long before anything else ended: nothing to put before it
+    late = RunPaths(tmp_path / "c")
+    _record(late, "9", 0, "node1", 100.0, code=1)
+    _record(late, "9", 1, "node2", 160.0, signal="SIGKILL")
+    _error(late, "9", 0, "RuntimeError: Connection reset by peer", 99.9)
+    assert [e.rank for e in abnormal_ends(late, "9")] == [0, 1]
+
+
+def test_only_the_srun_lines_after_the_last_in_job_restart_count(tmp_path: Path) -> None:
+    from megalaunch.launcher.evidence import RESTART_MARKER
+
+    log = tmp_path / "seg.out"
+    log.write_text(f"srun: error: node2: task 1: Killed\n{RESTART_MARKER} step 1 of segment 5 after failed\n"
+                   "srun: error: node1: task 0: Exited with exit code 3\n")
+    assert [(e.rank, e.node) for e in abnormal_ends(RunPaths(tmp_path), "5", log)] == [(0, "node1")]

@@ -66,12 +66,32 @@ def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list
         ends.append(TaskEnd(rank=int(str(r["rank"])), node=str(r.get("node") or "?"), how=how,
                             time=float(str(r.get("ended") or 0))))
     ends.sort(key=lambda e: e.time or 0.0)
+    _peer_first(ends, {int(str(r["rank"])) for r in rank_errors(paths, job_id)
+                       if PEER_LOST.search(str(r.get("reason") or ""))})
     known = {e.rank for e in ends}
     for rank, node, what in _srun_lines(log):
         if rank not in known and what.lower() != "exited with exit code 0":
             known.add(rank)
             ends.append(TaskEnd(rank=rank, node=node, how=_slurm_words(what)))
     return ends
+
+
+# A collective that failed because its peer vanished: the rank that ends with this error a moment
+# after a peer was killed is a consequence, though its supervisor may record its end first.
+PEER_LOST = re.compile(r"connection (?:reset|closed) by peer|broken pipe|NCCL communicator was aborted|"
+                       r"remote process exited|peer (?:closed|reset|disconnected)|Socket Timeout", re.I)
+CASCADE_S = 5.0
+
+
+def _peer_first(ends: list[TaskEnd], lost_a_peer: set[int]) -> None:
+    """Put first the earliest end, within CASCADE_S of the first, of a rank that did not just lose a peer."""
+    if not ends or ends[0].rank not in lost_a_peer:
+        return
+    t0 = ends[0].time or 0.0
+    cause = next((e for e in ends if e.rank not in lost_a_peer and (e.time or 0.0) - t0 <= CASCADE_S), None)
+    if cause is not None:
+        ends.remove(cause)
+        ends.insert(0, cause)
 
 
 def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:

@@ -30,15 +30,12 @@ def enable() -> None:
     global _ENABLED
     if _ENABLED:
         return
-    import torch
-
-    # Denormal floats (below 1.2e-38) flushed to zero, as GPU kernels mostly do: chat data, whose
-    # sequences are mostly masked or padding, made the CPU step 10-20x slower in denormal arithmetic
-    # (matmul, Adam's sqrt) without it (bench/sft_throughput.py --shape tiny: ~900 -> ~45 ms). The
-    # setting is per thread and torch's worker threads copy it when they start, which importing Megatron
-    # does: the trainer sets it right after importing torch (runtime/train.py); this covers other callers.
-    torch.set_flush_denormal(True)
+    # Denormals are flushed by the trainer's process only (runtime/train.py, right after importing
+    # torch): it is process-wide floating-point state, and this function also runs inside other
+    # processes (conversion, tests), where flushing would change their arithmetic (hypothesis's
+    # smallest float became 0.0 in a test process that had called this).
     import megatron.core  # noqa: F401  (import Megatron before torch.cuda changes under it)
+    import torch
 
     _patch_torch_cuda(torch)
     _patch_tensor_methods(torch)

@@ -126,7 +126,7 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     import torch
 
     if settings.cpu or not torch.cuda.is_available():
-        torch.set_flush_denormal(True)  # before Megatron's import starts torch's threads (runtime/cpu_compat.py)
+        torch.set_flush_denormal(True)  # before Megatron's import starts torch's worker threads, which copy it
     observe.phase("torch_imported")
     from megalaunch.runtime.stragglers import StepTimer
 
