@@ -97,6 +97,18 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 120, what: str = "co
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def run_segment(paths: RunPaths, job_id: str, loss_log: Path, stop_after: int | None) -> Trainer:
+    """One segment of a chain on the local trainer: stopped by the signal `stop_after` iterations after
+    where it resumed (None: it runs to its end); every rank must exit 0."""
+    start = last_iteration(loss_log)
+    t = Trainer(paths, job_id=job_id, env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
+    if stop_after is not None:
+        wait_for(lambda: last_iteration(loss_log) >= start + stop_after, what=f"{stop_after} iterations", trainer=t)
+        t.signal()
+    assert t.wait() == [0], t.log()[-3000:]
+    return t
+
+
 def losses(path: Path) -> dict[int, float]:
     """Iteration -> loss from a MEGALAUNCH_LOSS_LOG file (a repeated iteration keeps its last value)."""
     return {r["iteration"]: r["loss"] for r in read_jsonl(path)}

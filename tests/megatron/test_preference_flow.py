@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-from harness import FAST, Trainer, last_iteration, ledger, losses, wait_for
+from harness import FAST, Trainer, ledger, losses, run_segment
 from tests.support.chat import make_chat_model, preference_rows, write_jsonl
 
 from megalaunch.config.loader import load_recipe
@@ -48,28 +48,18 @@ def _run(root: Path, prep: dict[str, Path], name: str, flow: str = FLOW, *more: 
     return write_run(prepare_run(load_recipe("sft-tiny", sets, name=name), root=root))
 
 
-def _segment(paths, job_id: str, loss_log: Path, stop_after: int | None) -> Trainer:
-    start = last_iteration(loss_log)
-    t = Trainer(paths, job_id=job_id, env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
-    if stop_after is not None:
-        wait_for(lambda: last_iteration(loss_log) >= start + stop_after, what=f"{stop_after} iterations", trainer=t)
-        t.signal()
-    assert t.wait() == [0], t.log()[-3000:]
-    return t
-
-
 def test_preference_flow_resumes_exactly_under_the_chain(prep: dict[str, Path], tmp_path: Path) -> None:
     straight = _run(tmp_path / "a", prep, "straight")
     ref_log = tmp_path / "straight.jsonl"
-    t = _segment(straight, "100", ref_log, None)
+    t = run_segment(straight, "100", ref_log, None)
     assert t.outcome()["status"] == "finished"
     assert "preference accuracy" in t.log() and "reward margin" in t.log()  # the flow's metrics, reported
 
     chain = _run(tmp_path / "b", prep, "chain")
     log = tmp_path / "chain.jsonl"
-    first = _segment(chain, "201", log, 5).outcome()
+    first = run_segment(chain, "201", log, 5).outcome()
     assert first["status"] == "saved", first
-    assert _segment(chain, "202", log, None).outcome()["status"] == "finished"
+    assert run_segment(chain, "202", log, None).outcome()["status"] == "finished"
     assert [r["consumed_samples"] for r in ledger(chain, "resumed")] == [4 * first["iteration"]]  # pairs
 
     ref, got = losses(ref_log), losses(log)

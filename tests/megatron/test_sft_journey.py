@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-from harness import FAST, Trainer, last_iteration, ledger, losses, wait_for
+from harness import FAST, ledger, losses, run_segment
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
 from megalaunch.config.loader import load_recipe
@@ -47,21 +47,11 @@ def _run(prepared: dict[str, Path], root: Path, name: str):
     return write_run(prepare_run(load_recipe("sft-tiny", sets, name=name), root=root))
 
 
-def _segment(paths, job_id: str, loss_log: Path, stop_after: int | None) -> Trainer:
-    start = last_iteration(loss_log)
-    t = Trainer(paths, job_id=job_id, env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
-    if stop_after is not None:
-        wait_for(lambda: last_iteration(loss_log) >= start + stop_after, what=f"{stop_after} iterations", trainer=t)
-        t.signal()
-    assert t.wait() == [0], t.log()[-3000:]
-    return t
-
-
 def test_sft_chain_resumes_exactly_and_converts_back_to_a_chat_model(prepared: dict[str, Path]) -> None:
     root = prepared["root"]
     straight = _run(prepared, root / "a", "straight")
     ref_log = root / "straight.jsonl"
-    t = _segment(straight, "100", ref_log, None)
+    t = run_segment(straight, "100", ref_log, None)
     assert t.outcome()["status"] == "finished"
     assert str(prepared["converted"]) in t.log()  # started from the converted Hugging Face model
 
@@ -69,7 +59,7 @@ def test_sft_chain_resumes_exactly_and_converts_back_to_a_chat_model(prepared: d
     log = root / "chain.jsonl"
     stops = []
     for job, stop_after in (("201", 5), ("202", 5), ("203", None)):
-        out = _segment(chain, job, log, stop_after).outcome()
+        out = run_segment(chain, job, log, stop_after).outcome()
         assert out["status"] == ("finished" if stop_after is None else "saved"), out
         if stop_after is not None:
             stops.append(out["iteration"])

@@ -85,3 +85,18 @@ def test_only_the_srun_lines_after_the_last_in_job_restart_count(tmp_path: Path)
     log.write_text(f"srun: error: node2: task 1: Killed\n{RESTART_MARKER} step 1 of segment 5 after failed\n"
                    "srun: error: node1: task 0: Exited with exit code 3\n")
     assert [(e.rank, e.node) for e in abnormal_ends(RunPaths(tmp_path), "5", log)] == [(0, "node1")]
+
+
+def test_a_hardware_signature_before_the_last_in_job_restart_is_not_held_against_the_next_step(tmp_path: Path) -> None:
+    """The node an earlier step's Xid named was judged (and kept off) at that restart; the last step, which
+    failed on its own, is attributed from its own lines only."""
+    from megalaunch.launcher.evidence import RESTART_MARKER
+    from megalaunch.launcher.nodes import attribute
+
+    log = tmp_path / "seg.out"
+    xid = "[node3] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus\n"
+    log.write_text(f"{xid}{RESTART_MARKER} step 1 of segment 5 after failed\nsrun: error: node1: task 0: Killed\n")
+    ends = abnormal_ends(RunPaths(tmp_path), "5", log)
+    assert set(attribute(ends, log, ["node1", "node3"]).suspects) == {"node1"}
+    log.write_text(xid + "srun: error: node1: task 0: Killed\n")  # one step: the Xid counts
+    assert set(attribute(abnormal_ends(RunPaths(tmp_path), "5", log), log, ["node1", "node3"]).suspects) == {"node1", "node3"}

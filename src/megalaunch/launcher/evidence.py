@@ -94,6 +94,13 @@ def _peer_first(ends: list[TaskEnd], lost_a_peer: set[int]) -> None:
         ends.insert(0, cause)
 
 
+def current_step(text: str) -> str:
+    """A segment log's text from the last in-job restart on: the step being judged (the earlier ones were
+    judged at their own end)."""
+    at = text.rfind(RESTART_MARKER)
+    return text if at < 0 else text[at:]
+
+
 def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:
     if log is None:
         return []
@@ -102,8 +109,7 @@ def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:
     except OSError:
         return []
     out = []
-    at = text.rfind(RESTART_MARKER)
-    for m in SRUN_TASK_LINE.finditer(text, max(at, 0)):
+    for m in SRUN_TASK_LINE.finditer(current_step(text)):
         for rank in _expand(m.group("tasks")):
             out.append((rank, m.group("node"), m.group("what").strip()))
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megalaunch.launcher.evidence import TaskEnd
+from megalaunch.launcher.evidence import TaskEnd, current_step
 from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 
 LEDGER_FILE = "suspects.jsonl"
@@ -135,8 +135,8 @@ def _signatures(log: Path | None, nodes: set[str]) -> list[tuple[str, str, str]]
     if log is None or not nodes:
         return []
     try:
-        with open(log, errors="replace") as f:
-            lines = f.readlines()[-20000:]  # the end of a long log is where a failure is
+        with open(log, errors="replace") as f:  # the end of a long log is where a failure is
+            lines = current_step(f.read()).splitlines()[-20000:]
     except OSError:
         return []
     found = []

@@ -125,8 +125,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     archive_step(paths, job_id, step)
     chain.ledger.append("restart", job_id=job_id, step=step + 1, after=status, reason=str(reason or status),
                         exit_code=exit_code, first_failure=ends[0].__dict__ if ends else None,
-                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=sorted(culprits),
-                        failed_at=_last_sign_of_life(paths, job_id, step))
+                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=sorted(culprits))
     print(f"{RESTART_MARKER} step {step + 1} of segment {job_id} after {status}: {reason or status}",
           flush=True)
     log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}")
@@ -192,17 +191,6 @@ def startup_estimate(paths: RunPaths) -> float:
         if best is None or float(ph["first_iteration_end"]) > best[0]:
             best = (float(ph["first_iteration_end"]), took)
     return STARTUP_GUESS_S if best is None else best[1] * STARTUP_SLACK + 5.0
-
-
-def _last_sign_of_life(paths: RunPaths, job_id: str, step: int) -> float | None:
-    """When the failed step last showed life (its heartbeat's time), for the goodput's `restart`."""
-    beat = read_json(paths.heartbeat(job_id))
-    if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)):
-        return float(beat["time"])
-    try:
-        return paths.heartbeat(job_id).stat().st_mtime
-    except OSError:
-        return None
 
 
 # ------------------------------------------------------------------------------------- archive
