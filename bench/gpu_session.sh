@@ -12,6 +12,7 @@
 #   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
 #   bash bench/gpu_session.sh load               # where a resumed segment's load goes (~3 min)
 #   bash bench/gpu_session.sh kernels            # liger-kernel vs Megatron: ops, 1B end to end, tests (~8 min)
+#   bash bench/gpu_session.sh mfu8b              # llama3-8b on all GPUs, planner's first layout, profiled (~5 min)
 #   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
@@ -105,9 +106,13 @@ stage_plan() {  # issue 13: the planner's ranking of the whole 8B on this node, 
   tar -czf "$OUT/plan_logs.tgz" -C "$WORK" --exclude runs plan 2>/dev/null || true
 }
 
-stage_kernels() {  # issue 27: liger-kernel vs Megatron's kernels, per op and llama3-1b end to end, then the tests
+need_liger() {
   "$PY" -c "import liger_kernel" 2>/dev/null \
     || "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" liger-kernel 2>&1 | tail -n 1
+}
+
+stage_kernels() {  # issue 27: liger-kernel vs Megatron's kernels, per op and llama3-1b end to end, then the tests
+  need_liger
   timeout "${KERNELS_OPS_S:-150}" "$PY" bench/kernels.py --stage ops --out "$OUT/kernels" 2>&1 \
     | tee "$OUT/kernels_ops.txt" | grep -vE "warn|Warn" || true
   # shellcheck disable=SC2086
@@ -118,6 +123,22 @@ stage_kernels() {  # issue 27: liger-kernel vs Megatron's kernels, per op and ll
   timeout "${KERNELS_TESTS_S:-200}" "$PY" -m pytest -m gpu tests/gpu/test_kernels_gpu.py -s -q -p no:cacheprovider \
     --basetemp="$OUT/pytest-kernels" --junitxml="$OUT/kernels-tests.xml" 2>&1 | tee "$OUT/kernels-tests.txt" \
     | grep -E "^\[|passed|failed|error|Error" || true
+}
+
+stage_mfu8b() {  # issue 27: llama3-8b on every GPU of the node, the planner's first layout, profiled
+  need_liger
+  local gpus mib sets
+  gpus=$(nvidia-smi -L | wc -l)
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  # the planner's first layout for 4 GPUs: TP 1 x DP 4 where ~115 GiB fit (H200), else TP 2 x DP 2 + SP (H100)
+  if [ "$mib" -gt 120000 ]; then sets="parallel.tensor_model_parallel_size=1,parallel.sequence_parallel=false"
+  else sets="parallel.tensor_model_parallel_size=2,parallel.sequence_parallel=true"; fi
+  # shellcheck disable=SC2086
+  timeout "${MFU8B_S:-420}" "$PY" bench/kernels.py --stage e2e --recipe train/llama3-8b --gpus "$gpus" --seq 8192 \
+    --gbs "${MFU8B_GBS:-32}" --sets "${MFU8B_SETS:-$sets}" --cases "${MFU8B_CASES:-megatron-mb1+prof}" --iters 6 \
+    --timeout 400 --out "$WORK/mfu8b" 2>&1 | tee "$OUT/mfu8b.txt" | grep -v "^  {" || true
+  cp "$WORK"/mfu8b/*.json "$OUT"/ 2>/dev/null || true
+  tar -czf "$OUT/mfu8b_logs.tgz" -C "$WORK" --exclude runs mfu8b 2>/dev/null || true
 }
 
 stage_storage() {  # issue 23: the 1B chain on this machine's disk with the shipped keep_last: 2
@@ -157,9 +178,9 @@ stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoi
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels|mfu8b|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, sft, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, mfu8b, sft, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -10,7 +10,9 @@ after 3 warm-ups) and peak memory above the inputs. Megatron's paths are the one
 `fused_kernels` on: torch's RMSNorm, the unfused rotary embedding (rope_utils), the torch.compile'd SwiGLU,
 the output layer's matmul + the torch.compile'd cross entropy over materialised logits.
 `e2e`: bench/memory_calib.py's runs (real trainer, mock data, sdpa attention); tokens/s, Megatron's TFLOP/s
-per GPU, MFU against the dense bf16 peak (`--peak`), max allocated. Writes OUT/kernels_*.json."""
+per GPU, MFU against the dense bf16 peak (`--peak`), max allocated. A case named `...+prof` also records
+two more iterations with torch's profiler and prints where their GPU time goes (bench/trace_summary.py).
+Writes OUT/kernels_*.json."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trace_summary  # noqa: I001 (before memory_calib, which takes bench/ off the path)
 import memory_calib as calib  # bench/: it puts src/ on the path and takes bench/ off again
 
 SHAPES = {"1b": dict(h=2048, heads=32, groups=8, ffn=8192, vocab=128256),
@@ -30,8 +33,10 @@ SHAPES = {"1b": dict(h=2048, heads=32, groups=8, ffn=8192, vocab=128256),
 TOKENS = 8192  # one micro-batch: seq 2048 x 4, or seq 8192 x 1
 
 
-def timed(fn: Any, inputs: list[Any], reps: int = 20) -> tuple[float, float]:
-    """Median ms of forward + backward, and peak GiB allocated beyond what was there before."""
+def timed(fn: Any, inputs: list[Any], reps: int = 20) -> tuple[float, float, float]:
+    """Median ms of forward + backward as the CPU issues them one at a time (launch-bound ops show their
+    Python and launch cost), ms per call on the GPU alone (the queue filled behind a sleeping kernel first,
+    as in a training step where big GEMMs hide the launches), and peak GiB beyond what was there before."""
     import torch
 
     def once() -> None:
@@ -54,7 +59,14 @@ def timed(fn: Any, inputs: list[Any], reps: int = 20) -> tuple[float, float]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU cycles: the CPU queues every rep before the GPU reaches them
+    start.record()
+    for _ in range(reps):
+        once()
+    end.record()
+    torch.cuda.synchronize()
+    return statistics.median(times), start.elapsed_time(end) / reps, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -124,45 +136,80 @@ def stage_ops(out: Path) -> list[dict[str, Any]]:
                 row: dict[str, Any] = {"shape": name, "op": op}
                 for impl, fn in case.items():
                     if impl != "inputs":
-                        row[f"{impl}_ms"], row[f"{impl}_gib"] = timed(fn, case["inputs"])
+                        row[f"{impl}_ms"], row[f"{impl}_gpu_ms"], row[f"{impl}_gib"] = timed(fn, case["inputs"])
                 row["speedup"] = row["megatron_ms"] / row["liger_ms"]
+                row["gpu_speedup"] = row["megatron_gpu_ms"] / row["liger_gpu_ms"]
                 rows.append(row)
-                print(f"  {name} {op:10s} megatron {row['megatron_ms']:7.3f} ms {row['megatron_gib']:6.2f} GiB | "
-                      f"liger {row['liger_ms']:7.3f} ms {row['liger_gib']:6.2f} GiB | x{row['speedup']:.2f}"
-                      + (f" | liger default chunks {row['liger-default-chunks_ms']:.3f} ms"
-                         if "liger-default-chunks_ms" in row else ""), flush=True)
+                print(f"  {name} {op:10s} " + " | ".join(
+                    f"{impl} {row[impl + '_ms']:7.3f} ms (GPU {row[impl + '_gpu_ms']:7.3f}) {row[impl + '_gib']:5.2f} GiB"
+                    for impl in case if impl != "inputs") + f" | liger x{row['speedup']:.2f} (GPU x{row['gpu_speedup']:.2f})",
+                      flush=True)
                 torch.cuda.empty_cache()
     return rows
 
 
-E2E = ["model.seq_length=2048", "training.global_batch_size=32", "parallel.tensor_model_parallel_size=1",
-       "parallel.sequence_parallel=false", "training.fused_kernels=true"]
+E2E = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", "training.fused_kernels=true"]
+PROFILE_STEPS = 2  # iterations the profiler records, after the timed ones
 
 
-def stage_e2e(out: Path, cases: list[str], iters: int, peak: float) -> list[dict[str, Any]]:
+def e2e_case(name: str, a: argparse.Namespace) -> tuple[str, int, list[str], dict[str, str]]:
+    """`<kernels>[:op+op]-mb<N>[+prof]`, e.g. megatron-mb2, liger-mb4, liger:rope+linear_ce-mb4+prof: the
+    recipe, GPUs, overrides and environment of one run (`:ops` limits liger's ops, MEGALAUNCH_LIGER_OPS)."""
+    spec, _, prof = name.partition("+prof")
+    kernels, mb = spec.rsplit("-mb", 1)
+    kernels, _, ops = kernels.partition(":")
+    sets = [*E2E, f"model.seq_length={a.seq}", f"training.global_batch_size={a.gbs}", *a.sets,
+            f"training.kernels={kernels}", f"training.micro_batch_size={mb}"]
+    if name.endswith("+prof"):  # Megatron's torch profiler: RUN/torch_profile/rank-0.json.gz
+        sets += ["logging.tensorboard=true", "megatron_args.profile=true", "megatron_args.use-pytorch-profiler=true",
+                 f"megatron_args.profile-step-start={a.iters + 2}",
+                 f"megatron_args.profile-step-end={a.iters + 2 + PROFILE_STEPS}"]
+    return a.recipe, a.gpus, sets, ({"MEGALAUNCH_LIGER_OPS": ops} if ops else {})
+
+
+def trace_of(out: Path, name: str) -> Path | None:
+    found = sorted((out / "runs").glob(f"*{calib.run_name(name)}*/torch_profile/rank-0.json.gz"))
+    return found[-1] if found else None
+
+
+def stage_e2e(out: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    defs = {}
-    for name in cases:  # <kernels>-mb<N>, e.g. megatron-mb2, liger-mb4
-        kernels, mb = name.rsplit("-mb", 1)
-        defs[name] = ("train/llama3-1b", 1, [*E2E, f"training.kernels={kernels}", f"training.micro_batch_size={mb}"])
-    rows = calib.run_cases(cases, out, iters, torch.cuda.device_count(), 300, cases=defs)
+    cases = a.cases.split(",")
+    defs = {name: e2e_case(name, a) for name in cases}
+
+    def ready(name: str) -> bool:  # a profiled case ends once its trace is written
+        return not name.endswith("+prof") or trace_of(out, name) is not None
+
+    rows = calib.run_cases(cases, out, a.iters, torch.cuda.device_count(), a.timeout, cases=defs, ready=ready)
     for r in rows:
         if "ms_per_iteration" in r:
-            r["tokens_per_s"] = 32 * 2048 / (r["ms_per_iteration"] / 1000)
-            r["mfu"] = r["tflops_per_gpu"] / peak
-            print(f"  {r['case']:14s} {r['ms_per_iteration'] / 1000:6.3f} s/iter {r['tokens_per_s']:>9,.0f} tokens/s "
-                  f"{r['tflops_per_gpu']:6.1f} TFLOP/s MFU {100 * r['mfu']:5.1f} % max {r['max_allocated_gib']:5.1f} GiB "
+            r["tokens_per_s"] = a.gbs * a.seq / (r["ms_per_iteration"] / 1000)
+            r["mfu"] = r["tflops_per_gpu"] / a.peak
+            print(f"  {r['case']:28s} {r['ms_per_iteration'] / 1000:6.3f} s/iter {r['tokens_per_s']:>9,.0f} tokens/s "
+                  f"{r['tflops_per_gpu']:6.1f} TFLOP/s/GPU MFU {100 * r['mfu']:5.1f} % max {r['max_allocated_gib']:5.1f} GiB "
                   f"(estimate {r['estimate_gib']:5.1f})", flush=True)
         else:
-            print(f"  {r['case']:14s} {r['error']}", flush=True)
+            print(f"  {r['case']:28s} {r['error']}", flush=True)
+        trace = trace_of(out, r["case"]) if r["case"].endswith("+prof") else None
+        if trace is not None:
+            r["profile"] = trace_summary.summarize(trace, PROFILE_STEPS)
+            print(trace_summary.render(r["profile"]), flush=True)
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=("ops", "e2e"), default="ops")
-    parser.add_argument("--cases", default="megatron-mb2,liger-mb2,liger-mb4", help="for --stage e2e")
+    parser.add_argument("--cases", default="megatron-mb2,liger-mb2,liger-mb4",
+                        help="for --stage e2e: <kernels>[:op+op]-mb<N>[+prof], comma-separated")
+    parser.add_argument("--recipe", default="train/llama3-1b")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs per case")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--gbs", type=int, default=32)
+    parser.add_argument("--sets", type=lambda v: [x for x in v.split(",") if x], default=[],
+                        help="more overrides for every case, comma-separated (e.g. the layout)")
+    parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--peak", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100/H200 SXM)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "kernels")
@@ -175,7 +222,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     print(f"== {a.stage} on {device} (torch {torch.__version__})", flush=True)
-    rows = stage_ops(a.out) if a.stage == "ops" else stage_e2e(a.out, a.cases.split(","), a.iters, a.peak)
+    rows = stage_ops(a.out) if a.stage == "ops" else stage_e2e(a.out, a)
     (a.out / f"kernels_{a.stage}.json").write_text(json.dumps({"device": device, "rows": rows}, indent=2))
     return 0
 

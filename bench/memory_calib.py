@@ -74,11 +74,16 @@ def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> t
     from megalaunch.launcher.prepare import prepare_run, write_run
 
     all_sets = [*BASE, f"cluster.gpus_per_node={gpus}", "cluster.gpu=null", *sets]
-    loaded = load_recipe(recipe, all_sets, name=name, cluster="local")
+    loaded = load_recipe(recipe, all_sets, name=run_name(name), cluster="local")
     r = loaded.recipe
     topo = topology(r)
     est = estimate(model_shape(r, r.data.vocab_size), recipe_layout(r, topo.dp, topo.num_microbatches))
     return write_run(prepare_run(loaded, root=root)).root, est
+
+
+def run_name(case: str) -> str:
+    """A case's run name: its letters, digits, dots and dashes (a case may name ops: liger:rope+linear_ce)."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", case)
 
 
 def launch(run: Path, devices: list[int], log: Path, port: int,
@@ -102,7 +107,7 @@ def measure(log: Path, iters: int) -> dict[str, Any] | None:
     mems = [float(m.group(2)) for m in MEM_RE.finditer(text)]
     if not mems or not rows or rows[-1][0] < iters:
         return None
-    later = [r for r in rows if r[0] > 2] or rows
+    later = [r for r in rows if 2 < r[0] <= iters] or rows  # later ones may be a profiler's
     return {"max_allocated_gib": max(mems) / 1024, "ms_per_iteration": statistics.mean(r[1] for r in later),
             "tflops_per_gpu": statistics.mean(r[2] for r in later)}
 
@@ -124,9 +129,10 @@ def _wait_gpu_free(devices: list[int], timeout: float = 60.0) -> None:
 
 
 def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, timeout: float,
-              cases: dict[str, tuple[Any, ...]] = CASES) -> list[dict[str, Any]]:
-    """Train each case (recipe, GPUs, overrides[, environment]) until `iters` iterations are logged,
-    as many at once as the GPUs allow; one row per case."""
+              cases: dict[str, tuple[Any, ...]] = CASES, ready: Any = None) -> list[dict[str, Any]]:
+    """Train each case (recipe, GPUs, overrides[, environment]) until `iters` iterations are logged (and
+    `ready(name)`, where given, is true: a profiler's trace written), as many at once as the GPUs allow;
+    one row per case."""
     pending = list(names)
     running: list[tuple[str, list[int], list[subprocess.Popen[bytes]], Path, Any, float]] = []
     results = []
@@ -146,6 +152,8 @@ def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, time
         for item in list(running):
             name, devs, procs, log, est, t0 = item
             got = measure(log, iters)
+            if got and ready is not None and not ready(name):
+                got = None
             dead = any(p.poll() is not None for p in procs)
             if got or dead or time.monotonic() - t0 > timeout:
                 for p in procs:  # the whole session: a trainer's helpers (checkpoint workers) hold GPU memory too

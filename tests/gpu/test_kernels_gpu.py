@@ -79,10 +79,12 @@ def test_rope(dtype: torch.dtype) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import megatron_parallel_state
 
     s, b, groups, per, d = 512, 2, 8, 4, 64
     cfg = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=32, num_query_groups=8)
-    freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=500000).cuda()(s)
+    with megatron_parallel_state():  # the rotary embedding asks for the context-parallel group
+        freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=500000).cuda()(s)
     split = [per * d, d, d]
     mixed = torch.randn(s, b, groups, (per + 2) * d, device="cuda", dtype=dtype)
 

@@ -17,6 +17,7 @@ Standard library only at module level: the launcher's tests import it without to
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from megalaunch.runtime.failures import ConfigFailure, flag_value, installed
@@ -99,7 +100,7 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoi
         if cpu:
             raise ConfigFailure("training.kernels: liger needs a CUDA GPU (its kernels are Triton's); this job has none",
                                 "--set training.kernels=auto (Megatron's kernels on the CPU)")
-        return _liger(requested, argv, frozenset(OPS), "set in the recipe")
+        return _liger(requested, argv, *_bench_ops())
     if cpu:
         return KernelChoice(requested, "megatron", "auto: Megatron's kernels on the CPU (liger-kernel needs CUDA)")
     if not installed("liger_kernel"):
@@ -108,6 +109,19 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoi
         return KernelChoice(requested, "megatron", "auto: none of liger-kernel's kernels is measured faster yet "
                             "(bench/kernels.py); training.kernels=liger uses them")
     return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster")
+
+
+def _bench_ops() -> tuple[frozenset[str], str]:
+    """liger's ops under `kernels: liger`: all, or those MEGALAUNCH_LIGER_OPS names (bench/kernels.py measures
+    the ops one set at a time with it; unknown names are refused, not ignored)."""
+    named = os.environ.get("MEGALAUNCH_LIGER_OPS", "").strip()
+    if not named:
+        return frozenset(OPS), "set in the recipe"
+    ops = frozenset(op.strip() for op in named.replace("+", ",").split(",") if op.strip())
+    if ops - set(OPS):
+        raise ConfigFailure(f"MEGALAUNCH_LIGER_OPS: {', '.join(sorted(ops - set(OPS)))} is not one of {', '.join(OPS)}",
+                            "unset MEGALAUNCH_LIGER_OPS, or name ops from that list")
+    return ops, f"set in the recipe, ops limited to {', '.join(sorted(ops))} by MEGALAUNCH_LIGER_OPS"
 
 
 def _liger(requested: str, argv: list[str], wanted: frozenset[str], why: str) -> KernelChoice:
