@@ -149,7 +149,7 @@ def stage_ops(out: Path) -> list[dict[str, Any]]:
 
 
 E2E = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", "training.fused_kernels=true"]
-PROFILE_STEPS = 2  # iterations the profiler records, after the timed ones
+PROFILE_STEPS = 1  # iterations the profiler records, after the timed ones (one step: every micro-batch)
 
 
 def e2e_case(name: str, a: argparse.Namespace) -> tuple[str, int, list[str], dict[str, str]]:
