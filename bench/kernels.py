@@ -178,8 +178,11 @@ def stage_e2e(out: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     cases = a.cases.split(",")
     defs = {name: e2e_case(name, a) for name in cases}
 
-    def ready(name: str) -> bool:  # a profiled case ends once its trace is written
-        return not name.endswith("+prof") or trace_of(out, name) is not None
+    def ready(name: str) -> bool:  # a profiled case ends once its trace is written: an iteration after it logged
+        if not name.endswith("+prof"):
+            return True
+        logged = [int(m.group(1)) for m in calib.ITER_RE.finditer((out / f"{name}.log").read_text(errors="replace"))]
+        return trace_of(out, name) is not None and max(logged, default=0) > a.iters + 2 + PROFILE_STEPS
 
     rows = calib.run_cases(cases, out, a.iters, torch.cuda.device_count(), a.timeout, cases=defs, ready=ready)
     for r in rows:
@@ -193,8 +196,11 @@ def stage_e2e(out: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"  {r['case']:28s} {r['error']}", flush=True)
         trace = trace_of(out, r["case"]) if r["case"].endswith("+prof") else None
         if trace is not None:
-            r["profile"] = trace_summary.summarize(trace, PROFILE_STEPS)
-            print(trace_summary.render(r["profile"]), flush=True)
+            try:
+                r["profile"] = trace_summary.summarize(trace, PROFILE_STEPS)
+                print(trace_summary.render(r["profile"]), flush=True)
+            except (OSError, EOFError, ValueError) as e:  # a trace cut short: say so, keep the other rows
+                print(f"  {r['case']}: trace unreadable: {e}", flush=True)
     return rows
 
 

@@ -71,20 +71,27 @@ def test_rmsnorm(dtype: torch.dtype) -> None:
     _compare("rmsnorm", dtype, ref, run(liger_layers.norm_class()(Cfg(), 2048, eps=1e-5)), TOL[dtype])
 
 
+@pytest.fixture
+def parallel_state():
+    """Megatron's one-process parallel state: the rotary embedding and its application ask for the CP group."""
+    from megalaunch.runtime.model import megatron_parallel_state
+
+    with megatron_parallel_state():
+        yield
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope(dtype: torch.dtype) -> None:
+def test_rope(dtype: torch.dtype, parallel_state: None) -> None:
     """Megatron's split of the fused QKV and its unfused rotation vs the seam liger fills (GQA 32/8, d 64)."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megalaunch.runtime import liger_layers
-    from megalaunch.runtime.model import megatron_parallel_state
 
     s, b, groups, per, d = 512, 2, 8, 4, 64
     cfg = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=32, num_query_groups=8)
-    with megatron_parallel_state():  # the rotary embedding asks for the context-parallel group
-        freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=500000).cuda()(s)
+    freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=500000).cuda()(s)
     split = [per * d, d, d]
     mixed = torch.randn(s, b, groups, (per + 2) * d, device="cuda", dtype=dtype)
 

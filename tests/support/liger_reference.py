@@ -1,4 +1,4 @@
-"""Plain-torch stand-ins for liger-kernel's Triton functions, with liger's signatures and layouts, so that
+"""Plain-torch stand-ins for liger-kernel's Triton functions and its cross-entropy kernel, with liger's signatures and layouts, so that
 megalaunch's wiring of them into Megatron (runtime/liger_layers.py) can be tested on the CPU: the layout
 changes, the rotary seam, the deferred logits and the masked labels. The kernels themselves are compared
 with Megatron's on the GPU (tests/gpu/test_kernels_gpu.py)."""
@@ -49,24 +49,22 @@ class GateUpFunction(torch.autograd.Function):
         return dy
 
 
-class FusedLinearCE(torch.autograd.Function):
-    """liger's fused linear cross entropy, reduction "sum": the gradient computed in the forward pass."""
+class CrossEntropyKernel:
+    """liger's `liger_cross_entropy_kernel` as megalaunch launches it (`kernel[grid](**args)`, reduction sum,
+    no class weights, smoothing or z-loss): each labelled row's loss into loss_ptr, and the logits in X_ptr
+    replaced by their gradient (softmax - one-hot; zero for an ignored row)."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.run
 
     @staticmethod
-    def forward(ctx: Any, x: Any, w: Any, target: Any, bias: Any, ce_weight: Any, ignore_index: int,
-                lse: float, smoothing: float, reduction: str, *rest: Any) -> Any:
+    def run(*, X_ptr: Any, Y_ptr: Any, loss_ptr: Any, ignore_index: int, reduction: str, **unused: Any) -> None:
         assert reduction == "sum"
-        with torch.enable_grad():
-            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-            loss = F.cross_entropy((x_ @ w_.t()).float(), target, ignore_index=ignore_index, reduction="sum")
-            gx, gw = torch.autograd.grad(loss, (x_, w_))
-        ctx.save_for_backward(gx, gw)
-        return loss.detach(), None, None, None
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any, *unused: Any) -> Any:
-        gx, gw = ctx.saved_tensors
-        return (gx * grad, gw * grad) + (None,) * 16
+        logits, keep = X_ptr.float(), Y_ptr != ignore_index
+        picked = Y_ptr.clamp(min=0).unsqueeze(1)
+        loss_ptr.copy_(torch.where(keep, torch.logsumexp(logits, -1) - logits.gather(1, picked).squeeze(1), loss_ptr))
+        grad = torch.softmax(logits, -1).scatter_add(1, picked, -torch.ones_like(picked, dtype=logits.dtype))
+        X_ptr.copy_((grad * keep.unsqueeze(1)).to(X_ptr.dtype))
 
 
 def rms_norm_forward(self: Any, x: Any) -> Any:
@@ -75,10 +73,10 @@ def rms_norm_forward(self: Any, x: Any) -> Any:
 
 def install(monkeypatch: Any) -> None:
     """Point liger's functions, where megalaunch reaches them, at these stand-ins."""
-    from liger_kernel.ops import fused_linear_cross_entropy, rope, swiglu
+    from liger_kernel.ops import cross_entropy, rope, swiglu
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
     monkeypatch.setattr(rope, "LigerRopeFunction", RopeFunction)
     monkeypatch.setattr(swiglu, "LigerFusedGateUpSiLUMulFunction", GateUpFunction)
-    monkeypatch.setattr(fused_linear_cross_entropy, "LigerFusedLinearCrossEntropyFunction", FusedLinearCE)
+    monkeypatch.setattr(cross_entropy, "liger_cross_entropy_kernel", CrossEntropyKernel())
     monkeypatch.setattr(LigerRMSNorm, "forward", rms_norm_forward)

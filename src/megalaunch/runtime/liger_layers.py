@@ -170,13 +170,9 @@ def _defer_output(model: Any) -> None:
 
 def fused_loss(hidden: Any, weight: Any, labels: Any) -> Any:
     """[b, s] losses from hidden [s, b, h], weight [vocab, h] and labels [b, s] (IGNORE_INDEX skipped)."""
-    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
     s, b, h = hidden.shape
     flat_labels = labels.transpose(0, 1).reshape(-1)  # [s*b], the rows' order of hidden
-    total = LigerFusedLinearCrossEntropyFunction.apply(
-        hidden.reshape(s * b, h), weight, flat_labels, None, None, IGNORE_INDEX, 0.0, 0.0, "sum",
-        None, False, None, False, False, False, None, None, chunk_mem_const(s * b, h, weight.shape[0]))[0]
+    total = linear_ce_function().apply(hidden.reshape(s * b, h), weight, flat_labels.contiguous(), CHUNK_ROWS)
     counted = (labels != IGNORE_INDEX).float()
     return counted * (total.float() / counted.sum().clamp(min=1.0))
 
@@ -185,6 +181,61 @@ CHUNK_ROWS = 1024  # rows of logits per chunk: liger's default (logits no bigger
                    # 32-64-row matmuls for a 128k vocabulary, far from the GPU's speed (bench/kernels.py)
 
 
-def chunk_mem_const(rows: int, hidden: int, vocab: int) -> int:
-    """liger's `chunk_mem_const` (transient logits <= const x rows x hidden) for chunks of ~CHUNK_ROWS rows."""
-    return max(1, vocab // (hidden * max(1, rows // CHUNK_ROWS)))
+@functools.cache
+def linear_ce_function() -> type:
+    """The output layer's matmul and the cross entropy, summed over the rows not labelled IGNORE_INDEX,
+    `chunk` rows of logits at a time: liger's cross-entropy kernel turns each chunk's logits into their
+    gradient in place, and both matmul gradients are taken from it in the forward pass.
+
+    megalaunch's loop around liger's kernel, not liger's LigerFusedLinearCrossEntropyFunction: that one
+    waits for the GPU twice per call (the count of labelled rows, `.item()`, and `torch.equal` on the
+    incoming gradient), which stalls the CPU's queue of kernels once per micro-batch (bench/kernels.py
+    measured it slower than Megatron's at micro-batch 2). The weight's gradient adds up in fp32 on CUDA."""
+    import torch
+    from liger_kernel.ops import cross_entropy
+
+    class LinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, target: Any, chunk: int) -> Any:
+            rows, vocab = x.shape[0], weight.shape[0]
+            losses = torch.zeros(rows, dtype=torch.float32, device=x.device)
+            grad_x = torch.empty_like(x)
+            fp32_sum = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            grad_w = (torch.zeros(weight.shape, dtype=torch.float32 if fp32_sum else weight.dtype, device=x.device)
+                      if weight.requires_grad else None)
+            logits = torch.empty(min(chunk, rows), vocab, dtype=x.dtype, device=x.device)
+            for start in range(0, rows, chunk):
+                end = min(start + chunk, rows)
+                part, rows_x = logits[: end - start], x[start:end]
+                torch.mm(rows_x, weight.t(), out=part)
+                ce_rows(cross_entropy, part, target[start:end], losses[start:end])  # part: its gradient now
+                torch.mm(part, weight, out=grad_x[start:end])
+                if grad_w is not None and fp32_sum:
+                    torch.addmm(grad_w, part.t(), rows_x, out_dtype=torch.float32, out=grad_w)
+                elif grad_w is not None:
+                    grad_w.addmm_(part.t(), rows_x)
+            ctx.save_for_backward(grad_x, grad_w)
+            return losses.sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            grad_x, grad_w = ctx.saved_tensors  # scaled on the GPU: no test of grad == 1 (a host sync)
+            return grad_x.mul_(grad.to(grad_x.dtype)), None if grad_w is None else grad_w.mul_(grad).to(grad_x.dtype), None, None
+
+    return LinearCrossEntropy
+
+
+def ce_rows(module: Any, logits: Any, target: Any, losses: Any) -> None:
+    """liger's cross-entropy kernel over [rows, vocab] logits: each labelled row's loss into `losses`, and
+    its logits replaced by their gradient (softmax - one-hot; zero for an IGNORE_INDEX row), reduction sum."""
+    import triton
+
+    vocab = logits.shape[1]
+    module.liger_cross_entropy_kernel[(logits.shape[0],)](
+        X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=target, Y_stride=target.stride(-1), weight_ptr=None,
+        loss_ptr=losses, z_loss_ptr=None, loss_stride=losses.stride(-1), token_accuracy_ptr=None,
+        token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=vocab, n_non_ignore=1,
+        sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=IGNORE_INDEX, lse_square_scale=0.0, label_smoothing=0.0,
+        reduction="sum", softcap=None, RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False,
+        HAS_WEIGHT=False, HAS_SOFTCAPPING=False, HAS_GRADIENTS=True,
+        BLOCK_SIZE=min(module.MAX_FUSED_SIZE, triton.next_power_of_2(vocab)), num_warps=32)
