@@ -129,7 +129,7 @@ stage_mfu8b() {  # issue 27: llama3-8b on every GPU of the node, the planner's f
   need_liger
   local gpus mib sets
   gpus=$(nvidia-smi -L | wc -l)
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  mib=$(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits)
   # the planner's first layout for 4 GPUs: TP 1 x DP 4 where ~115 GiB fit (H200), else TP 2 x DP 2 + SP (H100)
   if [ "$mib" -gt 120000 ]; then sets="parallel.tensor_model_parallel_size=1,parallel.sequence_parallel=false"
   else sets="parallel.tensor_model_parallel_size=2,parallel.sequence_parallel=true"; fi

@@ -81,16 +81,18 @@ def parallel_state():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope(dtype: torch.dtype, parallel_state: None) -> None:
-    """Megatron's split of the fused QKV and its unfused rotation vs the seam liger fills (GQA 32/8, d 64)."""
+@pytest.mark.parametrize(("heads", "groups", "d"), [(32, 8, 64), (32, 8, 128), (28, 4, 128), (16, 16, 64), (14, 2, 64)])
+def test_rope(dtype: torch.dtype, heads: int, groups: int, d: int, parallel_state: None) -> None:
+    """Megatron's split of the fused QKV and its unfused rotation vs the seam liger fills: llama3-1b's GQA
+    (32/8, d 64), llama3-8b's (d 128), Qwen2.5-7B's 7:1, multi-head (16/16) and 7:1 at d 64."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megalaunch.runtime import liger_layers
 
-    s, b, groups, per, d = 512, 2, 8, 4, 64
-    cfg = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=32, num_query_groups=8)
+    s, b, per = 512, 2, heads // groups
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups)
     freqs = RotaryEmbedding(d, rotary_percent=1.0, rotary_base=500000).cuda()(s)
     split = [per * d, d, d]
     mixed = torch.randn(s, b, groups, (per + 2) * d, device="cuda", dtype=dtype)
@@ -125,13 +127,14 @@ def test_swiglu(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936])
+def test_linear_cross_entropy(dtype: torch.dtype, vocab: int) -> None:
     """The output layer and the cross entropy unfused (logits materialised, fp32 softmax, as Megatron's)
     vs liger's fused linear cross entropy through megalaunch's loss (runtime/liger_layers.fused_loss),
     10 % of the labels masked."""
     from megalaunch.runtime import liger_layers
 
-    s, b, h, vocab = 1024, 2, 2048, 128256
+    s, b, h = 1000, 2, 2048  # 2000 rows: a full chunk of 1024 and a partial one
     torch.manual_seed(0)
     hidden = torch.randn(s, b, h, device="cuda", dtype=dtype)
     weight = 0.02 * torch.randn(vocab, h, device="cuda", dtype=dtype)
@@ -174,6 +177,8 @@ def test_training_with_liger_matches_megatron(tmp_path: Path, precision: str, bo
     assert plain_ledger[-1]["chosen"] == "megatron"
     assert fused_ledger[-1]["chosen"] == "liger"
     assert sorted(fused_ledger[-1]["liger_ops"]) == ["linear_ce", "rmsnorm", "rope", "swiglu"]
+    # liger's run also takes the weight gradients straight into fp32 main_grad (runtime/wgrad_fusion.py)
+    assert fused_ledger[-1]["wgrad_fusion"].startswith("on") and plain_ledger[-1]["wgrad_fusion"].startswith("off")
     assert sorted(plain) == sorted(fused) == list(range(1, 31))
     worst = max(abs(plain[i] - fused[i]) / abs(plain[i]) for i in plain)
     print(f"\n[tiny model, {precision}, {torch.cuda.get_device_name()}] loss {plain[1]:.4f} -> {plain[30]:.4f}; "

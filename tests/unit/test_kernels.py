@@ -179,3 +179,51 @@ def test_a_liger_failure_at_model_build_names_the_way_out() -> None:
         failure = classify(e, started=False)
     assert failure.config and "training.kernels=megatron" in (failure.fix or "")
     assert known_fix("ValueError: training.kernels: liger's norm is RMSNorm") is not None
+
+
+LOCAL = [*LLAMA, "--no-gradient-accumulation-fusion"]  # what the launcher renders for the local layers
+
+
+@pytest.mark.parametrize(("requested", "argv", "cpu", "torch_why", "state"), [
+    ("auto", LOCAL, False, None, "on"),
+    ("liger", LOCAL, False, None, "on"),
+    ("megatron", LOCAL, False, None, "off: Megatron's own"),        # the reference path stays Megatron's
+    ("auto", LOCAL, True, None, "off: no GPU"),
+    ("auto", LOCAL, False, "torch 2.7.1 has no fp32-output matmul", "off: torch 2.7.1"),
+    ("auto", [*LOCAL, "--use-torch-fsdp2"], False, None, "off: FSDP"),
+    ("auto", LLAMA, False, None, ""),                                # apex/TE path: Megatron decides
+])
+def test_gradient_accumulation_fusion_is_decided_per_node(monkeypatch, requested, argv, cpu, torch_why, state) -> None:
+    _installed(monkeypatch, "liger_kernel")
+    choice = kernels.with_wgrad_fusion(kernels.resolve_kernels(requested, argv, cpu=cpu), argv, cpu=cpu,
+                                       torch_why=lambda: torch_why)
+    assert choice.wgrad_fusion.startswith(state) and choice.wgrad_on == (state == "on")
+    assert choice.ledger()["wgrad_fusion"] == choice.wgrad_fusion
+
+
+def test_wgrad_fusion_module_accumulates_megatron_s_weight_gradient(monkeypatch) -> None:
+    """The module registered under apex's name adds grad_output^T @ input into main_grad (what Megatron's
+    layers call it for), for 2-D and 3-D activations; Megatron's layers, imported before, see it available."""
+    import sys
+
+    torch = pytest.importorskip("torch")
+    from megalaunch.runtime import wgrad_fusion
+
+    layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
+    monkeypatch.delitem(sys.modules, wgrad_fusion.MODULE, raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", None, raising=False)
+    assert wgrad_fusion.install() and wgrad_fusion.install()  # twice: still megalaunch's, still patched
+    assert layers._grad_accum_fusion_available and layers.fused_weight_gradient_mlp_cuda.__megalaunch__
+    assert wgrad_fusion.enable(LOCAL) == LLAMA
+    torch.manual_seed(0)
+    x, dy = torch.randn(7, 3, 16), torch.randn(7, 3, 24)
+    main = torch.randn(24, 16)
+    product = dy.reshape(-1, 24).t() @ x.reshape(-1, 16)
+    want = main + product
+    sys.modules[wgrad_fusion.MODULE].wgrad_gemm_accum_fp32(x, dy, main)
+    assert torch.allclose(main, want, atol=1e-5)
+    half = torch.zeros(24, 16, dtype=torch.bfloat16)
+    wgrad_fusion.wgrad_gemm_accum_fp16(x.reshape(-1, 16).bfloat16(), dy.reshape(-1, 24).bfloat16(), half)
+    assert ((half.float() - product).abs().max() / product.abs().max()).item() < 2e-2
+    monkeypatch.delitem(sys.modules, wgrad_fusion.MODULE)

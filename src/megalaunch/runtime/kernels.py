@@ -18,7 +18,8 @@ Standard library only at module level: the launcher's tests import it without to
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from megalaunch.runtime.failures import ConfigFailure, flag_value, installed
 
@@ -43,10 +44,16 @@ class KernelChoice:
     why: str
     liger_ops: frozenset[str] = frozenset()      # the ops liger-kernel computes (library == liger)
     fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why Megatron's computes it instead
+    wgrad_fusion: str = ""                       # "on: ..." / "off: ..." (runtime/wgrad_fusion.py); "" n/a
+
+    @property
+    def wgrad_on(self) -> bool:
+        return self.wgrad_fusion.startswith("on")
 
     def ledger(self) -> dict[str, object]:
         return {"requested": self.requested, "chosen": self.library, "why": self.why,
-                "liger_ops": sorted(self.liger_ops), "fallbacks": dict(self.fallbacks)}
+                "liger_ops": sorted(self.liger_ops), "fallbacks": dict(self.fallbacks),
+                "wgrad_fusion": self.wgrad_fusion}
 
 
 def liger_unsupported(argv: list[str]) -> dict[str, str]:
@@ -111,6 +118,26 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoi
         return KernelChoice(requested, "megatron", "auto: none of liger-kernel's kernels is measured faster yet "
                             "(bench/kernels.py); training.kernels=liger uses them")
     return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster")
+
+
+def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch_why: Any = None) -> KernelChoice:
+    """The choice with gradient-accumulation fusion decided (runtime/wgrad_fusion.py): on under auto and liger
+    where the launcher turned Megatron's off for want of apex and torch can compute it; Megatron's own under
+    megatron and te. `torch_why()` says why torch cannot (None: it can); the job passes wgrad_fusion.supported."""
+    from megalaunch.runtime import wgrad_fusion
+
+    if wgrad_fusion.FLAG not in argv:
+        return choice  # Megatron's own decision (TE's or apex's layers): nothing to add
+    if choice.requested == "megatron" or choice.library == "te":
+        why = "off: Megatron's own (its fusion needs apex)"
+    elif cpu:
+        why = "off: no GPU"
+    elif {"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(argv):
+        why = "off: FSDP keeps no main_grad for it"
+    else:
+        blocked = (torch_why or wgrad_fusion.supported)()
+        why = f"off: {blocked}" if blocked else "on: torch's fp32-output matmul into main_grad (no apex needed)"
+    return replace(choice, wgrad_fusion=why)
 
 
 def _bench_ops() -> tuple[frozenset[str], str]:

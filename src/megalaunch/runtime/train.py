@@ -35,7 +35,7 @@ from typing import Any
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome
-from megalaunch.runtime import resume
+from megalaunch.runtime import resume, wgrad_fusion
 from megalaunch.runtime.dist_env import export_rank_env
 from megalaunch.runtime.failures import (
     ConfigFailure,
@@ -48,7 +48,7 @@ from megalaunch.runtime.failures import (
 )
 from megalaunch.runtime.fault_hooks import maybe_skip_rendezvous
 from megalaunch.runtime.health import UnhealthyNode
-from megalaunch.runtime.kernels import KernelChoice, resolve_kernels
+from megalaunch.runtime.kernels import KernelChoice, resolve_kernels, with_wgrad_fusion
 from megalaunch.runtime.session import Session
 from megalaunch.runtime.settings import RuntimeSettings
 from megalaunch.runtime.signals import SignalFlag, resolve_signal
@@ -145,8 +145,12 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
         ctx.log(note)
         ctx.ledger("kernel", note=note)
     kernels = resolve_kernels(settings.kernels, argv, cpu=cpu)  # a missing library: config_error, now
+    kernels = with_wgrad_fusion(kernels, argv, cpu=cpu)
+    if kernels.wgrad_on:
+        argv = wgrad_fusion.enable(argv)
     ctx.log(f"kernels: {kernels.library} ({kernels.why})" + "".join(
-        f"; {op}: Megatron's ({why})" for op, why in kernels.fallbacks.items() if kernels.library == "liger"))
+        f"; {op}: Megatron's ({why})" for op, why in kernels.fallbacks.items() if kernels.library == "liger")
+        + (f"; gradient-accumulation fusion {kernels.wgrad_fusion}" if kernels.wgrad_fusion else ""))
     ctx.ledger("kernels", **kernels.ledger())
     from megalaunch.runtime import megatron_seams
 
