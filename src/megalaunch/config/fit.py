@@ -31,7 +31,8 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
-                  fused_loss=t.kernels == "liger")  # not auto: the node may lack liger-kernel
+                  fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
+                  kernels="liger" if t.kernels in ("auto", "liger") else "megatron")
 
 
 @dataclass(frozen=True)

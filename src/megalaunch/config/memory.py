@@ -110,6 +110,7 @@ class Layout:
     attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
     fused: bool = False  # training.fused_kernels: 4 h + 3 f per token and layer kept, not 6 h + 4 f
     fused_loss: bool = False  # training.kernels: liger: its fused linear cross entropy (TP 1) keeps no logits
+    kernels: str = "megatron"  # speed only (config/plan.py): "liger" = training.kernels auto|liger on GPUs
 
     @property
     def world(self) -> int:

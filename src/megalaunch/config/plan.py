@@ -24,16 +24,27 @@ from megalaunch.config.memory import RECOMPUTES, Layout, MemoryEstimate, ModelSh
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
-# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted to 23 runs measured on 1, 2 and 4 H200s
-# (docs/results.md: 8 and 32 layers of llama3-8b, 9 layouts, fused and not; all within -5.7..+4.7 %).
-GEMM_EFFICIENCY = 0.49
+# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted with the memory-bound terms below to 36
+# runs on H200s and H100s (docs/results.md "Fused kernels"; tests/unit/test_plan_speed.py keeps them).
+GEMM_EFFICIENCY = 0.58
 TP_EFFICIENCY_LOSS = 0.05  # per doubling of TP: narrower matmuls
 MICROBATCH_TOKENS_HALF = 512  # tokens per micro-batch at which matmul efficiency would halve
 INTERNODE_GBPS = 40.0  # per GPU across nodes (400 Gb/s InfiniBand / RoCE), achievable
 SELECTIVE_RECOMPUTE_COST = 0.03  # of compute: the core attention's forward again (measured 3 %, SDPA, H200)
-# training.fused_kernels (the torch.compile'd SwiGLU, bias-dropout-add and cross entropy): measured +2.6 %
-# (llama3-8b, 4x H200) to +5.2 % (its 8-layer cut, whose cross entropy weighs more) tokens/s.
-FUSED_GAIN = 0.03
+# Memory-bound work, over the GPU's HBM bandwidth (why an H100 trains llama3-1b 5-8 % slower than an H200 at
+# the same peak, and why the 1B, narrow and with a large vocabulary, reaches a lower MFU than the 8B):
+# - the layer's elementwise ops (norms, RoPE, SwiGLU, residual adds, copies): bytes per token, layer and
+#   element of hidden + FFN width, by kernel choice: Megatron's unfused (training.fused_kernels off), its
+#   torch.compile'd fusions (on), and liger-kernel's RoPE and SwiGLU on top (training.kernels auto|liger);
+# - the output layer's loss: bytes per token and vocabulary entry: Megatron's (logits written, read by the
+#   compiled cross entropy, its gradient written) or liger's kernel in megalaunch's chunked loop (TP 1);
+# - the weight gradients' fp32 accumulation: bytes per parameter and micro-batch, unless the gradient-
+#   accumulation fusion (runtime/wgrad_fusion.py; training.kernels auto|liger) computes them into main_grad.
+# Fitted (bench/plan_fit.py --fit), except the gradient accumulation: measured in the H100 profiles (303 ms of
+# llama3-8b's TP 2 step, 24 ms of llama3-1b's at micro-batch 8: ~19 bytes per parameter at nominal bandwidth).
+ELEMENTWISE_BYTES = {"unfused": 92.0, "fused": 47.0, "liger": 16.5}
+LOSS_BYTES = {"megatron": 67.0, "liger": 40.0}
+WGRAD_ACCUM_BYTES = 19.0
 PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
 
 
@@ -66,7 +77,7 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
             precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
-            fused_loss: bool = False) -> list[Layout]:
+            fused_loss: bool = False, kernels: str = "megatron") -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
     micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
@@ -83,7 +94,7 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                 dp = world // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                for mb in (1, 2, 4, 8):
+                for mb in (1, 2, 4, 8, 16):
                     if (global_batch // dp) % mb:
                         continue
                     m = global_batch // (dp * mb)
@@ -97,7 +108,7 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                                                   num_microbatches=m, recompute=rc, sequence_parallel=sp,
                                                   distributed_optimizer=distributed_optimizer,
                                                   precision=precision, attention=attention, fused=fused,
-                                                  fused_loss=fused_loss))
+                                                  fused_loss=fused_loss, kernels=kernels))
     return out
 
 
@@ -113,8 +124,6 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     recompute_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_COST, "full": 4.0 / 3.0}[L.recompute]
     eff = GEMM_EFFICIENCY * tokens_mb / (tokens_mb + MICROBATCH_TOKENS_HALF) * (8192 + MICROBATCH_TOKENS_HALF) / 8192
     eff *= (1 - TP_EFFICIENCY_LOSS) ** (L.tp.bit_length() - 1)
-    if L.fused:
-        eff *= 1 + FUSED_GAIN
     if L.attention == "local":
         eff *= 0.55  # Megatron's unfused attention: half the speed at long sequences (docs/results.md)
     # The slowest pipeline stage sets the pace: the last one also runs the output layer and the loss
@@ -124,6 +133,7 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     stage_flops = (layer_flops * shape.layers / L.pp * recompute_factor + logits_flops) / L.tp
     compute = stage_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
     layers = shape.layers / L.pp
+    compute += memory_bound(shape, L, layers * recompute_factor, tokens_mb * m) / (gpu.hbm_tbps * 1e12)
     act_bytes = 2 * tokens_mb * shape.hidden
     forwards = 2 if L.recompute == "full" else 1
     tp_comm = _ring(act_bytes, L.tp, gpu.nvlink_gbps) * (2 * forwards + 2) * layers * m
@@ -146,6 +156,18 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
             "optimizer": optimizer}
 
 
+def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> float:
+    """Bytes one GPU moves per step in memory-bound kernels (the constants above): `layers` of the stage
+    (recomputed ones counted again), `tokens` of its micro-batches."""
+    width = (shape.hidden if L.sequence_parallel else shape.hidden * L.tp) / L.tp + shape.ffn / L.tp
+    kind = "liger" if L.kernels == "liger" else ("fused" if L.fused else "unfused")
+    liger = L.kernels == "liger"
+    loss = LOSS_BYTES["liger" if liger and L.tp == 1 else "megatron"] * shape.padded_vocab(L.tp) / L.tp * tokens
+    params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp)
+    wgrad = 0.0 if liger else WGRAD_ACCUM_BYTES * params * L.num_microbatches
+    return ELEMENTWISE_BYTES[kind] * width * layers * tokens + loss + wgrad
+
+
 def memory_pressure(used: float) -> float:
     """The slowdown charged to a layout that needs `used` of the GPU's memory: none up to
     `PRESSURE_FROM`, then rising linearly to `PRESSURE_COST` at 100 %. Near the limit the caching
@@ -163,12 +185,12 @@ def step_key(step_s: float) -> float:
 
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
-         fused: bool = False, fused_loss: bool = False) -> list[Candidate]:
+         fused: bool = False, fused_loss: bool = False, kernels: str = "megatron") -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
-                          fused=fused, fused_loss=fused_loss):
+                          fused=fused, fused_loss=fused_loss, kernels=kernels):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
@@ -249,12 +271,20 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                  global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                  distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                 fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger")
+                 fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger", kernels=speed_kernels(recipe))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
                              valid="a multiple of the data-parallel size", fix="raise training.global_batch_size")
     return Plan(recipe.name, spec, memory, nodes, gpn, cands)
+
+
+def speed_kernels(recipe: Recipe) -> str:
+    """The kernels the speed model assumes: liger's (its RoPE, SwiGLU and, at TP 1, fused loss, and the
+    gradient-accumulation fusion) for training.kernels auto and liger: liger-kernel comes with megalaunch[train]
+    on the GPU nodes. The memory model assumes Megatron's loss under auto (fused_loss): a node without
+    liger-kernel falls back to it and must still fit."""
+    return "liger" if recipe.training.kernels in ("auto", "liger") else "megatron"
 
 
 def recipe_text(source: str, plan: Plan) -> str:

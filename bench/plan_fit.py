@@ -1,0 +1,187 @@
+"""The planner's speed model (config/plan.py) against every step time measured on H100s and H200s, and its
+constants refitted to them: GEMM efficiency, the elementwise bytes of each kernel choice, the loss's bytes with
+Megatron's and liger's kernels, the fp32 gradient accumulation. The step time is linear in these, so a least
+squares on the relative error fits them in one go.
+
+    PYTHONPATH=src python bench/plan_fit.py          # the table with the current constants
+    PYTHONPATH=src python bench/plan_fit.py --fit    # and the refitted constants, and the table with them
+
+MEASURED is the regression set of tests/unit/test_plan_speed.py. Sources: docs/results.md (the H200 runs of
+2026-11-26, the H100 runs of issue #27: bench/kernels.py e2e and the mfu8b stage of bench/gpu_session.sh) and
+the issue's llama3-1b H200 figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path[:] = [p for p in sys.path if p not in ("", str(Path(__file__).resolve().parent))]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured configuration: (TP, PP, VPP, micro-batch, recompute, SP), seconds per step."""
+
+    gpu: str
+    recipe: str
+    sets: tuple[str, ...]
+    gpus: int
+    gbs: int
+    layout: tuple[int, int, int | None, int, str, bool]
+    fused: bool
+    kernels: str  # megatron | liger (training.kernels auto with liger-kernel: RoPE, SwiGLU, loss, wgrad fusion)
+    step_s: float
+    note: str
+
+
+L8 = ("model.num_layers=8",)
+S2K = ("model.seq_length=2048",)
+
+
+def _tok(tokens_per_gpu: float, gbs: int, gpus: int, seq: int = 8192) -> float:
+    return gbs * seq / (tokens_per_gpu * gpus)
+
+
+MEASURED: list[Run] = [
+    # H200, 2 GPUs, 8 of llama3-8b's 32 layers, GBS 8, unfused (docs/results.md, bench/memory_calib.py)
+    *[Run("H200", "train/llama3-8b", L8, 2, 8, lay, False, "megatron", _tok(t, 8, 2), "8b8l 2xH200 unfused")
+      for lay, t in [((1, 1, None, 4, "none", False), 30_975), ((1, 1, None, 2, "none", False), 30_599),
+                     ((1, 1, None, 4, "selective", False), 30_005), ((1, 1, None, 2, "selective", False), 29_719),
+                     ((1, 1, None, 1, "none", False), 30_062), ((2, 1, None, 8, "none", True), 29_083),
+                     ((2, 1, None, 1, "none", True), 28_007), ((2, 1, None, 1, "none", False), 28_248),
+                     ((1, 2, 4, 1, "none", False), 24_749), ((1, 1, None, 1, "full", False), 24_638),
+                     ((1, 2, 2, 1, "none", False), 24_461), ((1, 2, None, 1, "none", False), 23_745)]],
+    # H200, 4 GPUs, llama3-8b, GBS 16, fused kernels (bench/plan.py)
+    *[Run("H200", "train/llama3-8b", (), 4, 16, lay, True, "megatron", _tok(t, 16, 4), "8b 4xH200 fused")
+      for lay, t in [((1, 1, None, 1, "none", False), 9_698), ((2, 1, None, 2, "none", True), 9_035),
+                     ((1, 2, 8, 1, "none", False), 8_990), ((1, 2, 4, 1, "none", False), 8_918),
+                     ((2, 1, None, 1, "none", True), 8_804)]],
+    # H200, 4 GPUs, llama3-8b TP 1 x DP 4 at GBS 32 and 128 (bench/speed_flags.py --stage full)
+    Run("H200", "train/llama3-8b", (), 4, 32, (1, 1, None, 1, "none", False), False, "megatron", 6.82, "8b GBS 32 unfused"),
+    Run("H200", "train/llama3-8b", (), 4, 32, (1, 1, None, 1, "none", False), True, "megatron", 6.73, "8b GBS 32 fused"),
+    Run("H200", "train/llama3-8b", (), 4, 128, (1, 1, None, 1, "none", False), False, "megatron", 26.37, "8b GBS 128 unfused"),
+    Run("H200", "train/llama3-8b", (), 4, 128, (1, 1, None, 1, "none", False), True, "megatron", 25.71, "8b GBS 128 fused"),
+    # H200, 1 GPU, 8 layers of llama3-8b, GBS 4 (bench/speed_flags.py --stage flags)
+    Run("H200", "train/llama3-8b", L8, 1, 4, (1, 1, None, 1, "none", False), False, "megatron", 1.08, "8b8l 1xH200 unfused"),
+    Run("H200", "train/llama3-8b", L8, 1, 4, (1, 1, None, 1, "none", False), True, "megatron", 1.03, "8b8l 1xH200 fused"),
+    # H200, 1 GPU, llama3-1b, seq 2048, GBS 32 (the issue's figures, fused kernels)
+    Run("H200", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 8, "none", False), True, "megatron", 1.148, "1b mb8 (issue)"),
+    Run("H200", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 2, "none", False), True, "megatron", 1.249, "1b mb2 (issue)"),
+    # H100, 1 GPU each, llama3-1b, seq 2048, GBS 32, fused kernels (bench/kernels.py --stage e2e, 2026-11-27)
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 2, "none", False), True, "megatron", 1.347, "1b mb2"),
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 4, "none", False), True, "megatron", 1.253, "1b mb4"),
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 8, "none", False), True, "megatron", 1.215, "1b mb8"),
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 4, "none", False), True, "liger", 1.057, "1b mb4 auto"),
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 8, "none", False), True, "liger", 1.033, "1b mb8 auto"),
+    Run("H100", "train/llama3-1b", S2K, 1, 32, (1, 1, None, 16, "none", False), True, "liger", 1.011, "1b mb16 auto"),
+    # H100, 4 GPUs, llama3-8b TP 2 x DP 2 + SP, GBS 32 (bench/gpu_session.sh mfu8b)
+    Run("H100", "train/llama3-8b", (), 4, 32, (2, 1, None, 1, "none", True), True, "megatron", 7.509, "8b TP2 SP"),
+    Run("H100", "train/llama3-8b", (), 4, 32, (2, 1, None, 1, "none", True), True, "liger", 6.951, "8b TP2 SP auto"),
+]
+
+KNOBS = ["GEMM_EFFICIENCY", "ELEMENTWISE_BYTES.unfused", "ELEMENTWISE_BYTES.fused", "ELEMENTWISE_BYTES.liger",
+         "LOSS_BYTES.megatron", "LOSS_BYTES.liger"]
+# Not fitted, measured: the fp32 adds of the weight gradients in the H100 profiles (bench/trace_summary.py):
+# 303 ms per step for llama3-8b TP 2 (3.5 G parameters per GPU, 16 micro-batches), 23.9 ms for llama3-1b at
+# micro-batch 8 (0.97 G, 4): ~19 bytes per parameter and micro-batch at the HBM's nominal bandwidth.
+FIXED = {"WGRAD_ACCUM_BYTES": 19.0}
+
+
+def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
+    from megalaunch.config import plan
+    from megalaunch.config.fit import model_shape
+    from megalaunch.config.gpus import gpu_spec
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.memory import Layout
+
+    recipe = load_recipe(run.recipe, list(run.sets)).recipe
+    tp, pp, vpp, mb, rc, sp = run.layout
+    dp = run.gpus // (tp * pp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, num_microbatches=run.gbs // (dp * mb),
+                    recompute=rc, sequence_parallel=sp, fused=run.fused, kernels=run.kernels)
+    del plan
+    return model_shape(recipe, recipe.data.vocab_size), layout, gpu_spec(run.gpu)
+
+
+def predicted(run: Run) -> float:
+    from megalaunch.config import plan
+
+    shape, layout, gpu = shape_and_layout(run)
+    return sum(plan.predict(shape, layout, gpu, gpus_per_node=run.gpus).values())
+
+
+def _set(name: str, value: float) -> None:
+    from megalaunch.config import plan
+
+    if "." in name:
+        table, key = name.split(".")
+        getattr(plan, table)[key] = value
+    else:
+        setattr(plan, name, value)
+
+
+def fit(hold_out: tuple[str, ...] = ()) -> dict[str, float]:
+    """Least squares on the relative error: the step is constant + sum(knob_i x feature_i), with
+    1 / GEMM_EFFICIENCY as the first knob's value. Runs whose note contains a `hold_out` word are left out."""
+    import numpy as np
+
+    for name, v in FIXED.items():
+        _set(name, v)
+
+    def with_knobs(values: list[float]) -> list[float]:
+        for name, v in zip(KNOBS, values, strict=True):
+            _set(name, 1 / v if name == "GEMM_EFFICIENCY" else v)
+        return [predicted(r) for r in MEASURED]
+
+    zero = [1e-30] + [0.0] * (len(KNOBS) - 1)
+    base = np.array(with_knobs(zero))
+    cols = []
+    for i in range(len(KNOBS)):
+        one = list(zero)
+        one[i] = 1.0
+        cols.append(np.array(with_knobs(one)) - base)
+    meas = np.array([r.step_s for r in MEASURED])
+    keep = np.array([not any(w in r.note for w in hold_out) for r in MEASURED])
+    a = np.stack(cols, axis=1) / meas[:, None]
+    theta, *_ = np.linalg.lstsq(a[keep], ((meas - base) / meas)[keep], rcond=None)
+    out = {name: (1 / v if name == "GEMM_EFFICIENCY" else v) for name, v in zip(KNOBS, theta, strict=True)}
+    for name, v in out.items():
+        _set(name, v)
+    return out
+
+
+def report() -> float:
+    worst = 0.0
+    print(f"{'run':<24} {'GPU':<5} {'layout':<22} {'kernels':<8} {'measured s':>10} {'predicted':>10} {'error':>7}")
+    for r in MEASURED:
+        p = predicted(r)
+        err = p / r.step_s - 1
+        worst = max(worst, abs(err))
+        tp, pp, vpp, mb, rc, sp = r.layout
+        lay = f"TP{tp} PP{pp}{f' V{vpp}' if vpp else ''} mb{mb}{' SP' if sp else ''}{'' if rc == 'none' else ' ' + rc[:3]}"
+        print(f"{r.note:<24} {r.gpu:<5} {lay:<22} {r.kernels:<8} {r.step_s:>10.3f} {p:>10.3f} {100 * err:>+6.1f}%")
+    print(f"worst |error|: {100 * worst:.1f} %")
+    return worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--hold-out", default="", help="with --fit: runs whose note has one of these words "
+                        "(comma-separated) are predicted, not fitted: e.g. 'issue,TP2 SP auto'")
+    a = parser.parse_args()
+    report()
+    if a.fit:
+        hold = tuple(w for w in a.hold_out.split(",") if w)
+        print("fitted:", {k: round(float(v), 3) for k, v in fit(hold).items()},
+              f"(held out: {', '.join(hold)})" if hold else "")
+        report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

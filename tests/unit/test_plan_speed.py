@@ -1,0 +1,52 @@
+"""The planner's speed model (config/plan.py) against every step time measured on H100s and H200s
+(bench/plan_fit.py MEASURED: 33 runs of llama3-1b, llama3-8b and its 8-layer cut, 1-4 GPUs, TP/PP/VPP/SP,
+recompute, unfused/fused/liger kernels): each predicted within 8 %, and the measured orders kept."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import plan_fit  # noqa: E402  (it takes bench/ off the path again)
+
+
+@pytest.mark.parametrize("run", plan_fit.MEASURED, ids=lambda r: f"{r.gpu}-{r.note}-{r.layout}".replace(" ", "_"))
+def test_every_measured_step_time_is_predicted_within_8_percent(run: plan_fit.Run) -> None:
+    predicted = plan_fit.predicted(run)
+    assert abs(predicted / run.step_s - 1) < 0.08, (run.note, run.layout, predicted, run.step_s)
+
+
+def _by(note: str) -> dict[tuple, float]:
+    return {(r.layout, r.kernels): plan_fit.predicted(r) for r in plan_fit.MEASURED if r.note.startswith(note)}
+
+
+def test_the_measured_orders_hold() -> None:
+    """What the measurements ranked, the model ranks the same way: on one H100, llama3-1b with liger's kernels
+    beats Megatron's at every micro-batch and a larger micro-batch beats a smaller; on 4 H100s the 8B with
+    liger's kernels beats Megatron's."""
+    one = {r.note: plan_fit.predicted(r) for r in plan_fit.MEASURED if r.gpu == "H100"}
+    assert one["1b mb2"] > one["1b mb4"] > one["1b mb8"] > one["1b mb4 auto"] > one["1b mb8 auto"] > one["1b mb16 auto"]
+    assert one["8b TP2 SP"] > one["8b TP2 SP auto"]
+    h200 = {r.note: plan_fit.predicted(r) for r in plan_fit.MEASURED if r.gpu == "H200" and "issue" in r.note}
+    assert h200["1b mb2 (issue)"] > h200["1b mb8 (issue)"]
+
+
+def test_the_refit_reproduces_the_shipped_constants() -> None:
+    """bench/plan_fit.py --fit on MEASURED gives the constants config/plan.py ships (within rounding)."""
+    pytest.importorskip("numpy")
+    from megalaunch.config import plan
+
+    shipped = {"GEMM_EFFICIENCY": plan.GEMM_EFFICIENCY, **{f"ELEMENTWISE_BYTES.{k}": v for k, v in
+               plan.ELEMENTWISE_BYTES.items()}, **{f"LOSS_BYTES.{k}": v for k, v in plan.LOSS_BYTES.items()}}
+    saved = (plan.GEMM_EFFICIENCY, dict(plan.ELEMENTWISE_BYTES), dict(plan.LOSS_BYTES), plan.WGRAD_ACCUM_BYTES)
+    try:
+        fitted = plan_fit.fit()
+    finally:
+        plan.GEMM_EFFICIENCY, eb, lb, plan.WGRAD_ACCUM_BYTES = saved
+        plan.ELEMENTWISE_BYTES.update(eb)
+        plan.LOSS_BYTES.update(lb)
+    for name, value in fitted.items():
+        assert value == pytest.approx(shipped[name], rel=0.03, abs=0.6), name
