@@ -152,8 +152,8 @@ def test_shipped_recipes_run_as_shipped_with_and_without_liger(monkeypatch, pres
 
 def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
     """llama3-1b, seq 2048, micro-batch 4, TP 1: Megatron's cross entropy keeps 6 bytes per logit (bf16 +
-    fp32 softmax); liger's fused linear cross entropy keeps none (its own terms: liger_layers.py). Not
-    measured yet: the formula is the algorithm's; with TP > 1 the layout keeps Megatron's loss."""
+    fp32 softmax); the fused linear cross entropy keeps none, only its fp32 weight gradient and one chunk (its
+    own terms: memory.fused_loss_bytes, measured on an H100); with TP > 1 the layout keeps Megatron's loss."""
     from megalaunch.config.fit import model_shape, recipe_layout
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.memory import Layout, estimate
@@ -164,8 +164,8 @@ def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
     layout = recipe_layout(recipe, 8, 8)
     assert layout.fused_loss
     fused, plain = estimate(shape, layout), estimate(shape, Layout(**{**layout.__dict__, "fused_loss": False}))
-    assert plain.logits / 2**30 > 5.5 and fused.logits / 2**30 < 1.0  # 5.9 against 0.8 GiB
-    assert plain.total - fused.total > 4.5 * 2**30
+    assert plain.logits / 2**30 > 5.5 and fused.logits / 2**30 < 2.0  # 5.9 against 1.8 GiB
+    assert plain.total - fused.total > 4.0 * 2**30
     tp2 = Layout(**{**layout.__dict__, "tp": 2, "dp": 4})
     assert estimate(shape, tp2).logits == estimate(shape, Layout(**{**tp2.__dict__, "fused_loss": False})).logits
 
