@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import plan_fit  # noqa: E402  (it takes bench/ off the path again)
+import plan_fit  # (it takes bench/ off the path again)
 
 
 @pytest.mark.parametrize("run", plan_fit.MEASURED, ids=lambda r: f"{r.gpu}-{r.note}-{r.layout}".replace(" ", "_"))

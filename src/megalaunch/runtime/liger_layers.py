@@ -172,7 +172,8 @@ def fused_loss(hidden: Any, weight: Any, labels: Any) -> Any:
     """[b, s] losses from hidden [s, b, h], weight [vocab, h] and labels [b, s] (IGNORE_INDEX skipped)."""
     s, b, h = hidden.shape
     flat_labels = labels.transpose(0, 1).reshape(-1)  # [s*b], the rows' order of hidden
-    total = linear_ce_function().apply(hidden.reshape(s * b, h), weight, flat_labels.contiguous(), CHUNK_ROWS)
+    function: Any = linear_ce_function()
+    total = function.apply(hidden.reshape(s * b, h), weight, flat_labels.contiguous(), CHUNK_ROWS)
     counted = (labels != IGNORE_INDEX).float()
     return counted * (total.float() / counted.sum().clamp(min=1.0))
 

@@ -67,8 +67,8 @@ def install() -> bool:
         sys.modules[MODULE] = module
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
     if layers is not None:  # imported before: its availability test already failed
-        layers.fused_weight_gradient_mlp_cuda = sys.modules[MODULE]
-        layers._grad_accum_fusion_available = True
+        setattr(layers, MODULE, sys.modules[MODULE])  # attributes mypy cannot see on the module
+        setattr(layers, "_grad_accum_fusion_available", True)  # noqa: B010
     return True
 
 
