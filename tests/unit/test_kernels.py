@@ -191,6 +191,7 @@ LOCAL = [*LLAMA, "--no-gradient-accumulation-fusion"]  # what the launcher rende
     ("auto", LOCAL, True, None, "off: no GPU"),
     ("auto", LOCAL, False, "torch 2.7.1 has no fp32-output matmul", "off: torch 2.7.1"),
     ("auto", [*LOCAL, "--use-torch-fsdp2"], False, None, "off: FSDP"),
+    ("auto", [*LOCAL, "--num-experts", "8"], False, None, "off: mixture-of-experts"),
     ("auto", LLAMA, False, None, ""),                                # apex/TE path: Megatron decides
 ])
 def test_gradient_accumulation_fusion_is_decided_per_node(monkeypatch, requested, argv, cpu, torch_why, state) -> None:

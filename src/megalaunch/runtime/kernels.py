@@ -134,6 +134,8 @@ def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch
         why = "off: no GPU"
     elif {"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(argv):
         why = "off: FSDP keeps no main_grad for it"
+    elif flag_value(argv, "--num-experts"):
+        why = "off: mixture-of-experts layers (their expert GEMMs are not measured with it)"
     else:
         blocked = (torch_why or wgrad_fusion.supported)()
         why = f"off: {blocked}" if blocked else "on: torch's fp32-output matmul into main_grad (no apex needed)"
