@@ -69,6 +69,17 @@ def test_an_op_liger_cannot_take_falls_back_with_its_reason(monkeypatch, extra, 
     assert choice.library == "liger"  # the other ops still are liger's
 
 
+@pytest.mark.parametrize("requested", ["auto", "liger"])
+def test_a_training_flow_keeps_megatron_s_per_token_losses(monkeypatch, requested) -> None:
+    """A flow (training.flow) reads per-token losses from the model (SimPO: each answer's mean log-prob);
+    the fused loss makes only their sum, so a flow never gets it, and the ledger says why."""
+    _installed(monkeypatch, "liger_kernel")
+    choice = kernels.resolve_kernels(requested, LLAMA, cpu=False, flow="megalaunch.runtime.preference_flow:PreferenceFlow")
+    assert "linear_ce" not in choice.liger_ops and "per-token losses" in choice.fallbacks["linear_ce"]
+    assert "rope" in choice.liger_ops
+    assert "linear_ce" in kernels.resolve_kernels(requested, LLAMA, cpu=False).liger_ops
+
+
 def test_nothing_fits_means_megatron(monkeypatch) -> None:
     _installed(monkeypatch, "liger_kernel")
     choice = kernels.resolve_kernels("liger", ["--tensor-model-parallel-size", "2"], cpu=False)

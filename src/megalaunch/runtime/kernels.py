@@ -56,8 +56,9 @@ class KernelChoice:
                 "wgrad_fusion": self.wgrad_fusion}
 
 
-def liger_unsupported(argv: list[str]) -> dict[str, str]:
-    """Which ops liger-kernel cannot take in this model and layout (Megatron's argument list), and why."""
+def liger_unsupported(argv: list[str], flow: bool = False) -> dict[str, str]:
+    """Which ops liger-kernel cannot take in this model and layout (Megatron's argument list; `flow`: a
+    training flow computes the loss), and why."""
     out: dict[str, str] = {}
     if (flag_value(argv, "--normalization") or "LayerNorm") != "RMSNorm":
         out["rmsnorm"] = "the model's norm is not RMSNorm"
@@ -79,16 +80,21 @@ def liger_unsupported(argv: list[str]) -> dict[str, str]:
     groups = int(flag_value(argv, "--num-query-groups") or 0)
     if "rope" not in out and 0 < groups < tp:
         out["rope"] = f"{groups} KV heads for TP {tp}: each rank takes a slice of the query heads after the rotation"
-    if tp > 1:
+    if flow:
+        out["linear_ce"] = "a training flow reads per-token losses (the fused loss makes only their sum)"
+    elif tp > 1:
         out["linear_ce"] = f"TP {tp} shards the vocabulary (liger's fused linear cross entropy needs the whole)"
     elif flag_value(argv, "--mtp-num-layers"):
         out["linear_ce"] = "multi-token prediction computes its own losses"
     return out
 
 
-def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoice:
+def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | None = None) -> KernelChoice:
     """`training.kernels` decided for this node; raises ConfigFailure when the recipe asks for a library
-    this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error)."""
+    this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error).
+    With a training flow (`flow`), the fused loss is left out: a flow reads the model's per-token losses,
+    which the fused loss does not make (it gives their sum, spread as the mean over the labelled tokens)."""
+
     if requested not in KERNELS:
         raise ConfigFailure(f"training.kernels: {requested!r} is not one of {', '.join(KERNELS)}",
                             "--set training.kernels=auto")
@@ -109,7 +115,7 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoi
         if cpu:
             raise ConfigFailure("training.kernels: liger needs a CUDA GPU (its kernels are Triton's); this job has none",
                                 "--set training.kernels=auto (Megatron's kernels on the CPU)")
-        return _liger(requested, argv, *_bench_ops())
+        return _liger(requested, argv, *_bench_ops(), flow=bool(flow))
     if cpu:
         return KernelChoice(requested, "megatron", "auto: Megatron's kernels on the CPU (liger-kernel needs CUDA)")
     if not installed("liger_kernel"):
@@ -117,7 +123,8 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool) -> KernelChoi
     if not LIGER_FASTER:
         return KernelChoice(requested, "megatron", "auto: none of liger-kernel's kernels is measured faster yet "
                             "(bench/kernels.py); training.kernels=liger uses them")
-    return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster")
+    return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster",
+                  flow=bool(flow))
 
 
 def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch_why: Any = None) -> KernelChoice:
@@ -155,8 +162,8 @@ def _bench_ops() -> tuple[frozenset[str], str]:
     return ops, f"set in the recipe, ops limited to {', '.join(sorted(ops))} by MEGALAUNCH_LIGER_OPS"
 
 
-def _liger(requested: str, argv: list[str], wanted: frozenset[str], why: str) -> KernelChoice:
-    unsupported = liger_unsupported(argv)
+def _liger(requested: str, argv: list[str], wanted: frozenset[str], why: str, flow: bool = False) -> KernelChoice:
+    unsupported = liger_unsupported(argv, flow)
     ops = frozenset(op for op in wanted if op not in unsupported)
     fallbacks = {op: unsupported.get(op, "Megatron's was measured as fast or faster") for op in OPS if op not in ops}
     if not ops:

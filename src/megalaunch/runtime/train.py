@@ -144,7 +144,7 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     for note in check_kernels(argv, attention):  # a missing library: config_error, now
         ctx.log(note)
         ctx.ledger("kernel", note=note)
-    kernels = resolve_kernels(settings.kernels, argv, cpu=cpu)  # a missing library: config_error, now
+    kernels = resolve_kernels(settings.kernels, argv, cpu=cpu, flow=settings.flow)  # no library: config_error
     kernels = with_wgrad_fusion(kernels, argv, cpu=cpu)
     if kernels.wgrad_on:
         argv = wgrad_fusion.enable(argv)
