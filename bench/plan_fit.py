@@ -92,7 +92,6 @@ FIXED = {"WGRAD_ACCUM_BYTES": 19.0}
 
 
 def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
-    from megalaunch.config import plan
     from megalaunch.config.fit import model_shape
     from megalaunch.config.gpus import gpu_spec
     from megalaunch.config.loader import load_recipe
@@ -103,7 +102,6 @@ def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
     dp = run.gpus // (tp * pp)
     layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, num_microbatches=run.gbs // (dp * mb),
                     recompute=rc, sequence_parallel=sp, fused=run.fused, kernels=run.kernels)
-    del plan
     return model_shape(recipe, recipe.data.vocab_size), layout, gpu_spec(run.gpu)
 
 

@@ -239,3 +239,21 @@ def test_wgrad_fusion_module_accumulates_megatron_s_weight_gradient(monkeypatch)
     wgrad_fusion.wgrad_gemm_accum_fp16(x.reshape(-1, 16).bfloat16(), dy.reshape(-1, 24).bfloat16(), half)
     assert ((half.float() - product).abs().max() / product.abs().max()).item() < 2e-2
     monkeypatch.delitem(sys.modules, wgrad_fusion.MODULE)
+
+
+@pytest.mark.parametrize(("version", "capability", "words"), [
+    ("2.11.0+cu130", (9, 0), None), ("2.7.1+cu126", (9, 0), "torch 2.7.1"), ("2.11.0", (7, 0), "compute capability 7.0"),
+])
+def test_wgrad_fusion_needs_torch_2_8_and_an_ampere_gpu(monkeypatch, version, capability, words) -> None:
+    """The fp32-output matmul of 16-bit inputs: torch >= 2.8 on compute capability >= 8.0; elsewhere the
+    fusion stays off with the reason, and the fused loss sums its weight gradient in the inputs' dtype."""
+    torch = pytest.importorskip("torch")
+    from megalaunch.runtime import wgrad_fusion
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    why = wgrad_fusion.supported()
+    assert why is None if words is None else words in why
+    assert wgrad_fusion.fp32_output_matmul(0) == (words is None)

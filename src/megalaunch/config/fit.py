@@ -32,7 +32,15 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
                   fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
-                  kernels="liger" if t.kernels in ("auto", "liger") else "megatron")
+                  kernels=speed_kernels(recipe))
+
+
+def speed_kernels(recipe: Recipe) -> str:
+    """The kernels the speed model assumes (config/plan.py): liger's (its RoPE, SwiGLU and, at TP 1, fused
+    loss, and the gradient-accumulation fusion) for training.kernels auto and liger: liger-kernel comes with
+    megalaunch[train] on the GPU nodes. The memory model assumes Megatron's loss under auto (`fused_loss`):
+    a node without liger-kernel falls back to it and must still fit."""
+    return "liger" if recipe.training.kernels in ("auto", "liger") else "megatron"
 
 
 @dataclass(frozen=True)

@@ -159,9 +159,9 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
 def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> float:
     """Bytes one GPU moves per step in memory-bound kernels (the constants above): `layers` of the stage
     (recomputed ones counted again), `tokens` of its micro-batches."""
-    width = (shape.hidden if L.sequence_parallel else shape.hidden * L.tp) / L.tp + shape.ffn / L.tp
-    kind = "liger" if L.kernels == "liger" else ("fused" if L.fused else "unfused")
+    width = (shape.hidden / L.tp if L.sequence_parallel else shape.hidden) + shape.ffn / L.tp
     liger = L.kernels == "liger"
+    kind = "liger" if liger else ("fused" if L.fused else "unfused")
     loss = LOSS_BYTES["liger" if liger and L.tp == 1 else "megatron"] * shape.padded_vocab(L.tp) / L.tp * tokens
     params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp)
     wgrad = 0.0 if liger else WGRAD_ACCUM_BYTES * params * L.num_microbatches
@@ -245,7 +245,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                 gpu: str | None = None) -> Plan:
     """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
     recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
-    from megalaunch.config.fit import model_shape
+    from megalaunch.config.fit import model_shape, speed_kernels
     from megalaunch.config.megatron_args import fused_kernels
 
     cl = recipe.cluster
@@ -277,14 +277,6 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                              f"{t.global_batch_size}", field="training.global_batch_size",
                              valid="a multiple of the data-parallel size", fix="raise training.global_batch_size")
     return Plan(recipe.name, spec, memory, nodes, gpn, cands)
-
-
-def speed_kernels(recipe: Recipe) -> str:
-    """The kernels the speed model assumes: liger's (its RoPE, SwiGLU and, at TP 1, fused loss, and the
-    gradient-accumulation fusion) for training.kernels auto and liger: liger-kernel comes with megalaunch[train]
-    on the GPU nodes. The memory model assumes Megatron's loss under auto (fused_loss): a node without
-    liger-kernel falls back to it and must still fit."""
-    return "liger" if recipe.training.kernels in ("auto", "liger") else "megatron"
 
 
 def recipe_text(source: str, plan: Plan) -> str:

@@ -94,7 +94,6 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | N
     this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error).
     With a training flow (`flow`), the fused loss is left out: a flow reads the model's per-token losses,
     which the fused loss does not make (it gives their sum, spread as the mean over the labelled tokens)."""
-
     if requested not in KERNELS:
         raise ConfigFailure(f"training.kernels: {requested!r} is not one of {', '.join(KERNELS)}",
                             "--set training.kernels=auto")

@@ -191,9 +191,11 @@ def linear_ce_function() -> type:
     megalaunch's loop around liger's kernel, not liger's LigerFusedLinearCrossEntropyFunction: that one
     waits for the GPU twice per call (the count of labelled rows, `.item()`, and `torch.equal` on the
     incoming gradient), which stalls the CPU's queue of kernels once per micro-batch (bench/kernels.py
-    measured it slower than Megatron's at micro-batch 2). The weight's gradient adds up in fp32 on CUDA."""
+    measured it slower than Megatron's at micro-batch 2). The weight's gradient adds up in fp32 on Ampere+ GPUs."""
     import torch
     from liger_kernel.ops import cross_entropy
+
+    from megalaunch.runtime.wgrad_fusion import fp32_output_matmul
 
     class LinearCrossEntropy(torch.autograd.Function):
         @staticmethod
@@ -201,7 +203,7 @@ def linear_ce_function() -> type:
             rows, vocab = x.shape[0], weight.shape[0]
             losses = torch.zeros(rows, dtype=torch.float32, device=x.device)
             grad_x = torch.empty_like(x)
-            fp32_sum = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            fp32_sum = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fp32_output_matmul(x.device)
             grad_w = (torch.zeros(weight.shape, dtype=torch.float32 if fp32_sum else weight.dtype, device=x.device)
                       if weight.requires_grad else None)
             logits = torch.empty(min(chunk, rows), vocab, dtype=x.dtype, device=x.device)

@@ -26,10 +26,27 @@ def supported() -> str | None:
 
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if (major, minor) < (2, 8):
+    if not _torch_has_out_dtype():
         return f"torch {torch.__version__} has no fp32-output matmul of bf16 inputs (2.8 and later do)"
+    if not fp32_output_matmul(torch.cuda.current_device()):
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        return f"compute capability {cap}: the fp32-output matmul of 16-bit inputs needs 8.0 or later"
     return None
+
+
+def _torch_has_out_dtype() -> bool:
+    import torch
+
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+def fp32_output_matmul(device: Any) -> bool:
+    """Whether `torch.addmm(..., out_dtype=torch.float32)` of 16-bit inputs runs on this CUDA device (torch
+    >= 2.8, Ampere and later); the fused loss's weight gradient takes it too (runtime/liger_layers.py)."""
+    import torch
+
+    return _torch_has_out_dtype() and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _rows(t: Any) -> Any:
@@ -55,19 +72,22 @@ def wgrad_gemm_accum_fp16(total_input: Any, grad_output: Any, main_grad: Any) ->
 def install() -> bool:
     """Register the module under apex's name (unless apex's own is importable); patch Megatron's modules that
     already looked for it. Returns whether megalaunch's module is the one in use."""
-    try:
-        __import__(MODULE)
-        if getattr(sys.modules[MODULE], "__megalaunch__", False) is False:
+    module = sys.modules.get(MODULE)
+    if module is None:
+        try:
+            __import__(MODULE)
             return False  # apex's real extension: Megatron uses it already
-    except ImportError:
-        module = types.ModuleType(MODULE)
-        module.__megalaunch__ = True  # type: ignore[attr-defined]
-        module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32  # type: ignore[attr-defined]
-        module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16  # type: ignore[attr-defined]
-        sys.modules[MODULE] = module
+        except ImportError:
+            module = types.ModuleType(MODULE)
+            module.__megalaunch__ = True  # type: ignore[attr-defined]
+            module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32  # type: ignore[attr-defined]
+            module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16  # type: ignore[attr-defined]
+            sys.modules[MODULE] = module
+    elif not getattr(module, "__megalaunch__", False):
+        return False
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
     if layers is not None:  # imported before: its availability test already failed
-        setattr(layers, MODULE, sys.modules[MODULE])  # attributes mypy cannot see on the module
+        setattr(layers, MODULE, module)  # attributes mypy cannot see on the module
         setattr(layers, "_grad_accum_fusion_available", True)  # noqa: B010
     return True
 
