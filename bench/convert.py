@@ -83,8 +83,8 @@ def generate(path: Path, size_gb: float, hidden: int, vocab: int) -> dict[str, i
     from tests.support.hf_models import hf_config  # noqa: F401  (needs transformers: fail early)
 
     from megalaunch.config.schema import ModelConfig
+    from megalaunch.conversion.checkpoint_io.safetensors_io import SafetensorsWriter
     from megalaunch.conversion.families import hf_config_from_model
-    from megalaunch.conversion.safetensors_io import SafetensorsWriter
 
     layers, ffn = model_shape(size_gb, hidden, vocab)
     heads = max(hidden // 128, 1)
@@ -159,7 +159,7 @@ def run_worker(direction: str, src: Path, dst: Path, options: dict[str, object],
 def bit_exact(a: Path, b: Path) -> bool:
     import torch
 
-    from megalaunch.conversion.safetensors_io import SafetensorsReader
+    from megalaunch.conversion.checkpoint_io.safetensors_io import SafetensorsReader
 
     with SafetensorsReader(a) as ra, SafetensorsReader(b) as rb:
         if ra.tensors.keys() != rb.tensors.keys():

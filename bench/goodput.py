@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from megalaunch.launcher.goodput import chain_goodput  # noqa: E402
+from megalaunch.launcher.accounting.goodput import chain_goodput  # noqa: E402
 from megalaunch.rundir.files import read_json  # noqa: E402
 from megalaunch.rundir.ledger import Ledger  # noqa: E402
 from megalaunch.rundir.paths import RunPaths  # noqa: E402
@@ -44,7 +44,7 @@ SETS = ["training.attention=sdpa", "model.seq_length=2048", "training.micro_batc
 def start_chain(variant: str, out: Path, devices: str, gpus: int, time_limit: str, port: int,
                 recipe: str, extra: list[str], profile: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "PYTHONPATH": str(REPO / "src")}
-    if profile:  # cProfile of every rank up to its first iteration (runtime/startup_profile.py)
+    if profile:  # cProfile of every rank up to its first iteration (runtime/observation/startup_profile.py)
         env["MEGALAUNCH_PROFILE_STARTUP"] = str(out / f"profile-{variant}")
     if variant == "before":  # megalaunch's start-up and exit fixes off
         env["MEGALAUNCH_FAST_EXIT"] = "0"

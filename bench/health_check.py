@@ -1,4 +1,4 @@
-"""The health check (runtime/health.py) standalone on N local GPUs: per-rank matmul TFLOP/s (bf16,
+"""The health check (runtime/health/health.py) standalone on N local GPUs: per-rank matmul TFLOP/s (bf16,
 8192^3), all-reduce bus bandwidth (256 MiB bf16, NCCL) and the check's cost in seconds, as the
 trainer runs it at segment start. No torchrun: ranks are spawned with torch.multiprocessing.
 
@@ -20,7 +20,7 @@ def _rank(rank: int, world: int, port: int, slow: int | None, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from megalaunch.runtime.health import run_check
+    from megalaunch.runtime.health.health import run_check
 
     if slow is not None:
         os.environ["MEGALAUNCH_TEST_SLOW_NODE"] = f"rank{slow}:10"
@@ -42,7 +42,7 @@ def main() -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from megalaunch.runtime.dist_env import free_port
+    from megalaunch.runtime.rank.dist_env import free_port
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2)

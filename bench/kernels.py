@@ -79,7 +79,7 @@ def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import liger_layers
 
     h, heads, groups, ffn, vocab = (shape[k] for k in ("h", "heads", "groups", "ffn", "vocab"))
     d, s, b = h // heads, 2048, TOKENS // 2048
@@ -127,7 +127,7 @@ def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
 def stage_ops(out: Path) -> list[dict[str, Any]]:
     import torch
 
-    from megalaunch.runtime.model import megatron_parallel_state
+    from megalaunch.runtime.model.model import megatron_parallel_state
 
     rows = []
     with megatron_parallel_state():

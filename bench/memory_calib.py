@@ -66,12 +66,12 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
 
 
 def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> tuple[Path, Any]:
-    """A run directory and the recipe's memory estimate (config/memory.py)."""
-    from megalaunch.config.fit import model_shape, recipe_layout
+    """A run directory and the recipe's memory estimate (config/planner/memory.py)."""
     from megalaunch.config.loader import load_recipe
-    from megalaunch.config.memory import estimate
+    from megalaunch.config.planner.fit import model_shape, recipe_layout
+    from megalaunch.config.planner.memory import estimate
     from megalaunch.config.preflight import topology
-    from megalaunch.launcher.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
     all_sets = [*BASE, f"cluster.gpus_per_node={gpus}", "cluster.gpu=null", *sets]
     loaded = load_recipe(recipe, all_sets, name=run_name(name), cluster="local")

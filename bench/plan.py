@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "plan_bench")
     a = parser.parse_args()
     from megalaunch.config.loader import load_recipe
-    from megalaunch.config.plan import plan_recipe, set_lines
+    from megalaunch.config.planner.plan import plan_recipe, set_lines
 
     sets = [*calib.BASE, "cluster.nodes=1", f"cluster.gpus_per_node={a.gpus}", *a.set]
     recipe = load_recipe(a.recipe, sets, cluster="local").recipe

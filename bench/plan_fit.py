@@ -1,4 +1,4 @@
-"""The planner's speed model (config/plan.py) against every step time measured on H100s and H200s, and its
+"""The planner's speed model (config/planner/plan.py) against every step time measured on H100s and H200s, and its
 constants refitted to them: GEMM efficiency, the elementwise bytes of each kernel choice, the loss's bytes with
 Megatron's and liger's kernels, the fp32 gradient accumulation. The step time is linear in these, so a least
 squares on the relative error fits them in one go.
@@ -92,10 +92,10 @@ FIXED = {"WGRAD_ACCUM_BYTES": 19.0}
 
 
 def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
-    from megalaunch.config.fit import model_shape
-    from megalaunch.config.gpus import gpu_spec
     from megalaunch.config.loader import load_recipe
-    from megalaunch.config.memory import Layout
+    from megalaunch.config.planner.fit import model_shape
+    from megalaunch.config.planner.gpus import gpu_spec
+    from megalaunch.config.planner.memory import Layout
 
     recipe = load_recipe(run.recipe, list(run.sets)).recipe
     tp, pp, vpp, mb, rc, sp = run.layout
@@ -106,14 +106,14 @@ def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
 
 
 def predicted(run: Run) -> float:
-    from megalaunch.config import plan
+    from megalaunch.config.planner import plan
 
     shape, layout, gpu = shape_and_layout(run)
     return sum(plan.predict(shape, layout, gpu, gpus_per_node=run.gpus).values())
 
 
 def _set(name: str, value: float) -> None:
-    from megalaunch.config import plan
+    from megalaunch.config.planner import plan
 
     if "." in name:
         table, key = name.split(".")

@@ -12,7 +12,7 @@ weights, fp32 main parameters, Adam's two fp32 moments: 14 bytes a parameter; ll
              writer threads: total, and the phases from its own debug log; then a load of it
   async tN   the same as an async request: the part that blocks training (planning + D2H staging)
              and the part that runs beside it
-  load       a resumed segment's load: cold, warm, and cold with runtime/readahead.py started
+  load       a resumed segment's load: cold, warm, and cold with runtime/checkpoint/readahead.py started
              `--readahead-overlap-s` before it (the imports and model build it overlaps)
 
     python bench/save_profile.py --dir /tmp/prof [--params 1.24e9] [--threads 1,2,4,8] [--json out.json]
@@ -187,7 +187,7 @@ def profile_readahead(state: dict[str, Any], directory: Path, threads: int, over
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megalaunch.runtime import readahead
+    from megalaunch.runtime.checkpoint import readahead
 
     ckpt = directory / "iter_0000100"
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -256,7 +256,7 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--readahead-overlap-s", type=float, default=10.0,
-                    help="the load with runtime/readahead.py started this long before it (0: skip)")
+                    help="the load with runtime/checkpoint/readahead.py started this long before it (0: skip)")
     ap.add_argument("--skip-saves", action="store_true", help="only dd, D2H and the read-ahead probe")
     args = ap.parse_args()
 

@@ -92,7 +92,7 @@ def model_attention(a: argparse.Namespace) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
-    from megalaunch.runtime import model as mm
+    from megalaunch.runtime.model import model as mm
 
     with mm.megatron_parallel_state():
         cfg = TransformerConfig(num_layers=1, hidden_size=a.heads * a.head_dim, num_attention_heads=a.heads,

@@ -47,8 +47,8 @@ def hf_checkpoint(out: Path, model: Any, vocab: int, dtype: str) -> Path:
     """config.json + model.safetensors of a random Llama of `model`'s shape (Hugging Face's names)."""
     import torch
 
+    from megalaunch.conversion.checkpoint_io.safetensors_io import SafetensorsWriter, dtype_code
     from megalaunch.conversion.families import hf_config_from_model
-    from megalaunch.conversion.safetensors_io import SafetensorsWriter, dtype_code
 
     cfg = hf_config_from_model(model, family="llama", vocab_size=vocab, dtype=dtype)
     h, f, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]

@@ -143,8 +143,8 @@ def main() -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[])
     args = ap.parse_args()
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.local import run_local_chain
-    from megalaunch.launcher.prepare import prepare_run, write_run
+    from megalaunch.launcher.backends.local import run_local_chain
+    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.root.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ DEFAULT_SETS = [
 def make_run(root: Path, recipe: str, sets: list[str], name: str) -> Path:
     sys.path.insert(0, str(SRC))
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
     loaded = load_recipe(recipe, sets, name=name, cluster="local")
     return write_run(prepare_run(loaded, root=root)).root
@@ -163,16 +163,16 @@ def bare_run(run: Path) -> None:
     only the dataset-helper fix without which Megatron cannot start from the wheel."""
     sys.path.insert(0, str(SRC))
     from megalaunch.rundir.paths import RunPaths
-    from megalaunch.runtime import megatron_seams
-    from megalaunch.runtime.settings import RuntimeSettings
-    from megalaunch.runtime.step import megatron_argv, run_pretrain
+    from megalaunch.runtime.loop import megatron_seams
+    from megalaunch.runtime.loop.step import megatron_argv, run_pretrain
+    from megalaunch.runtime.rank.settings import RuntimeSettings
 
     paths = RunPaths(run)
     settings = RuntimeSettings.load(paths)
     import torch
 
     if not torch.cuda.is_available():  # only for a smoke test of this script on a machine without a GPU
-        from megalaunch.runtime import cpu_compat
+        from megalaunch.runtime.model import cpu_compat
 
         cpu_compat.enable()
     megatron_seams.skip_helper_compilation()

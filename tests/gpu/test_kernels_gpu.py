@@ -50,7 +50,7 @@ def _grads(fn, *inputs: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm(dtype: torch.dtype) -> None:
     """torch's RMSNorm (what Megatron's local spec builds) vs liger's, as megalaunch builds it."""
-    from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import liger_layers
 
     class Cfg:
         normalization, layernorm_zero_centered_gamma, sequence_parallel = "RMSNorm", False, False
@@ -74,7 +74,7 @@ def test_rmsnorm(dtype: torch.dtype) -> None:
 @pytest.fixture
 def parallel_state():
     """Megatron's one-process parallel state: the rotary embedding and its application ask for the CP group."""
-    from megalaunch.runtime.model import megatron_parallel_state
+    from megalaunch.runtime.model.model import megatron_parallel_state
 
     with megatron_parallel_state():
         yield
@@ -89,7 +89,7 @@ def test_rope(dtype: torch.dtype, heads: int, groups: int, d: int, parallel_stat
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import liger_layers
 
     s, b, per = 512, 2, heads // groups
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups)
@@ -113,7 +113,7 @@ def test_swiglu(dtype: torch.dtype) -> None:
     """Megatron's fused (torch.compile'd) bias-SwiGLU and its unfused glu vs liger's fused gate-up."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
-    from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import liger_layers
 
     y = torch.randn(512, 2, 2 * 8192, device="cuda", dtype=dtype)
 
@@ -132,7 +132,7 @@ def test_linear_cross_entropy(dtype: torch.dtype, vocab: int) -> None:
     """The output layer and the cross entropy unfused (logits materialised, fp32 softmax, as Megatron's)
     vs liger's fused linear cross entropy through megalaunch's loss (runtime/liger_layers.fused_loss),
     10 % of the labels masked."""
-    from megalaunch.runtime import liger_layers
+    from megalaunch.runtime.model import liger_layers
 
     s, b, h = 1000, 2, 2048  # 2000 rows: a full chunk of 1024 and a partial one
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def test_training_with_liger_matches_megatron(tmp_path: Path, precision: str, bo
     assert plain_ledger[-1]["chosen"] == "megatron"
     assert fused_ledger[-1]["chosen"] == "liger"
     assert sorted(fused_ledger[-1]["liger_ops"]) == ["linear_ce", "rmsnorm", "rope", "swiglu"]
-    # liger's run also takes the weight gradients straight into fp32 main_grad (runtime/wgrad_fusion.py)
+    # liger's run also takes the weight gradients straight into fp32 main_grad (runtime/model/wgrad_fusion.py)
     assert fused_ledger[-1]["wgrad_fusion"].startswith("on") and plain_ledger[-1]["wgrad_fusion"].startswith("off")
     assert sorted(plain) == sorted(fused) == list(range(1, 31))
     worst = max(abs(plain[i] - fused[i]) / abs(plain[i]) for i in plain)

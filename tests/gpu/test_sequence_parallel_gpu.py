@@ -1,7 +1,7 @@
 """Sequence parallelism without transformer-engine or apex (run on the device; needs 2 GPUs).
 
 Megatron's local layers use its torch norm, which refuses sequence parallelism; megalaunch's
-sequence-parallel torch norm (runtime/model.py) marks the norm weights so that Megatron all-reduces
+sequence-parallel torch norm (runtime/model/model.py) marks the norm weights so that Megatron all-reduces
 their gradients over the tensor-parallel group. Trained with the real trainer on 2 GPUs, TP 2 with
 sequence parallelism must give the losses of TP 2 without it (fp32: only the reduction order
 differs). A norm whose gradients were not all-reduced would train each rank's copy of the norm

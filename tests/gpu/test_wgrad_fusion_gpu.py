@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion without apex (runtime/wgrad_fusion.py): Megatron's linear layers, wrapped in its
+"""Gradient-accumulation fusion without apex (runtime/model/wgrad_fusion.py): Megatron's linear layers, wrapped in its
 DistributedDataParallel as training wraps them, put the same gradients into `main_grad` over two accumulated
 micro-batches with the fusion (megalaunch's module under apex's name) as without it (a weight gradient in the
 parameters' dtype, then the add into fp32). fp32 parameters: the same sums in another order (bound 1e-5);
@@ -23,7 +23,7 @@ def _main_grads(fusion: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     from megalaunch.config.schema import ModelConfig
     from megalaunch.conversion.model import build_gpt_model
-    from megalaunch.runtime.model import megatron_parallel_state
+    from megalaunch.runtime.model.model import megatron_parallel_state
 
     shape = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                         seq_length=32, max_position_embeddings=32, make_vocab_size_divisible_by=64,
@@ -46,7 +46,7 @@ def _main_grads(fusion: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_weight_gradients_equal_megatron_s_accumulated_ones(monkeypatch, dtype, bound) -> None:
-    from megalaunch.runtime import wgrad_fusion
+    from megalaunch.runtime.model import wgrad_fusion
 
     layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
     monkeypatch.delitem(sys.modules, wgrad_fusion.MODULE, raising=False)

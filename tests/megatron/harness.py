@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.config.loader import load_recipe
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.rank.dist_env import free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # One micro-batch of 2 x 64 tokens per rank and step keeps an iteration ~50 ms on a CPU.

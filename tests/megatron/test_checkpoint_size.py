@@ -1,4 +1,4 @@
-"""config/checkpoint_size.py against real saves: the tiny recipe trained on the CPU by Megatron's loop
+"""config/planner/checkpoint_size.py against real saves: the tiny recipe trained on the CPU by Megatron's loop
 and saved in torch_dist, every file of the checkpoint counted (within 5 %; measured within 0.1 %),
 with and without the distributed optimizer, on 1 and 2 ranks. Its model state against Megatron's own
 theoretical memory (weights + gradients + optimizer, less the fp32 gradients a checkpoint does not
@@ -12,14 +12,14 @@ import pytest
 from harness import FAST, Trainer, make_run
 from test_memory_model import megatron_weight_and_optimizer_bytes
 
-from megalaunch.config.checkpoint_size import recipe_peak
-from megalaunch.config.fit import model_shape, recipe_layout
 from megalaunch.config.loader import load_recipe
+from megalaunch.config.planner.checkpoint_size import recipe_peak
+from megalaunch.config.planner.fit import model_shape, recipe_layout
 from megalaunch.config.preflight import topology
-from megalaunch.launcher.storage import checkpoint_usage
-from megalaunch.runtime.failures import classify
-from megalaunch.runtime.resume import iter_dir
-from megalaunch.runtime.storage import storage_evidence
+from megalaunch.launcher.accounting.storage import checkpoint_usage
+from megalaunch.runtime.checkpoint.resume import iter_dir
+from megalaunch.runtime.rank.failures import classify
+from megalaunch.runtime.rank.storage import storage_evidence
 
 pytestmark = pytest.mark.megatron
 

@@ -14,7 +14,7 @@ import yaml
 
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.failures import installed
+from megalaunch.runtime.rank.failures import installed
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

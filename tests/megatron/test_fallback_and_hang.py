@@ -9,8 +9,8 @@ import pytest
 from harness import Trainer, ledger, losses, make_run
 
 from megalaunch.rundir.files import read_json
-from megalaunch.runtime.resume import iter_dir
-from megalaunch.runtime.watchdog import EXIT_HUNG
+from megalaunch.runtime.checkpoint.resume import iter_dir
+from megalaunch.runtime.health.watchdog import EXIT_HUNG
 
 pytestmark = pytest.mark.megatron
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from harness import wait_for
 
-from megalaunch.launcher.goodput import chain_goodput
+from megalaunch.launcher.accounting.goodput import chain_goodput
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths

@@ -1,5 +1,5 @@
 """A short training run in Megatron's own loop (distributed data parallel, the optimizer, the loss function of
-runtime/step.py) with liger-kernel's RoPE, SwiGLU and fused linear cross entropy against Megatron's kernels, on
+runtime/loop/step.py) with liger-kernel's RoPE, SwiGLU and fused linear cross entropy against Megatron's kernels, on
 the CPU: Triton's interpreter (TRITON_INTERPRET=1) runs liger's own kernels there, slowly, in fp32 (its norm
 kernel needs more than the interpreter has: a plain-torch stand-in takes its place, tests/support/liger_reference.py).
 The losses of the 6 iterations must agree within 1e-5 relative (measured: ~1e-7). The same on the GPU, with the
@@ -27,8 +27,9 @@ from pathlib import Path
 
 def main():
     from harness import make_run
-    from megalaunch.runtime import cpu_compat, megatron_patches as mp
-    from megalaunch.runtime import step
+    from megalaunch.runtime.model import cpu_compat
+    from megalaunch.runtime.loop import megatron_patches as mp
+    from megalaunch.runtime.loop import step
 
     mode, root = sys.argv[1], Path(sys.argv[2])
     paths = make_run(root, "training.train_iters=6", "training.lr_warmup_iters=1", "checkpoint.save_interval=1000",
@@ -66,7 +67,7 @@ if __name__ == "__main__":  # the data loader's workers import this file again
 
 
 def _losses(mode: str, tmp_path: Path) -> list[float]:
-    from megalaunch.runtime.dist_env import free_port
+    from megalaunch.runtime.rank.dist_env import free_port
 
     script = tmp_path / f"train_{mode}.py"
     script.write_text(SCRIPT)

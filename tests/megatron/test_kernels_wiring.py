@@ -1,4 +1,4 @@
-"""`training.kernels: liger` wired into Megatron's model (runtime/liger_layers.py), on the CPU: liger's Triton
+"""`training.kernels: liger` wired into Megatron's model (runtime/model/liger_layers.py), on the CPU: liger's Triton
 kernels need CUDA, so plain-torch stand-ins with their signatures and layouts take their place
 (tests/support/liger_reference.py). What is proven here is megalaunch's part: the same parameter names (a
 checkpoint loads whichever library computed it), the rotary seam, the deferred logits and the masked labels
@@ -24,8 +24,8 @@ import json, sys, torch, pytest
 from support import liger_reference
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import build_gpt_model
-from megalaunch.runtime.model import megatron_parallel_state
-from megalaunch.runtime.kernels import OPS
+from megalaunch.runtime.model.model import megatron_parallel_state
+from megalaunch.runtime.model.kernels import OPS
 
 interpreted = sys.argv[1] == "interpreted"
 if interpreted:  # liger's own kernels, run by Triton's interpreter; its norm kernel is beyond the interpreter
@@ -34,7 +34,7 @@ if interpreted:  # liger's own kernels, run by Triton's interpreter; its norm ke
 else:
     liger_reference.install(pytest.MonkeyPatch())
 calls = {"rope": 0}
-from megalaunch.runtime import liger_layers
+from megalaunch.runtime.model import liger_layers
 rope_qkv = liger_layers.rope_qkv
 def counted(*args):
     calls["rope"] += 1

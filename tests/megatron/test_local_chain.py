@@ -26,7 +26,7 @@ import yaml
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.resume import checkpoint_iterations
+from megalaunch.runtime.checkpoint.resume import checkpoint_iterations
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""config/memory.py's model state (weights, fp32 main gradients, optimizer) against Megatron's own
+"""config/planner/memory.py's model state (weights, fp32 main gradients, optimizer) against Megatron's own
 theoretical-memory code (`megatron.training.theoretical_memory_usage`), which megalaunch's login-node
 path cannot import: the same bytes for the most loaded GPU of every shipped GPU recipe's layout, and of
 the layouts that `megalaunch plan` ranks for llama3-8b on one node."""
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalaunch.config.fit import model_shape, recipe_layout
 from megalaunch.config.loader import load_recipe, shipped_recipes
-from megalaunch.config.memory import estimate_stage, stage_params
-from megalaunch.config.plan import plan_recipe
+from megalaunch.config.planner.fit import model_shape, recipe_layout
+from megalaunch.config.planner.memory import estimate_stage, stage_params
+from megalaunch.config.planner.plan import plan_recipe
 from megalaunch.config.preflight import topology
 
 pytestmark = pytest.mark.megatron

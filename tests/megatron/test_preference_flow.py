@@ -1,5 +1,5 @@
 """A user-defined training flow under the chain (issue 26): the preference-loss example
-(runtime/preference_flow.py, named in the recipe as `training.flow`) trains on pairs written by
+(runtime/flows/preference_flow.py, named in the recipe as `training.flow`) trains on pairs written by
 `megalaunch data sft`, from a converted Hugging Face model, across two segments stopped by SIGUSR2;
 its losses equal an uninterrupted run's at every iteration (exact resume), its metrics are reported,
 the loss falls, and a flow that cannot be imported is a configuration error that ends the chain. With
@@ -19,13 +19,13 @@ from tests.support.chat import make_chat_model, preference_rows, write_jsonl
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.conversion import hf_to_mcore
-from megalaunch.finetune.build import build
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.tokenization.chat.build import build
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 ITERS = 16
-FLOW = "megalaunch.runtime.preference_flow:PreferenceFlow"
+FLOW = "megalaunch.runtime.flows.preference_flow:PreferenceFlow"
 
 
 @pytest.fixture(scope="module")

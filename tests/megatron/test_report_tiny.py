@@ -17,7 +17,7 @@ import pytest
 import yaml
 from tests.unit.test_report import FIGURES, assert_png, parse
 
-from megalaunch.launcher.goodput import COMPONENTS
+from megalaunch.launcher.accounting.goodput import COMPONENTS
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from harness import Trainer, checkpoint_state, last_iteration, ledger, losses, make_run, wait_for
 
-from megalaunch.runtime.resume import iter_dir
+from megalaunch.runtime.checkpoint.resume import iter_dir
 
 pytestmark = pytest.mark.megatron
 
@@ -58,7 +58,7 @@ def test_signal_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert resumed == [("202", stops[0]), ("203", stops[1])]
     consumed = [r["consumed_samples"] for r in ledger(chain, "resumed")]
     assert consumed == [2 * s for s in stops]  # global batch 2: consumed samples continue exactly
-    # each resumed segment read the checkpoint it loaded ahead (runtime/readahead.py), the whole of it
+    # each resumed segment read the checkpoint it loaded ahead (runtime/checkpoint/readahead.py), the whole of it
     ahead = [(r["job_id"], r["directory"], r["read_bytes"] == r["bytes"] > 0) for r in ledger(chain, "readahead")]
     assert ahead == [("202", iter_dir(chain, stops[0]).name, True), ("203", iter_dir(chain, stops[1]).name, True)]
 

@@ -26,7 +26,7 @@ from harness import ledger
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.resume import checkpoint_iterations, iter_dir
+from megalaunch.runtime.checkpoint.resume import checkpoint_iterations, iter_dir
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

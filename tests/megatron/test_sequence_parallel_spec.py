@@ -20,7 +20,7 @@ SCRIPT = r"""
 import json
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import transformer_config
-from megalaunch.runtime.model import (decoder_spec, layer_spec, megatron_parallel_state,
+from megalaunch.runtime.model.model import (decoder_spec, layer_spec, megatron_parallel_state,
                                      sequence_parallel_norm_class, spec_uses)
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

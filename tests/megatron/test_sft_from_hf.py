@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
 from megalaunch.conversion import mcore_to_hf
-from megalaunch.finetune.build import build
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.tokenization.chat.build import build
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -24,7 +24,7 @@ from megalaunch.config.preflight import signal_lead_s
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.resume import checkpoint_iterations
+from megalaunch.runtime.checkpoint.resume import checkpoint_iterations
 from megalaunch.runtime.task import descendants
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

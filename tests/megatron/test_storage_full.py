@@ -28,7 +28,7 @@ from tests.support.tmpfs import fill, mounted_tmpfs
 
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.resume import checkpoint_iterations, is_complete
+from megalaunch.runtime.checkpoint.resume import checkpoint_iterations, is_complete
 
 pytestmark = pytest.mark.megatron
 

@@ -9,7 +9,7 @@ import pytest
 from harness import Trainer, acted_iterations, last_iteration, ledger, make_run, wait_for
 
 from megalaunch.rundir.triggers import TriggerBox
-from megalaunch.runtime.resume import is_complete
+from megalaunch.runtime.checkpoint.resume import is_complete
 
 pytestmark = pytest.mark.megatron
 

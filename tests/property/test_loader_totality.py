@@ -22,7 +22,7 @@ from tests.property.fields import FRAGMENTS, hostile_text
 from megalaunch.config.loader import load_recipe, load_run_recipe
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.prepare import prepare_run
+from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.tokenization.recipe import TokenizeRecipe, load_tokenize_recipe
 

@@ -96,7 +96,7 @@ CLUSTER_FIELDS = [f for f in string_fields(__import__("megalaunch.config.schema"
 def test_convert_job_is_refused_or_inert(field: StringField, text: str, args: list[str], out: str,
                                          profile: str) -> None:
     from megalaunch.conversion.submit import render_script
-    from megalaunch.launcher.sbatch import cluster_options
+    from megalaunch.launcher.prepare.sbatch import cluster_options
     from megalaunch.rundir.paths import ConversionPaths
 
     with sandboxed() as box:

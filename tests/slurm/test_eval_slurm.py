@@ -23,7 +23,7 @@ from launch import MEGALAUNCH, PYTHON, ledger, run_dir_of
 
 from megalaunch.rundir.evals import EvalPaths, eval_records
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.rank.dist_env import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 pytestmark = [

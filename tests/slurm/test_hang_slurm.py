@@ -80,7 +80,7 @@ def test_rendezvous_that_never_completes_is_killed_and_the_chain_continues(slurm
     # every rank's Python stacks: rank 0 waiting in the rendezvous, rank 1 in the test hook
     stacks = {r: run / "debug" / f"stacks-step-job{first}-rank{r}.txt" for r in (0, 1)}
     text = {r: p.read_text() if p.exists() else "" for r, p in stacks.items()}
-    assert "maybe_skip_rendezvous" in text[1], text[1] or "no stacks from rank 1"  # runtime/fault_hooks.py
+    assert "maybe_skip_rendezvous" in text[1], text[1] or "no stacks from rank 1"  # runtime/rank/fault_hooks.py
     assert re.search(r"init_process_group|initialize_megatron|_initialize_distributed", text[0]), text[0]
     assert set(killed["stacks"]) >= {str(p) for p in stacks.values()}, killed
     assert "stacks:" in hung["reason"]

@@ -5,7 +5,7 @@ segment ends `unhealthy_node` before building the model, node2 goes to the node-
 the figures, and the next successor excludes it and passes the check on node1.
 
 A 1-node job has no peer to compare with: node2 is judged against the figure healthy checks recorded
-(runtime/health.py, `Baselines`), which is also how a whole node of slow GPUs is caught."""
+(runtime/health/health.py, `Baselines`), which is also how a whole node of slow GPUs is caught."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from cluster import TERMINAL_STATES, job_state, queue_ids, run_as, wait_for
 from launch import MEGALAUNCH, PYTHON, REPO, ledger, run_dir_of
 from tests.support.corpus import documents, train_bpe_tokenizer
 
-from megalaunch.runtime.dist_env import free_port
+from megalaunch.runtime.rank.dist_env import free_port
 
 pytestmark = [
     pytest.mark.megatron,

@@ -1,4 +1,4 @@
-"""In-job restarts and spare nodes on the real cluster (issue 25; launcher/restart.py).
+"""In-job restarts and spare nodes on the real cluster (issue 25; launcher/chain/restart.py).
 
 1. A busy cluster: the chain's job holds both nodes, another user's job waits for a node with the
    highest priority. One rank is killed with SIGKILL: the same job starts a new step from the newest
@@ -26,7 +26,7 @@ from cluster import job_state, run_as, sbatch, show_job, wait_for
 from launch import counter_recipe, ledger, megalaunch, run_dir_of, submitted_ids
 from test_train_slurm import GBS, ITERATION_LINE, _job_processes, _segment_log, _trainer_pid, train_recipe
 
-from megalaunch.launcher.evidence import RESTART_MARKER
+from megalaunch.launcher.accounting.evidence import RESTART_MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(REPO / "src")}

@@ -20,7 +20,7 @@ from megalaunch.config.typed import build
 from megalaunch.data.blend import resolve_blend
 from megalaunch.data.check import check_paths
 from megalaunch.data.index import read_documents
-from megalaunch.launcher.slurm import SlurmClient
+from megalaunch.launcher.backends.slurm import SlurmClient
 from megalaunch.tokenization.encoder import load_encoder
 from megalaunch.tokenization.recipe import TokenizeRecipe
 from megalaunch.tokenization.status import dump_statuses

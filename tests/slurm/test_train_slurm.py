@@ -27,8 +27,8 @@ from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import TriggerBox
-from megalaunch.runtime.dist_env import free_port
-from megalaunch.runtime.resume import checkpoint_iterations, is_complete
+from megalaunch.runtime.checkpoint.resume import checkpoint_iterations, is_complete
+from megalaunch.runtime.rank.dist_env import free_port
 
 pytestmark = [
     pytest.mark.megatron,
@@ -282,7 +282,7 @@ def test_tiny_chain_with_periodic_saves_stops_on_time_limit_signal_and_resumes_e
     assert set(stopped["cancelled"]) == set(submitted_ids(run)) - set(jobs)
 
     # goodput: each segment's components add up to its wall time, with the trainer's phases on Slurm
-    from megalaunch.launcher.goodput import chain_goodput
+    from megalaunch.launcher.accounting.goodput import chain_goodput
 
     g = chain_goodput(paths, time.time())
     assert [seg["job_id"] for seg in g["segments"]] == jobs

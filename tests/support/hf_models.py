@@ -65,7 +65,7 @@ def megatron_logits(rank: int, world: int, port: int, ckpt: str, model: dict[str
 
     cpu = not torch.cuda.is_available()
     if cpu:
-        from megalaunch.runtime import cpu_compat
+        from megalaunch.runtime.model import cpu_compat
 
         cpu_compat.enable()
     else:
@@ -99,7 +99,7 @@ def run_megatron_logits(world: int, ckpt: str, model: dict[str, Any], vocab: int
     import torch
     import torch.multiprocessing as mp
 
-    from megalaunch.runtime.dist_env import free_port
+    from megalaunch.runtime.rank.dist_env import free_port
 
     port = free_port()
     mp.spawn(megatron_logits, args=(world, port, ckpt, model, vocab, tokens, result, dtype), nprocs=world,

@@ -1,5 +1,5 @@
 """Plain-torch stand-ins for liger-kernel's Triton functions and its cross-entropy kernel, with liger's signatures and layouts, so that
-megalaunch's wiring of them into Megatron (runtime/liger_layers.py) can be tested on the CPU: the layout
+megalaunch's wiring of them into Megatron (runtime/model/liger_layers.py) can be tested on the CPU: the layout
 changes, the rotary seam, the deferred logits and the masked labels. The kernels themselves are compared
 with Megatron's on the GPU (tests/gpu/test_kernels_gpu.py)."""
 

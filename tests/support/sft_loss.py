@@ -1,6 +1,6 @@
 """The trainer's own loss on one chat sample, in a process of its own (gloo, world 1): the tiny
 recipe's GPTModel (megalaunch's builder, a converted checkpoint), a sample of the chat dataset
-(runtime/chat_dataset.py) and the trainer's loss function (runtime/step.py), with the sample's
+(runtime/flows/chat_dataset.py) and the trainer's loss function (runtime/loop/step.py), with the sample's
 labels changed where the caller says."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def chat_losses(rank: int, port: int, ckpt: str, model: dict[str, Any], prefix: 
 
     from megalaunch.config.schema import ModelConfig
     from megalaunch.conversion.model import build_gpt_model
-    from megalaunch.runtime import cpu_compat
-    from megalaunch.runtime.chat_dataset import ChatDataset, ChatDocuments
-    from megalaunch.runtime.step import loss_func
+    from megalaunch.runtime.flows.chat_dataset import ChatDataset, ChatDocuments
+    from megalaunch.runtime.loop.step import loss_func
+    from megalaunch.runtime.model import cpu_compat
 
     cpu_compat.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,7 +65,7 @@ def run_chat_losses(ckpt: str, model: dict[str, Any], prefix: str, seq_length: i
     import torch
     import torch.multiprocessing as mp
 
-    from megalaunch.runtime.dist_env import free_port
+    from megalaunch.runtime.rank.dist_env import free_port
 
     mp.spawn(chat_losses, args=(free_port(), ckpt, model, prefix, seq_length, result), nprocs=1, join=True)
     return torch.load(result)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megalaunch.config.loader import load_recipe
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.launcher.status import run_status
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
@@ -271,7 +271,7 @@ def test_segment_end_deletes_the_save_it_left_unfinished(run, monkeypatch) -> No
     """Issue 15: a save that failed (here: one rank's shard file empty) is gone once `job end` ran;
     the complete checkpoint before it stays. (Issue 23: on a full disk the chain then stops.)"""
     from megalaunch.rundir.files import read_jsonl
-    from megalaunch.runtime.resume import checkpoint_iterations, iter_dir
+    from megalaunch.runtime.checkpoint.resume import checkpoint_iterations, iter_dir
 
     paths, sched, chain = run
     chain.begin("1")

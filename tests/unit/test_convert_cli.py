@@ -27,7 +27,7 @@ class FakeSlurm:
 
 @pytest.fixture
 def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> type[FakeSlurm]:
-    import megalaunch.launcher.slurm as slurm
+    import megalaunch.launcher.backends.slurm as slurm
 
     FakeSlurm.calls = []
     monkeypatch.setattr(slurm, "SlurmClient", FakeSlurm)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.conversion import mcore_io
+from megalaunch.conversion.checkpoint_io import mcore_io
 from megalaunch.conversion.errors import ConversionError, IncompleteCheckpointError, MissingFileError
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from megalaunch.conversion.safetensors_io import (  # noqa: E402
+from megalaunch.conversion.checkpoint_io.safetensors_io import (  # noqa: E402
     INDEX_NAME,
     SafetensorsReader,
     SafetensorsWriter,

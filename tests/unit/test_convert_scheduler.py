@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from megalaunch.conversion.scheduler import BufferPool, run_in_order
+from megalaunch.conversion.checkpoint_io.scheduler import BufferPool, run_in_order
 
 
 class Recorder:
@@ -128,8 +128,8 @@ def _tiny_llama(path: Path, *, layers: int = 3, hidden: int = 64, vocab: int = 1
     import torch
 
     from megalaunch.config.schema import ModelConfig
+    from megalaunch.conversion.checkpoint_io.safetensors_io import SafetensorsWriter, torch_dtype
     from megalaunch.conversion.families import hf_config_from_model
-    from megalaunch.conversion.safetensors_io import SafetensorsWriter, torch_dtype
 
     heads, groups, ffn = 4, 2, 128
     d = hidden // heads
@@ -160,8 +160,9 @@ def test_hf_to_mcore_keeps_its_budget_and_stays_exact(tmp_path: Path, monkeypatc
                                                       dtype: str | None) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from megalaunch.conversion import hf_to_mcore, mcore_to_hf, scheduler, to_mcore
-    from megalaunch.conversion.safetensors_io import SafetensorsReader
+    from megalaunch.conversion import hf_to_mcore, mcore_to_hf, to_mcore
+    from megalaunch.conversion.checkpoint_io import scheduler
+    from megalaunch.conversion.checkpoint_io.safetensors_io import SafetensorsReader
 
     _tiny_llama(tmp_path / "hf")
     monkeypatch.setattr(to_mcore, "CAST_CHUNK_BYTES", 4096)  # a dtype change reads in several chunks

@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megalaunch.runtime.megatron_patches import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
+from megalaunch.runtime.loop.megatron_patches import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
 
 PROBE = r"""
 import json, sys, torch
-from megalaunch.runtime import megatron_patches
+from megalaunch.runtime.loop import megatron_patches
 megatron_patches.import_megatron()
 import megatron.core.jit as jit
 from megatron.core.fusions import fused_bias_gelu
@@ -78,7 +78,7 @@ def test_modules_are_compiled_at_once() -> None:
 
 NULL_TOKENIZER = r"""
 import argparse, json, sys
-from megalaunch.runtime import megatron_patches
+from megalaunch.runtime.loop import megatron_patches
 megatron_patches.import_megatron()
 megatron_patches.null_tokenizer_without_transformers()
 from megatron.training import global_vars

@@ -62,7 +62,7 @@ def test_schema_refuses_bad_values() -> None:
 
 
 def test_a_good_eval_section_passes_and_reaches_the_runtime(tmp_path: Path) -> None:
-    from megalaunch.launcher.prepare import prepare_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
 
     loaded = load_recipe("tiny", [*_data(tmp_path), "data.split=90,10,0", "training.eval_iters=1",
                                   "eval.enabled=true", "checkpoint.milestone_interval=100", "cluster.backend=slurm",
@@ -130,8 +130,8 @@ def test_eval_script_is_quoted_and_valid_bash(tmp_path: Path) -> None:
 
 
 def test_queue_is_idempotent_and_retention_keeps_pending_evals(tmp_path: Path) -> None:
-    from megalaunch.runtime.eval_queue import EvalQueue
-    from megalaunch.runtime.retention import prune
+    from megalaunch.runtime.checkpoint.retention import prune
+    from megalaunch.runtime.observation.eval_queue import EvalQueue
 
     paths = RunPaths(tmp_path / "run")
     paths.state.mkdir(parents=True)
@@ -159,7 +159,7 @@ def test_queue_is_idempotent_and_retention_keeps_pending_evals(tmp_path: Path) -
 
 
 def test_submit_failure_leaves_the_eval_queued(tmp_path: Path) -> None:
-    from megalaunch.runtime.eval_queue import EvalQueue
+    from megalaunch.runtime.observation.eval_queue import EvalQueue
 
     paths = RunPaths(tmp_path / "run")
     paths.state.mkdir(parents=True)
@@ -184,7 +184,7 @@ def test_records_and_status_lines(tmp_path: Path) -> None:
 
 def test_live_records_fail_a_job_slurm_no_longer_runs(tmp_path: Path) -> None:
     from megalaunch.evaluation.submit import live_records
-    from megalaunch.launcher.slurm import JobInfo
+    from megalaunch.launcher.backends.slurm import JobInfo
 
     class Slurm:
         def job_state(self, job_id: str) -> JobInfo | None:
@@ -201,7 +201,7 @@ def test_live_records_fail_a_job_slurm_no_longer_runs(tmp_path: Path) -> None:
 
 
 def test_eval_cli_errors_are_one_line(tmp_path: Path) -> None:
-    from megalaunch.launcher.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
     paths = write_run(prepare_run(load_recipe("tiny", []), root=tmp_path / "runs"))
     for args, says in ((["eval", str(paths.root)], "no complete checkpoint yet"),
@@ -218,7 +218,7 @@ def test_eval_cli_errors_are_one_line(tmp_path: Path) -> None:
 def test_wandb_keys_and_the_chains_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     from megalaunch.evaluation.stage import eval_metrics
-    from megalaunch.runtime.wandb_run import WandbRun, log_eval
+    from megalaunch.runtime.observation.wandb_run import WandbRun, log_eval
 
     metrics = eval_metrics({"iteration": 50, "tokens": 25600, "heldout": {"ppl": 3.5, "nll": 1.25},
                             "tasks": {"t": {"acc": 0.5, "n": 8, "runner": "megalaunch"}}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megalaunch.launcher.evidence import TaskEnd, abnormal_ends, failure_reason
+from megalaunch.launcher.accounting.evidence import TaskEnd, abnormal_ends, failure_reason
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 
@@ -79,7 +79,7 @@ def test_a_rank_whose_collective_lost_its_peer_is_not_the_first_failure(tmp_path
 
 
 def test_only_the_srun_lines_after_the_last_in_job_restart_count(tmp_path: Path) -> None:
-    from megalaunch.launcher.evidence import RESTART_MARKER
+    from megalaunch.launcher.accounting.evidence import RESTART_MARKER
 
     log = tmp_path / "seg.out"
     log.write_text(f"srun: error: node2: task 1: Killed\n{RESTART_MARKER} step 1 of segment 5 after failed\n"
@@ -90,8 +90,8 @@ def test_only_the_srun_lines_after_the_last_in_job_restart_count(tmp_path: Path)
 def test_a_hardware_signature_before_the_last_in_job_restart_is_not_held_against_the_next_step(tmp_path: Path) -> None:
     """The node an earlier step's Xid named was judged (and kept off) at that restart; the last step, which
     failed on its own, is attributed from its own lines only."""
-    from megalaunch.launcher.evidence import RESTART_MARKER
-    from megalaunch.launcher.nodes import attribute
+    from megalaunch.launcher.accounting.evidence import RESTART_MARKER
+    from megalaunch.launcher.accounting.nodes import attribute
 
     log = tmp_path / "seg.out"
     xid = "[node3] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus\n"

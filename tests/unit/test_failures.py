@@ -1,5 +1,5 @@
 """Which failures end a chain at once (config_error) and what the user is told: real exceptions
-raised and caught, judged by runtime/failures.py."""
+raised and caught, judged by runtime/rank/failures.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.runtime.failures import (
+from megalaunch.runtime.rank.failures import (
     ConfigFailure,
     check_kernels,
     classify,
@@ -127,7 +127,7 @@ def test_kernels_that_are_there_pass() -> None:
 
 
 def test_a_megatron_argument_in_the_reason_is_traced_to_the_recipe_field_that_set_it() -> None:
-    from megalaunch.runtime.failures import recipe_field_fix
+    from megalaunch.runtime.rank.failures import recipe_field_fix
 
     recipe = {"training": {"lr": 0.1, "min_lr": 0.5}, "megatron_args": {"num_dataset_builder_threads": 0}}
     fix = recipe_field_fix("AssertionError: assert args.min_lr <= args.lr (megatron/training/arguments.py:1320)", recipe)
@@ -139,7 +139,7 @@ def test_a_megatron_argument_in_the_reason_is_traced_to_the_recipe_field_that_se
 def test_a_package_version_clash_in_the_job_environment_is_not_blamed_on_the_checkpoint() -> None:
     """Seen on the device: nvidia-resiliency-ext 0.4 installed next to megatron-core 0.19.2 broke Megatron's
     import inside megatron/core/dist_checkpointing: the fix is the package, not the checkpoint."""
-    from megalaunch.runtime.failures import known_fix
+    from megalaunch.runtime.rank.failures import known_fix
 
     nvrx = ("AttributeError: module 'nvidia_resiliency_ext' has no attribute '__version__' | "
             "megatron/core/dist_checkpointing/strategies/nvrx.py:85")

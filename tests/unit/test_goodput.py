@@ -1,4 +1,4 @@
-"""Goodput accounting from the records a segment leaves (launcher/goodput.py): the components
+"""Goodput accounting from the records a segment leaves (launcher/accounting/goodput.py): the components
 partition the wall time, whatever phases a segment reached (end-to-end: tests/megatron/test_goodput.py
 and the Slurm chain test)."""
 
@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from megalaunch.launcher.goodput import COMPONENTS, checkpoint_interval_hint, mfu, peak_tflops, segment_time
+from megalaunch.launcher.accounting.goodput import (
+    COMPONENTS,
+    checkpoint_interval_hint,
+    mfu,
+    peak_tflops,
+    segment_time,
+)
 
 PHASES = {"process_start": 101.0, "runtime_start": 102.0, "setup_done": 110.0, "model_build_start": 113.0,
           "load_start": 114.0, "load_end": 118.0, "data_end": 119.0, "first_iteration_end": 120.0,
@@ -92,7 +98,7 @@ def test_process_start_time_is_accurate_to_the_clock_tick() -> None:
     import sys
     import time
 
-    from megalaunch.runtime.timeline import process_start_time
+    from megalaunch.runtime.observation.timeline import process_start_time
 
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])

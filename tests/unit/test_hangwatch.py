@@ -17,8 +17,8 @@ import pytest
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.hangwatch import HangWatch, Limits, SlurmStep, watch
-from megalaunch.runtime.heartbeat import Heartbeat
-from megalaunch.runtime.watchdog import backstop_after_s
+from megalaunch.runtime.health.heartbeat import Heartbeat
+from megalaunch.runtime.health.watchdog import backstop_after_s
 
 LIMITS = Limits(startup_s=20.0, hang_s=100.0)
 

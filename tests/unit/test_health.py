@@ -1,5 +1,5 @@
-"""The health check's decision (runtime/health.py, pure), the team's recorded figures, the straggler
-summary (runtime/stragglers.py), and what the chain, `status` and goodput make of an `unhealthy_node`
+"""The health check's decision (runtime/health/health.py, pure), the team's recorded figures, the straggler
+summary (runtime/health/stragglers.py), and what the chain, `status` and goodput make of an `unhealthy_node`
 segment (over the real Chain; the scheduler is the recorder of tests/unit/test_nodes.py)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from tests.unit.test_nodes import _NoSlurm, events, slurm_chain
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.nodes import NodeHealth
-from megalaunch.launcher.prepare import runtime_settings
+from megalaunch.launcher.accounting.nodes import NodeHealth
+from megalaunch.launcher.prepare.prepare import runtime_settings
 from megalaunch.rundir.files import append_jsonl
-from megalaunch.runtime.health import Baselines, RankFigures, judge
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.stragglers import StepTimer, describe, summarize
+from megalaunch.runtime.health.health import Baselines, RankFigures, judge
+from megalaunch.runtime.health.stragglers import StepTimer, describe, summarize
+from megalaunch.runtime.rank.settings import RuntimeSettings
 
 
 def fig(rank: int, node: str, tflops: float | None, error: str | None = None) -> RankFigures:
@@ -152,7 +152,7 @@ def test_unhealthy_segments_count_against_the_crash_loop_budget(tmp_path, monkey
 
 
 def test_goodput_counts_the_health_check_apart(tmp_path, monkeypatch) -> None:
-    from megalaunch.launcher.goodput import segment_time
+    from megalaunch.launcher.accounting.goodput import segment_time
 
     started = {"time": 100.0}
     ended = {"time": 140.0, "outcome": "unhealthy_node"}
@@ -175,7 +175,7 @@ def test_nvrx_scores_leave_out_sections_without_new_timings(monkeypatch) -> None
     import json
     import types
 
-    from megalaunch.runtime import stragglers
+    from megalaunch.runtime.health import stragglers
 
     def detector(scores: dict[str, dict[int, float]]) -> types.SimpleNamespace:
         report = types.SimpleNamespace(section_relative_perf_scores=scores)
@@ -196,8 +196,8 @@ def test_the_first_healthy_check_leaves_the_node_health_dir_writable_for_the_gro
     import os
     import stat
 
-    from megalaunch.launcher.nodes import NodeHealth
-    from megalaunch.runtime.health import Baselines
+    from megalaunch.launcher.accounting.nodes import NodeHealth
+    from megalaunch.runtime.health.health import Baselines
 
     directory = tmp_path / "node-health"
     old = os.umask(0o027)

@@ -1,4 +1,4 @@
-"""`training.kernels` resolved in the job (runtime/kernels.py) and checked before submission (preflight):
+"""`training.kernels` resolved in the job (runtime/model/kernels.py) and checked before submission (preflight):
 which library computes each op, the fallbacks and why, and the config errors for a library a node lacks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megalaunch.errors import PreflightError
-from megalaunch.runtime import kernels
-from megalaunch.runtime.failures import ConfigFailure, classify
+from megalaunch.runtime.model import kernels
+from megalaunch.runtime.rank.failures import ConfigFailure, classify
 
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
          "--tensor-model-parallel-size", "1", "--transformer-impl", "local"]
@@ -74,7 +74,7 @@ def test_a_training_flow_keeps_megatron_s_per_token_losses(monkeypatch, requeste
     """A flow (training.flow) reads per-token losses from the model (SimPO: each answer's mean log-prob);
     the fused loss makes only their sum, so a flow never gets it, and the ledger says why."""
     _installed(monkeypatch, "liger_kernel")
-    choice = kernels.resolve_kernels(requested, LLAMA, cpu=False, flow="megalaunch.runtime.preference_flow:PreferenceFlow")
+    choice = kernels.resolve_kernels(requested, LLAMA, cpu=False, flow="megalaunch.runtime.flows.preference_flow:PreferenceFlow")
     assert "linear_ce" not in choice.liger_ops and "per-token losses" in choice.fallbacks["linear_ce"]
     assert "rope" in choice.liger_ops
     assert "linear_ce" in kernels.resolve_kernels(requested, LLAMA, cpu=False).liger_ops
@@ -129,7 +129,7 @@ def test_preflight_refuses_a_kernels_choice_that_cannot_work(sets, words, tmp_pa
 def test_kernels_is_megalaunch_s_own_field_not_a_megatron_flag(tmp_path: Path) -> None:
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.megatron_args import megatron_args
-    from megalaunch.launcher.prepare import runtime_settings
+    from megalaunch.launcher.prepare.prepare import runtime_settings
     from megalaunch.rundir.paths import RunPaths
 
     recipe = load_recipe("tiny", ["training.kernels=megatron"]).recipe
@@ -165,9 +165,9 @@ def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
     """llama3-1b, seq 2048, micro-batch 4, TP 1: Megatron's cross entropy keeps 6 bytes per logit (bf16 +
     fp32 softmax); the fused linear cross entropy keeps none, only its fp32 weight gradient and one chunk (its
     own terms: memory.fused_loss_bytes, measured on an H100); with TP > 1 the layout keeps Megatron's loss."""
-    from megalaunch.config.fit import model_shape, recipe_layout
     from megalaunch.config.loader import load_recipe
-    from megalaunch.config.memory import Layout, estimate
+    from megalaunch.config.planner.fit import model_shape, recipe_layout
+    from megalaunch.config.planner.memory import Layout, estimate
 
     recipe = load_recipe("train/llama3-1b", ["model.seq_length=2048", "training.micro_batch_size=4",
                                              "training.kernels=liger"]).recipe
@@ -182,7 +182,7 @@ def test_fused_loss_removes_the_logits_peak_from_the_memory_model() -> None:
 
 
 def test_a_liger_failure_at_model_build_names_the_way_out() -> None:
-    from megalaunch.runtime.failures import known_fix
+    from megalaunch.runtime.rank.failures import known_fix
 
     try:
         raise ImportError("cannot import name 'LigerRopeFunction' from 'liger_kernel.ops.rope'")
@@ -219,7 +219,7 @@ def test_wgrad_fusion_module_accumulates_megatron_s_weight_gradient(monkeypatch)
     import sys
 
     torch = pytest.importorskip("torch")
-    from megalaunch.runtime import wgrad_fusion
+    from megalaunch.runtime.model import wgrad_fusion
 
     layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
     monkeypatch.delitem(sys.modules, wgrad_fusion.MODULE, raising=False)
@@ -248,7 +248,7 @@ def test_wgrad_fusion_needs_torch_2_8_and_an_ampere_gpu(monkeypatch, version, ca
     """The fp32-output matmul of 16-bit inputs: torch >= 2.8 on compute capability >= 8.0; elsewhere the
     fusion stays off with the reason, and the fused loss sums its weight gradient in the inputs' dtype."""
     torch = pytest.importorskip("torch")
-    from megalaunch.runtime import wgrad_fusion
+    from megalaunch.runtime.model import wgrad_fusion
 
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from megalaunch.cli.main import main
-from megalaunch.config.fit import model_shape, recipe_layout
-from megalaunch.config.gpus import GIB, gpu_spec
 from megalaunch.config.loader import load_recipe, shipped_recipes
 from megalaunch.config.megatron_args import megatron_args
-from megalaunch.config.memory import Layout, ModelShape, estimate
-from megalaunch.config.plan import plan_recipe, set_lines, step_key
+from megalaunch.config.planner.fit import model_shape, recipe_layout
+from megalaunch.config.planner.gpus import GIB, gpu_spec
+from megalaunch.config.planner.memory import Layout, ModelShape, estimate
+from megalaunch.config.planner.plan import plan_recipe, set_lines, step_key
 from megalaunch.config.preflight import preflight
 from megalaunch.errors import PreflightError
 from megalaunch.rundir.paths import RunPaths
@@ -188,7 +188,7 @@ def test_gpu_table_memory() -> None:
     (False, False, True, 1, "sdpa"), (True, True, True, 1, "sdpa"), (False, True, False, 2, "local"),
 ])
 def test_attention_auto_resolves_in_the_job(monkeypatch, te: bool, flash: bool, cpu: bool, cp: int, chosen: str) -> None:
-    from megalaunch.runtime import failures
+    from megalaunch.runtime.rank import failures
 
     monkeypatch.setattr(failures, "installed", lambda m: {"transformer_engine": te, "flash_attn": flash}.get(m, False))
     argv = ["--context-parallel-size", str(cp)]

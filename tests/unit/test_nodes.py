@@ -1,4 +1,4 @@
-"""Bad nodes (launcher/nodes.py): attribution of a failed segment, the team's node-health ledger, and
+"""Bad nodes (launcher/accounting/nodes.py): attribution of a failed segment, the team's node-health ledger, and
 the successor's exclusion, over the real Chain and the real task supervisor's exit records. The
 scheduler is a recorder (the Slurm side, sinfo and scontrol update, is tested on the CI cluster)."""
 
@@ -15,12 +15,18 @@ import pytest
 from tests.unit.test_chain import RecordingScheduler, _outcome
 
 from megalaunch.config.loader import load_recipe
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.nodes import NodeHealth, Suspect, attribute, expand_hostlist, plan_exclusion
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.accounting.nodes import (
+    NodeHealth,
+    Suspect,
+    attribute,
+    expand_hostlist,
+    plan_exclusion,
+)
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.settings import RuntimeSettings
+from megalaunch.runtime.rank.settings import RuntimeSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -220,7 +226,7 @@ class _FlakySlurm(RecordingScheduler):
 
 
 def test_slurm_not_answering_at_segment_start_is_not_a_failure(tmp_path, monkeypatch) -> None:
-    import megalaunch.launcher.chain as chain_mod
+    import megalaunch.launcher.chain.chain as chain_mod
 
     monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
     paths = make_run(tmp_path, "cluster.backend=slurm")
@@ -238,7 +244,7 @@ def test_slurm_not_answering_at_segment_start_is_not_a_failure(tmp_path, monkeyp
 
 
 def test_slurm_down_at_both_ends_pauses_the_chain_and_says_how_to_resume(tmp_path, monkeypatch) -> None:
-    import megalaunch.launcher.chain as chain_mod
+    import megalaunch.launcher.chain.chain as chain_mod
 
     monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
     paths = make_run(tmp_path, "cluster.backend=slurm")

@@ -1,4 +1,4 @@
-"""chain.notify (launcher/notify.py) through the real `Chain` of a real run directory: a real HTTP
+"""chain.notify (launcher/chain/notify.py) through the real `Chain` of a real run directory: a real HTTP
 server on the loopback interface receives the webhooks, a real process the commands. A notification
 that fails or hangs costs the run nothing (same decision, bounded time, a `notify_failed` event)."""
 
@@ -19,10 +19,10 @@ from tests.unit.test_chain import RecordingScheduler, _ckpt, _outcome
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import PreflightError
-from megalaunch.launcher import chain as chain_module
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.notify import GRACE_S
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.chain import chain as chain_module
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.chain.notify import GRACE_S
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, TriggerBox
 

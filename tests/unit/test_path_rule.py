@@ -13,7 +13,7 @@ from megalaunch.config.loader import load_recipe, load_run_recipe
 from megalaunch.config.paths import expand_path, path_fields
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import ConfigError
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
 EXPECTED_PATH_FIELDS = {
     "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
@@ -108,7 +108,7 @@ def test_a_derived_sbatch_value_names_the_field_the_user_set() -> None:
 
 
 def test_conversion_and_tokenization_job_logs_name_their_directory(tmp_path: Path) -> None:
-    from megalaunch.launcher.sbatch import JobHeader
+    from megalaunch.launcher.prepare.sbatch import JobHeader
 
     with pytest.raises(ConfigError) as e:
         JobHeader(name="x", log="/a b/logs/%x-%j.out", log_from="the output directory (OUT)", time="1:00:00",

@@ -1,4 +1,4 @@
-"""The planner's speed model (config/plan.py) against every step time measured on H100s and H200s
+"""The planner's speed model (config/planner/plan.py) against every step time measured on H100s and H200s
 (bench/plan_fit.py MEASURED: 33 runs of llama3-1b, llama3-8b and its 8-layer cut, 1-4 GPUs, TP/PP/VPP/SP,
 recompute, unfused/fused/liger kernels): each predicted within 8 %, and the measured orders kept."""
 
@@ -35,9 +35,9 @@ def test_the_measured_orders_hold() -> None:
 
 
 def test_the_refit_reproduces_the_shipped_constants() -> None:
-    """bench/plan_fit.py --fit on MEASURED gives the constants config/plan.py ships (within rounding)."""
+    """bench/plan_fit.py --fit on MEASURED gives the constants config/planner/plan.py ships (within rounding)."""
     pytest.importorskip("numpy")
-    from megalaunch.config import plan
+    from megalaunch.config.planner import plan
 
     shipped = {"GEMM_EFFICIENCY": plan.GEMM_EFFICIENCY, **{f"ELEMENTWISE_BYTES.{k}": v for k, v in
                plan.ELEMENTWISE_BYTES.items()}, **{f"LOSS_BYTES.{k}": v for k, v in plan.LOSS_BYTES.items()}}

@@ -1,4 +1,4 @@
-"""Checkpoint read-ahead (runtime/readahead.py): what it reads, and when it stays off."""
+"""Checkpoint read-ahead (runtime/checkpoint/readahead.py): what it reads, and when it stays off."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.runtime import readahead
+from megalaunch.runtime.checkpoint import readahead
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Path, int]:

@@ -25,11 +25,11 @@ def test_every_training_recipe_loads_and_passes_preflight(ref: str) -> None:
 @pytest.mark.parametrize("ref", TRAIN)
 def test_no_shipped_recipe_needs_a_library_beyond_the_train_install(ref: str, tmp_path: Path, monkeypatch) -> None:
     """Shipped recipes run as shipped on a node without transformer-engine, apex or flash-attn: the
-    job's kernel check (runtime/failures.py) passes with none of them importable, and sequence
+    job's kernel check (runtime/rank/failures.py) passes with none of them importable, and sequence
     parallelism, where a recipe asks for it, uses megalaunch's torch norm on the local layers."""
     from megalaunch.config.megatron_args import megatron_args
     from megalaunch.rundir.paths import RunPaths
-    from megalaunch.runtime import failures
+    from megalaunch.runtime.rank import failures
 
     monkeypatch.setattr(failures, "installed", lambda module: False)
     recipe = load_recipe(ref).recipe
@@ -117,7 +117,7 @@ def test_run_yaml_round_trips(tmp_path: Path) -> None:
     import yaml
 
     from megalaunch.config.loader import load_resolved
-    from megalaunch.launcher.prepare import prepare_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
 
     loaded = load_recipe("llama3-70b", cluster="pyxis")
     prepared = prepare_run(loaded, chain_name="x-00000000", created="T", root=tmp_path)

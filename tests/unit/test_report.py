@@ -18,9 +18,9 @@ import pytest
 from tests.unit.helpers import cli
 from tests.unit.report_chain import CRASH_AT, TRIGGER_REASON, build_chain
 
-from megalaunch.launcher import report as report_mod
-from megalaunch.launcher.goodput import COMPONENTS
-from megalaunch.launcher.report_data import gather
+from megalaunch.launcher.accounting.goodput import COMPONENTS
+from megalaunch.launcher.report import write as report_mod
+from megalaunch.launcher.report.data import gather
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 

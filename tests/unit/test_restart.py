@@ -1,4 +1,4 @@
-"""In-job restart decisions (launcher/restart.py) against a real run directory, with the scheduler
+"""In-job restart decisions (launcher/chain/restart.py) against a real run directory, with the scheduler
 stand-in of test_chain.py; the Slurm side (a killed rank, a spare node) is in tests/slurm/test_restart_slurm.py."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from tests.unit.test_chain import RecordingScheduler
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import ConfigError
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.goodput import chain_goodput
-from megalaunch.launcher.prepare import prepare_run, write_run
-from megalaunch.launcher.restart import archive_step, startup_estimate, step_end, step_nodes
+from megalaunch.launcher.accounting.goodput import chain_goodput
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.chain.restart import archive_step, startup_estimate, step_end, step_nodes
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.launcher.status import format_run_status, run_status
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
 from megalaunch.rundir.paths import RunPaths, step_file

@@ -21,7 +21,7 @@ from megalaunch.data.blend import resolve_blend
 from megalaunch.data.writer import write_dataset
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime import resume as runtime_resume
+from megalaunch.runtime.checkpoint import resume as runtime_resume
 
 ITERS = 12
 
@@ -140,7 +140,7 @@ def test_a_missing_checkpoint_the_chain_needs_is_refused_before_a_job(finished: 
 
 def test_a_missing_checkpoint_load_is_refused_before_the_first_checkpoint(tmp_path: Path) -> None:
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 
     source = tmp_path / "pretrained"
     source.mkdir()

@@ -19,16 +19,16 @@ from tests.unit.helpers import cli
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import RunDirError, SlurmError
-from megalaunch.launcher.backend import Live, Started
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.prepare import prepare_run, write_run
-from megalaunch.launcher.resume_from import check_resume_from, resume_chain
+from megalaunch.launcher.chain.backend import Live, Started
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.chain.resume_from import check_resume_from, resume_chain
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.launcher.status import format_resume, format_run_status, run_status
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request, requested_iteration, write_resume_request
-from megalaunch.runtime import completeness, resume
+from megalaunch.runtime.checkpoint import completeness, resume
 
 TRAIN_ITERS = 40
 
@@ -195,8 +195,8 @@ def test_a_failed_submission_leaves_no_request(run: RunPaths) -> None:
 def test_local_backend_records_from_iteration_and_user(run: RunPaths, monkeypatch: pytest.MonkeyPatch) -> None:
     import getpass
 
-    from megalaunch.launcher import local
-    from megalaunch.launcher.chain import Verdict
+    from megalaunch.launcher.backends import local
+    from megalaunch.launcher.chain.chain import Verdict
 
     monkeypatch.setattr(local, "run_local_chain", lambda *a, **k: Verdict(False, "stand-in"))
     local.LocalBackend().resume(run, print, from_iteration=20)

@@ -12,19 +12,20 @@ from pathlib import Path
 import pytest
 from tests.support.tmpfs import fill, mounted_tmpfs
 
-from megalaunch.launcher.storage import checkpoint_usage, format_usage
+from megalaunch.launcher.accounting.storage import checkpoint_usage, format_usage
 from megalaunch.rundir.evals import EvalPaths
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime import resume, retention, train
-from megalaunch.runtime.checkpoints import CheckpointConfig, Checkpoints
-from megalaunch.runtime.context import RankContext
-from megalaunch.runtime.failures import classify
-from megalaunch.runtime.retention import check_space, keep
+from megalaunch.runtime import train
+from megalaunch.runtime.checkpoint import resume, retention
+from megalaunch.runtime.checkpoint.checkpoints import CheckpointConfig, Checkpoints
+from megalaunch.runtime.checkpoint.retention import check_space, keep
+from megalaunch.runtime.rank.context import RankContext
+from megalaunch.runtime.rank.failures import classify
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.rank.storage import SaveDoesNotFit, free_bytes
 from megalaunch.runtime.session import Session
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.storage import SaveDoesNotFit, free_bytes
+from megalaunch.runtime.stop.signals import SignalFlag
 
 MiB = 1 << 20
 

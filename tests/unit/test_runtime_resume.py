@@ -9,7 +9,7 @@ import pytest
 
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime import resume, retention
+from megalaunch.runtime.checkpoint import resume, retention
 
 
 @pytest.fixture

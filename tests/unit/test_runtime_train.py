@@ -14,12 +14,12 @@ import pytest
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, TriggerBox
-from megalaunch.runtime.dist_env import export_rank_env
-from megalaunch.runtime.fault_hooks import parse_hang
+from megalaunch.runtime.loop.step import megatron_argv
+from megalaunch.runtime.rank.dist_env import export_rank_env
+from megalaunch.runtime.rank.fault_hooks import parse_hang
+from megalaunch.runtime.rank.settings import RuntimeSettings
 from megalaunch.runtime.session import Session
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.step import megatron_argv
+from megalaunch.runtime.stop.signals import SignalFlag
 
 
 def _session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int) -> Iterator[Session]:
@@ -145,9 +145,9 @@ def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, 
     backend); the next segment's first W&B step carries it as chain/*, with its own start-up phases."""
     from tests.unit.report_chain import build_chain
 
-    from megalaunch.launcher.goodput import chain_goodput
+    from megalaunch.launcher.accounting.goodput import chain_goodput
     from megalaunch.rundir.files import read_json
-    from megalaunch.runtime.wandb_run import segment_start
+    from megalaunch.runtime.observation.wandb_run import segment_start
 
     (tmp_path / "c").mkdir()
     paths = build_chain(tmp_path / "c")

@@ -13,7 +13,7 @@ pytest.importorskip("wandb")
 
 
 def test_one_id_across_segments_and_monotonic_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megalaunch.runtime.wandb_run import WandbRun, state_file
+    from megalaunch.runtime.observation.wandb_run import WandbRun, state_file
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from megalaunch.runtime.watchdog import EXIT_HUNG, Watchdog
+from megalaunch.runtime.health.watchdog import EXIT_HUNG, Watchdog
 
 
 def test_fires_without_progress(tmp_path: Path) -> None:

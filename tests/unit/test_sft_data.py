@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from megalaunch.cli.main import app
 from megalaunch.errors import PreflightError
-from megalaunch.finetune.build import build
-from megalaunch.finetune.render import ChatRenderer
-from megalaunch.finetune.rows import check_record
+from megalaunch.tokenization.chat.build import build
+from megalaunch.tokenization.chat.render import ChatRenderer
+from megalaunch.tokenization.chat.rows import check_record
 
 
 def _masked_text(renderer: ChatRenderer, messages: list[dict], start: int = 0) -> list[str]:

@@ -57,7 +57,7 @@ def test_chat_data_must_come_from_the_runs_tokenizer_with_a_chat_template(tmp_pa
     pytest.importorskip("transformers")
     from tests.support.chat import chat_rows, make_chat_tokenizer, write_jsonl
 
-    from megalaunch.finetune.build import build
+    from megalaunch.tokenization.chat.build import build
 
     make_chat_tokenizer(tmp_path / "tok")
     write_jsonl(tmp_path / "in" / "c.jsonl", chat_rows(4))

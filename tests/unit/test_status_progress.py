@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tests.unit.helpers import counter_recipe
 
-from megalaunch.launcher.prepare import prepare_submission, write_run
+from megalaunch.launcher.prepare.prepare import prepare_submission, write_run
 from megalaunch.launcher.status import format_run_status, run_status
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.ledger import Ledger

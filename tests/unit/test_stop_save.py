@@ -12,18 +12,18 @@ import pytest
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.config.megatron_args import async_save
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.prepare import prepare_run, write_run
-from megalaunch.launcher.signal_lead import measured_lead_s, plan_lead, segment_step_s, stop_lines
-from megalaunch.launcher.slurm_backend import SlurmBackend
+from megalaunch.launcher.backends.slurm_backend import SlurmBackend
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.signal_lead import measured_lead_s, plan_lead, segment_step_s, stop_lines
 from megalaunch.rundir.files import atomic_write_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, TriggerBox
+from megalaunch.runtime.rank.settings import RuntimeSettings
 from megalaunch.runtime.session import Session
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.stop_window import (
+from megalaunch.runtime.stop.signals import SignalFlag
+from megalaunch.runtime.stop.stop_window import (
     DEADLINE_ENV,
     find_deadline,
     inside_signal_window,
@@ -124,7 +124,7 @@ def test_an_async_save_is_accounted_when_complete(session: Any) -> None:
 
 
 def test_a_forced_decision_sees_a_stop_between_decision_points(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megalaunch.runtime import collectives
+    from megalaunch.runtime.rank import collectives
 
     monkeypatch.setattr(collectives, "all_reduce_max", lambda value: value)  # one rank: the MAX is its own
     s = session(None, trigger_interval=5)

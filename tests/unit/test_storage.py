@@ -15,16 +15,16 @@ from tests.unit.helpers import cli
 from tests.unit.test_chain import RecordingScheduler, _outcome
 from tests.unit.test_nodes import events, task
 
-from megalaunch.config.checkpoint_size import checkpoint_size, disk_peak, peak_counts, recipe_peak
-from megalaunch.config.fit import model_shape
 from megalaunch.config.loader import load_recipe
+from megalaunch.config.planner.checkpoint_size import checkpoint_size, disk_peak, peak_counts, recipe_peak
+from megalaunch.config.planner.fit import model_shape
 from megalaunch.config.storage import DiskBudget, check_disk, parse_lfs_df, parse_lfs_quota, parse_quota
 from megalaunch.errors import PreflightError
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.prepare import prepare_run, prepare_submission, write_run
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.prepare.prepare import prepare_run, prepare_submission, write_run
 from megalaunch.launcher.status import format_run_status, run_status
-from megalaunch.runtime.failures import STORAGE_PREFIX, classify
-from megalaunch.runtime.storage import (
+from megalaunch.runtime.rank.failures import STORAGE_PREFIX, classify
+from megalaunch.runtime.rank.storage import (
     STORAGE_FIX,
     Filesystem,
     describe,
@@ -98,7 +98,7 @@ def test_tiny_prediction_matches_the_measured_saves(dist: bool, world: int) -> N
 
 def _simulate(train_iters: int, save_interval: int, keep_last: int, milestone_interval: int) -> tuple[int, int]:
     """runtime/retention.keep's rule, save by save: the most checkpoints at once (+ the one being written)."""
-    from megalaunch.runtime.retention import keep
+    from megalaunch.runtime.checkpoint.retention import keep
 
     complete: list[int] = []
     peak = 0

@@ -21,7 +21,7 @@ from megalaunch.runtime.task import descendants
 
 WORKLOAD = r'''
 import multiprocessing as mp, os, signal, sys, time
-from megalaunch.runtime.signals import SignalFlag
+from megalaunch.runtime.stop.signals import SignalFlag
 
 def child(q):
     time.sleep(float(sys.argv[2]))

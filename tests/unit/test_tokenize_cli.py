@@ -15,8 +15,8 @@ from megalaunch.config.loader import load_recipe
 from megalaunch.config.typed import build
 from megalaunch.data.writer import write_dataset
 from megalaunch.errors import RunDirError
-from megalaunch.launcher.prepare import prepare_run
-from megalaunch.launcher.slurm import JobInfo
+from megalaunch.launcher.backends.slurm import JobInfo
+from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.tokenization.recipe import TokenizeRecipe
 from megalaunch.tokenization.status import _array_tasks, dump_statuses
 from megalaunch.tokenization.submit import array_spec, create_run, render_job_script, submit

@@ -15,8 +15,8 @@ import pytest
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import RunDirError
-from megalaunch.launcher.chain import Chain
-from megalaunch.launcher.prepare import prepare_run, write_run
+from megalaunch.launcher.chain.chain import Chain
+from megalaunch.launcher.prepare.prepare import prepare_run, write_run
 from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -160,7 +160,7 @@ def test_the_job_refuses_a_changed_file_and_queues_nothing(paths: RunPaths) -> N
 
 
 def test_a_resume_set_records_new_hashes(paths: RunPaths) -> None:
-    from megalaunch.launcher.resume_check import apply_change, prepare_change
+    from megalaunch.launcher.prepare.resume_check import apply_change, prepare_change
 
     apply_change(paths, prepare_change(paths, ["training.train_iters=200"]))
     assert "--train-iters\n200" in paths.megatron_args.read_text()

@@ -3,7 +3,7 @@ progress, outcome, atomic writes); its "checkpoint" is a step counter saved atom
 checkpoints/iter_NNNNNNN/ with Megatron's tracker file, so the chain logic sees what it sees with
 Megatron. Each step sleeps COUNTER_STEP_S seconds to stand in for compute.
 
-It keeps the segment's timeline (runtime.timeline.Timeline: the phases, every iteration, every save)
+It keeps the segment's timeline (runtime.observation.timeline.Timeline: the phases, every iteration, every save)
 and appends state/metrics.jsonl every log interval as the real trainer does, so goodput and the
 report can be tested without Megatron.
 
@@ -13,7 +13,7 @@ that much longer for saves of those kinds, periodic or stop); COUNTER_FAIL=start
 COUNTER_CRASH_ONCE=N crashes once (the first segment to reach iteration N, no outcome written);
 COUNTER_FAIL_ON_NODE=NODE: every rank on that node dies at start (SIGBUS, no outcome: a bad node);
 COUNTER_HANG_AT_START=1: the first segment to see it stops making progress before its first iteration
-(the hang watcher's test; stacks on SIGURG through the real runtime.watchdog registration)."""
+(the hang watcher's test; stacks on SIGURG through the real runtime.health.watchdog registration)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from megalaunch.rundir.files import append_jsonl, atomic_write_json, atomic_writ
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id, write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision, TriggerBox, decide
-from megalaunch.runtime.dist_env import rank_env
-from megalaunch.runtime.fault_hooks import SAVE_DELAY_ENV, parse_save_delay
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag, resolve_signal
-from megalaunch.runtime.timeline import Timeline
+from megalaunch.runtime.observation.timeline import Timeline
+from megalaunch.runtime.rank.dist_env import rank_env
+from megalaunch.runtime.rank.fault_hooks import SAVE_DELAY_ENV, parse_save_delay
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.stop.signals import SignalFlag, resolve_signal
 
 
 def log(msg: str) -> None:
@@ -84,7 +84,7 @@ def main() -> int:
         log("failing at start on purpose")
         return 1
     if os.environ.get("COUNTER_HANG_AT_START") and not (paths.state / "counter-hung").exists():
-        from megalaunch.runtime.watchdog import Watchdog
+        from megalaunch.runtime.health.watchdog import Watchdog
 
         (paths.state / "counter-hung").touch()
         Watchdog(paths.debug, rank=env.rank, job_id=job, timeout_s=0, on_hang=lambda r: None).start(

@@ -8,7 +8,7 @@ import sys
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome
-from megalaunch.runtime.dist_env import export_rank_env
+from megalaunch.runtime.rank.dist_env import export_rank_env
 
 
 def main() -> int:

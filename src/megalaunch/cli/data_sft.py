@@ -1,4 +1,4 @@
-"""`megalaunch data sft`: chat data -> token datasets with an assistant-only loss mask (finetune/build.py)."""
+"""`megalaunch data sft`: chat data -> token datasets with an assistant-only loss mask (tokenization/chat/build.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def sft(
     number and its file is refused unless --skip-malformed."""
     from dataclasses import asdict
 
-    from megalaunch.finetune.build import build
+    from megalaunch.tokenization.chat.build import build
 
     results = build(inputs, output, tokenizer=tokenizer, seq_length=seq_length, skip_malformed=skip_malformed)
     if as_json:

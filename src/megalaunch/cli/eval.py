@@ -75,7 +75,7 @@ def run_(
     from megalaunch.launcher.control import find_run
     from megalaunch.rundir.access import require_owner
     from megalaunch.rundir.evals import EvalPaths
-    from megalaunch.runtime.resume import checkpoint_iterations, is_complete
+    from megalaunch.runtime.checkpoint.resume import checkpoint_iterations, is_complete
 
     paths = find_run(run)
     require_owner(paths.root, "evaluate", "the run's milestone evals run by themselves (eval.enabled); or evaluate a "
@@ -152,7 +152,7 @@ def job(run: RunArg, iteration: Annotated[int, typer.Option("--iteration", min=1
 
 @app.command("submit-queued", hidden=True)
 def submit_queued(run: RunArg, iteration: Annotated[int, typer.Option("--iteration", min=1)]) -> None:
-    """Rank 0's call (runtime/eval_queue.py): submit a queued eval as a Slurm job."""
+    """Rank 0's call (runtime/observation/eval_queue.py): submit a queued eval as a Slurm job."""
     import os
 
     from megalaunch.config.loader import load_run_recipe

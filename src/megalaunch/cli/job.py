@@ -1,6 +1,6 @@
 """`megalaunch job begin|end|watch|step-nodes|step-end RUN`: run by the job script at the start and end
 of every segment, (watch) in the background while the training step runs, and (step-nodes, step-end)
-around each training step of the segment (in-job restarts: launcher/restart.py)."""
+around each training step of the segment (in-job restarts: launcher/chain/restart.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ app = typer.Typer(no_args_is_help=True)
 def _chain(run: str):
     from pathlib import Path
 
-    from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.chain import Chain
+    from megalaunch.launcher.backends.registry import backend_for
+    from megalaunch.launcher.chain.chain import Chain
     from megalaunch.rundir.paths import RunPaths
-    from megalaunch.runtime.settings import RuntimeSettings
+    from megalaunch.runtime.rank.settings import RuntimeSettings
 
     paths = RunPaths(Path(run).absolute())
     settings = RuntimeSettings.load(paths)  # the job's slice: `job begin/end` do not re-type the recipe
@@ -39,7 +39,7 @@ def _job_id() -> str:
 @app.command()
 def begin(run: Annotated[str, typer.Argument(help="Run directory.")]) -> None:
     """Segment start: ledger, guardrails, pending exit/abort, successor. Exit 100: do not train."""
-    from megalaunch.launcher.chain import STOP_EXIT_CODE
+    from megalaunch.launcher.chain.chain import STOP_EXIT_CODE
 
     verdict = _chain(run).begin(_job_id())
     if not verdict.proceed:
@@ -61,7 +61,7 @@ def step_nodes(
     step: Annotated[int, typer.Option("--step", help="The step's number in this segment (0, 1, ...).")] = 0,
 ) -> None:
     """Before each training step: the nodes it runs on (comma-separated), healthy ones first."""
-    from megalaunch.launcher.restart import step_nodes as choose
+    from megalaunch.launcher.chain.restart import step_nodes as choose
 
     print(",".join(choose(_chain(run), _job_id(), step)))
 
@@ -73,8 +73,8 @@ def step_end(
     exit_code: Annotated[int | None, typer.Option("--exit-code", help="The training step's exit status.")] = None,
 ) -> None:
     """After each training step: exit 101 to restart it in this allocation, 0 to end the segment."""
-    from megalaunch.launcher.restart import RESTART_EXIT_CODE
-    from megalaunch.launcher.restart import step_end as decide
+    from megalaunch.launcher.chain.restart import RESTART_EXIT_CODE
+    from megalaunch.launcher.chain.restart import step_end as decide
 
     try:
         restart = decide(_chain(run), _job_id(), step, exit_code).restart

@@ -1,4 +1,4 @@
-"""`megalaunch nodes`: the team's node-health ledger (launcher/nodes.py): which nodes are suspect, on
+"""`megalaunch nodes`: the team's node-health ledger (launcher/accounting/nodes.py): which nodes are suspect, on
 what evidence, until when; `megalaunch nodes clear NODE` takes a node off the list."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typer
 from megalaunch.cli.output import emit_json, say
 
 if TYPE_CHECKING:
-    from megalaunch.launcher.nodes import NodeHealth
+    from megalaunch.launcher.accounting.nodes import NodeHealth
 
 app = typer.Typer(no_args_is_help=False, invoke_without_command=True)
 
@@ -25,9 +25,9 @@ DirOpt = Annotated[str | None, typer.Option(
 def _health(where: str | None) -> NodeHealth:
     """The ledger of a run's cluster, a node-health directory given as is, or the default one."""
     from megalaunch.errors import RunDirError
-    from megalaunch.launcher.nodes import NodeHealth
+    from megalaunch.launcher.accounting.nodes import NodeHealth
     from megalaunch.rundir.paths import RunPaths
-    from megalaunch.runtime.settings import RuntimeSettings
+    from megalaunch.runtime.rank.settings import RuntimeSettings
 
     if where is None:
         return NodeHealth(Path(os.path.expanduser("~/megalaunch-runs")) / ".node-health")

@@ -25,9 +25,9 @@ def plan(
     cluster: ClusterOpt = None,
 ) -> None:
     """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute) by predicted tokens/s."""
-    from megalaunch.config.checkpoint_size import peak_lines, recipe_peak
     from megalaunch.config.loader import load_recipe
-    from megalaunch.config.plan import plan_recipe, recipe_text, set_lines, table
+    from megalaunch.config.planner.checkpoint_size import peak_lines, recipe_peak
+    from megalaunch.config.planner.plan import plan_recipe, recipe_text, set_lines, table
     from megalaunch.config.preflight import tokenizer_vocab_size
     from megalaunch.errors import PreflightError
 

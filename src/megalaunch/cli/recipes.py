@@ -55,7 +55,7 @@ def show(
     if not explain and set_ is None and cluster is None and find_recipe(recipe).parent.name in ("models", "clusters", "training"):
         say(find_recipe(recipe).read_text().rstrip())  # a fragment: show it as written
         return
-    from megalaunch.launcher.explain import yaml_with_origins
+    from megalaunch.launcher.prepare.explain import yaml_with_origins
 
     loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
     resolved = loaded.resolved()

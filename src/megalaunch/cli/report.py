@@ -22,7 +22,7 @@ def report(
     triggers and a checkpoint-interval suggestion (needs the `report` extra: matplotlib)."""
     from megalaunch.errors import require
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.report import write_report
+    from megalaunch.launcher.report.write import write_report
 
     paths = find_run(run)
     require("matplotlib", "report")

@@ -35,8 +35,8 @@ def submit(
                                                 "model: the first segment converts it (checkpoint.from_hf).")] = None,
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
-    from megalaunch.launcher.backends import backend_for
-    from megalaunch.launcher.prepare import disk_lines, dry_run_text, prepare_submission, summary
+    from megalaunch.launcher.backends.registry import backend_for
+    from megalaunch.launcher.prepare.prepare import disk_lines, dry_run_text, prepare_submission, summary
 
     sets = [*(set_ or []), *([f"checkpoint.from_hf={from_hf}"] if from_hf else [])]
     prepared = prepare_submission(recipe, sets, name=name, cluster=cluster, check_disk=not dry_run,
@@ -138,7 +138,7 @@ def logs(
     backend = None
     if follow:
         from megalaunch.config.loader import load_run_recipe
-        from megalaunch.launcher.backends import backend_for
+        from megalaunch.launcher.backends.registry import backend_for
 
         backend = backend_for(load_run_recipe(paths).cluster.backend)
     try:
@@ -169,7 +169,7 @@ def trigger(
 def cancel(run: RunArg) -> None:
     """Cancel the run's running and queued segments (by job id) and stop the chain."""
     from megalaunch.config.loader import load_run_recipe
-    from megalaunch.launcher.backends import backend_for
+    from megalaunch.launcher.backends.registry import backend_for
     from megalaunch.launcher.control import find_run
     from megalaunch.rundir.access import require_owner
 
@@ -194,15 +194,15 @@ def resume(
     """Restart a stopped chain from its last checkpoint (or an older one with --from), optionally with
     changed settings (--set). Checks like submit before anything is queued."""
     from megalaunch.config.loader import load_run_recipe
-    from megalaunch.launcher.backends import backend_for
+    from megalaunch.launcher.backends.registry import backend_for
+    from megalaunch.launcher.chain.resume_from import check_not_live, check_resume_from, resume_chain
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.resume_check import (
+    from megalaunch.launcher.prepare.resume_check import (
         apply_change,
         check_resumable,
         describe_change,
         prepare_change,
     )
-    from megalaunch.launcher.resume_from import check_not_live, check_resume_from, resume_chain
     from megalaunch.rundir.access import require_owner
 
     paths = find_run(run)

@@ -11,7 +11,7 @@ from typing import Any
 
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.errors import PreflightError
-from megalaunch.runtime.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
+from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
 
 _MAKE = "megalaunch data sft CONVERSATIONS --tokenizer MODEL_DIR --output DIR"
 

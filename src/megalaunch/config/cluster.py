@@ -43,7 +43,7 @@ class ContainerConfig:
 
 @dataclass(frozen=True)
 class BackendTraits:
-    """What recipes and preflight need to know of a backend (its code: launcher/backends.py)."""
+    """What recipes and preflight need to know of a backend (its code: launcher/backends/registry.py)."""
 
     signal_delay_s: int  # how late the time-limit signal may come (slurmctld checks every 30 s)
     multi_node: bool
@@ -89,7 +89,7 @@ class ClusterConfig:
     megalaunch: str = doc("how the job invokes megalaunch (a command name or path)", "megalaunch", path="path")
     master_port: int | None = doc("rendezvous port (default: 20000 + job id mod 20000, so jobs sharing a "
                                   "node do not collide)", None)
-    gpu: str | None = doc("GPU type, e.g. H100, H200, A100-40GB, GH200 (config/gpus.py): preflight's memory check "
+    gpu: str | None = doc("GPU type, e.g. H100, H200, A100-40GB, GH200 (config/planner/gpus.py): preflight's memory check "
                           "and `megalaunch plan` use its memory and speed", None)
     gpu_memory_gb: float | None = doc("GPU memory in GiB, when cluster.gpu is unset or not in the table", None)
     gpu_peak_tflops: float | None = doc("dense bf16 peak TFLOP/s per GPU for MFU (default: from the GPU's name, "

@@ -113,7 +113,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _section(out, c, _CHECKPOINT_OWN)
     if c.load:  # weights to start from when RUN/checkpoints holds nothing yet (e.g. a converted HF model)
         out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
-    if c.from_hf:  # converted by the chain's first stage (launcher/first_stage.py) into RUN/pretrained
+    if c.from_hf:  # converted by the chain's first stage (launcher/chain/first_stage.py) into RUN/pretrained
         out += ["--pretrained-checkpoint", str(paths.root / "pretrained")]
     if async_save(recipe):
         out += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]

@@ -293,7 +293,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
         check_chat_data(blend, spec)
     check_validation(recipe)
     check_eval(recipe)
-    from megalaunch.config.fit import check_memory
+    from megalaunch.config.planner.fit import check_memory
 
     check_memory(recipe, topo.dp, topo.num_microbatches, tokenizer_vocab_size(recipe, spec))
     return topo, blend

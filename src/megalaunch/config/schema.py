@@ -94,8 +94,8 @@ class TrainingConfig:
         "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
     flow: str | None = doc(
-        "a user-defined training step, 'module:Class' importable in the job (runtime/flows.py; e.g. "
-        "megalaunch.runtime.preference_flow:PreferenceFlow); null: next-token loss on the loss mask", None)
+        "a user-defined training step, 'module:Class' importable in the job (runtime/flows/flow.py; e.g. "
+        "megalaunch.runtime.flows.preference_flow:PreferenceFlow); null: next-token loss on the loss mask", None)
     fused_kernels: bool | Literal["auto"] = doc(
         "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
         "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
@@ -108,7 +108,7 @@ class TrainingConfig:
             raise ValueError("training.lr must be > 0")
         if self.flow is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z", self.flow):
             raise ValueError(f"training.flow {self.flow!r} must be 'module:Class' (e.g. "
-                             "megalaunch.runtime.preference_flow:PreferenceFlow)")
+                             "megalaunch.runtime.flows.preference_flow:PreferenceFlow)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,7 +181,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class NotifyConfig:
-    """Who is told when the chain stops for a reason that needs a person, or finishes (launcher/notify.py;
+    """Who is told when the chain stops for a reason that needs a person, or finishes (launcher/chain/notify.py;
     docs/training.md, "Telling a person"). A failed notification never changes what the chain does."""
 
     commands: list[list[str]] = doc("commands, each an argument list (no shell), given the JSON on stdin and in "

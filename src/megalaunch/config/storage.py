@@ -1,4 +1,4 @@
-"""The disk budget at submit: a run's checkpoint peak (config/checkpoint_size.py) against the free space
+"""The disk budget at submit: a run's checkpoint peak (config/planner/checkpoint_size.py) against the free space
 of the filesystem that will hold its checkpoints and, where the tools exist, the quota that applies.
 
 Free space is statvfs of the checkpoint directory's nearest existing ancestor (the run root is created
@@ -17,10 +17,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from megalaunch.config.checkpoint_size import DiskPeak, peak_lines, recipe_peak
+from megalaunch.config.planner.checkpoint_size import DiskPeak, peak_lines, recipe_peak
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
-from megalaunch.runtime.storage import Filesystem, filesystem_of, free_bytes, gb
+from megalaunch.runtime.rank.storage import Filesystem, filesystem_of, free_bytes, gb
 
 TOOL_TIMEOUT_S = 5.0
 KIB = 1024

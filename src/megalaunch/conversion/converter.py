@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megalaunch.conversion import mcore_io
+from megalaunch.conversion.checkpoint_io import mcore_io
 from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, MissingFileError
 from megalaunch.conversion.tables import Item

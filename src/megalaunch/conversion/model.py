@@ -1,5 +1,5 @@
 """A Megatron-core GPTModel built from a recipe's `ModelConfig`, outside the training loop: the
-same model `megalaunch.runtime.train` trains (layer specs from runtime/model.py), for conversion and
+same model `megalaunch.runtime.train` trains (layer specs from runtime/model/model.py), for conversion and
 logits-parity tests."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.conversion.dims import padded_vocab_size
-from megalaunch.runtime.model import decoder_spec, gpt_class, layer_spec
+from megalaunch.runtime.model.model import decoder_spec, gpt_class, layer_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -75,7 +75,7 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
         attention: "local" (Megatron's), "sdpa" (torch SDPA) or "te" (transformer-engine).
         params_dtype: parameter dtype (default float32).
         make_vocab_size_divisible_by: default `model.make_vocab_size_divisible_by`.
-        liger_ops: the ops liger-kernel computes (runtime/kernels.py OPS; its kernels need a GPU).
+        liger_ops: the ops liger-kernel computes (runtime/model/kernels.py OPS; its kernels need a GPU).
         config_overrides: extra TransformerConfig fields.
 
     Megatron's model-parallel state must exist: inside training it does; in a test or a converter

@@ -23,8 +23,8 @@ def render_script(recipe: Recipe, command: list[str], out: Path, *, gpus: int | 
                   time_limit: str | None = None) -> str:
     """The job script for `megalaunch convert COMMAND...` (COMMAND without --submit, absolute paths)."""
     from megalaunch import __version__
-    from megalaunch.launcher.render import render
-    from megalaunch.launcher.sbatch import JobHeader, cluster_options, environment_context
+    from megalaunch.launcher.prepare.render import render
+    from megalaunch.launcher.prepare.sbatch import JobHeader, cluster_options, environment_context
 
     cl = recipe.cluster
     # Conversion needs no GPU; GPU clusters often refuse jobs without one, so take one there.
@@ -41,7 +41,7 @@ def render_script(recipe: Recipe, command: list[str], out: Path, *, gpus: int | 
 
 def submit(recipe: Recipe, command: list[str], out: Path, *, gpus: int | None = None,
            time_limit: str | None = None, slurm: object | None = None) -> Submitted:
-    from megalaunch.launcher.slurm import SlurmClient
+    from megalaunch.launcher.backends.slurm import SlurmClient
     from megalaunch.rundir.files import atomic_write_text
 
     out = Path(out).absolute()

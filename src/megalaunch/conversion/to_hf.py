@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
 from megalaunch.config.tokenizer import TOKENIZER_FILES, TokenizerSpec, resolve_tokenizer
-from megalaunch.conversion import families, mcore_io, safetensors_io, transforms
+from megalaunch.conversion import families, transforms
+from megalaunch.conversion.checkpoint_io import mcore_io, safetensors_io
+from megalaunch.conversion.checkpoint_io.progress import Progress
 from megalaunch.conversion.converter import (
     ASSET_FILES,
     ASSETS_DIR,
@@ -29,7 +31,6 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
-from megalaunch.conversion.progress import Progress
 from megalaunch.conversion.tables import TABLES, Item, items
 from megalaunch.errors import PreflightError
 

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
-from megalaunch.conversion import families, mcore_io, mcore_save, safetensors_io, transforms
+from megalaunch.conversion import families, transforms
+from megalaunch.conversion.checkpoint_io import mcore_io, mcore_save, safetensors_io
+from megalaunch.conversion.checkpoint_io.progress import Progress
 from megalaunch.conversion.converter import (
     ASSET_FILES,
     ASSETS_DIR,
@@ -29,7 +31,6 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims, padded_vocab_size
 from megalaunch.conversion.errors import ConversionError, MissingFileError, ShapeMismatchError
-from megalaunch.conversion.progress import Progress
 from megalaunch.conversion.tables import EXTRA_STATE_MODULES, IGNORED_HF_SUFFIXES, TABLES, Item, items
 
 if TYPE_CHECKING:

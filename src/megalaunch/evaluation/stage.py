@@ -16,7 +16,7 @@ from megalaunch.errors import MegalaunchError
 from megalaunch.rundir.evals import EvalPaths
 from megalaunch.rundir.files import append_jsonl, atomic_write_json
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.resume import one_line
+from megalaunch.runtime.checkpoint.resume import one_line
 
 POLL_S = 2.0
 
@@ -35,7 +35,7 @@ def select_tasks(recipe: Recipe, names: list[str] | None) -> tuple[list[Any], li
 
 
 def wait_complete(paths: RunPaths, iteration: int, timeout_s: float) -> None:
-    from megalaunch.runtime.resume import incomplete_reason, iter_dir
+    from megalaunch.runtime.checkpoint.resume import incomplete_reason, iter_dir
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -162,7 +162,7 @@ def _log_wandb(paths: RunPaths, recipe: Recipe, results: dict[str, Any], log: An
     if not recipe.logging.wandb_project:
         return
     try:
-        from megalaunch.runtime.wandb_run import log_eval
+        from megalaunch.runtime.observation.wandb_run import log_eval
 
         run_id = log_eval(paths, metrics=eval_metrics(results), project=recipe.logging.wandb_project,
                           entity=recipe.logging.wandb_entity, mode=recipe.logging.wandb_mode)

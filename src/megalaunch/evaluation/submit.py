@@ -27,8 +27,8 @@ def task_args(tasks: list[str] | None) -> list[str]:
 
 def render_script(recipe: Recipe, paths: RunPaths, iteration: int, tasks: list[str] | None = None) -> str:
     from megalaunch import __version__
-    from megalaunch.launcher.render import render
-    from megalaunch.launcher.sbatch import JobHeader, environment_context, sbatch_options
+    from megalaunch.launcher.prepare.render import render
+    from megalaunch.launcher.prepare.sbatch import JobHeader, environment_context, sbatch_options
 
     cl, ev = recipe.cluster, recipe.eval
     ep = EvalPaths(paths, iteration)
@@ -44,7 +44,7 @@ def render_script(recipe: Recipe, paths: RunPaths, iteration: int, tasks: list[s
 
 def submit_slurm(recipe: Recipe, paths: RunPaths, iteration: int, tasks: list[str] | None = None,
                  slurm: Any = None) -> str:
-    from megalaunch.launcher.slurm import SlurmClient
+    from megalaunch.launcher.backends.slurm import SlurmClient
 
     ep = EvalPaths(paths, iteration)
     ep.logs.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def live_records(paths: RunPaths, recipe: Recipe | None = None, slurm: Any = Non
     live: dict[str, Any] = {}
     if slurm_ids:
         from megalaunch.errors import SlurmError
-        from megalaunch.launcher.slurm import SlurmClient
+        from megalaunch.launcher.backends.slurm import SlurmClient
 
         try:
             client = slurm or SlurmClient()
@@ -86,7 +86,7 @@ def live_records(paths: RunPaths, recipe: Recipe | None = None, slurm: Any = Non
                     r["reason"] = f"job {jid} ended ({info.state if info else 'gone from Slurm'}) without results; " \
                                   f"see {EvalPaths(paths, r['iteration']).logs}"
         elif jid.startswith("local-"):
-            from megalaunch.launcher.local import pid_alive
+            from megalaunch.launcher.backends.local import pid_alive
 
             pid = int(jid.split("-", 1)[1])
             if not pid_alive(pid) and (EvalPaths(paths, r["iteration"]).read_state() or {}).get("state") == "running":

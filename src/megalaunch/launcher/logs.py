@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megalaunch.errors import RunDirError
-from megalaunch.launcher.backend import unfinished
+from megalaunch.launcher.chain.backend import unfinished
 from megalaunch.rundir.ledger import Ledger, Segment, number_ranges, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 

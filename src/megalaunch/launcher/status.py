@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from megalaunch.config.loader import load_run_recipe
-from megalaunch.launcher.backend import Live, unfinished
-from megalaunch.launcher.backends import backend_for
-from megalaunch.launcher.signal_lead import stop_lines
-from megalaunch.launcher.storage import checkpoint_usage, format_usage
+from megalaunch.launcher.accounting.storage import checkpoint_usage, format_usage
+from megalaunch.launcher.backends.registry import backend_for
+from megalaunch.launcher.chain.backend import Live, unfinished
+from megalaunch.launcher.prepare.signal_lead import stop_lines
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import read_resume_request
@@ -107,7 +107,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
 
 
 def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
-    """The run's bad-node decisions (launcher/nodes.py), oldest first: suspects with their evidence,
+    """The run's bad-node decisions (launcher/accounting/nodes.py), oldest first: suspects with their evidence,
     and what each successor excluded or kept and why."""
     out = []
     for e in events:
@@ -125,7 +125,7 @@ def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
 
 
 def restart_lines(events: list[dict[str, Any]]) -> list[str]:
-    """In-job restarts (launcher/restart.py) and the ones refused, oldest first."""
+    """In-job restarts (launcher/chain/restart.py) and the ones refused, oldest first."""
     out = []
     for e in events:
         if e.get("event") == "restart":
@@ -139,7 +139,7 @@ def restart_lines(events: list[dict[str, Any]]) -> list[str]:
 
 
 def _health_lines(events: list[dict[str, Any]]) -> list[str]:
-    """The latest segment's health check (runtime/health.py): its figures and cost."""
+    """The latest segment's health check (runtime/health/health.py): its figures and cost."""
     checks = [e for e in events if e.get("event") == "health_check"]
     if not checks:
         return []
@@ -156,8 +156,8 @@ def _health_lines(events: list[dict[str, Any]]) -> list[str]:
 
 
 def _straggler_lines(events: list[dict[str, Any]]) -> list[str]:
-    """Each segment's latest step-time spread (runtime/stragglers.py), when above the threshold."""
-    from megalaunch.runtime.stragglers import describe
+    """Each segment's latest step-time spread (runtime/health/stragglers.py), when above the threshold."""
+    from megalaunch.runtime.health.stragglers import describe
 
     latest: dict[str, dict[str, Any]] = {}
     for e in events:
@@ -300,7 +300,7 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
 
 def _efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
-    from megalaunch.launcher.goodput import STARTUP, chain_goodput, mfu
+    from megalaunch.launcher.accounting.goodput import STARTUP, chain_goodput, mfu
 
     try:
         chain = chain_goodput(paths, time.time(), metrics)

@@ -100,7 +100,7 @@ class Ledger:
 
     def consecutive_without_progress(self) -> int:
         """Failures counted back from the newest that made no new checkpoint: ended segments, and the
-        failed steps of a segment that were restarted inside it (`restart`, launcher/restart.py). A
+        failed steps of a segment that were restarted inside it (`restart`, launcher/chain/restart.py). A
         segment whose restarted steps saved counts from its last restart on."""
         n = 0
         for e in reversed(self.current_epoch()):

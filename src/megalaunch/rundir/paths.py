@@ -105,20 +105,20 @@ class RunPaths:
         return self.state / "outcome.json"
 
     def timeline(self, job_id: str) -> Path:
-        """Rank 0's phase times of one segment (runtime/timeline.py)."""
+        """Rank 0's phase times of one segment (runtime/observation/timeline.py)."""
         return self.state / "timeline" / f"{job_id}.json"
 
     def heartbeat(self, job_id: str) -> Path:
-        """Rank 0's sign of life in one segment (runtime/heartbeat.py), watched by runtime/hangwatch.py."""
+        """Rank 0's sign of life in one segment (runtime/health/heartbeat.py), watched by runtime/hangwatch.py."""
         return self.state / "heartbeat" / f"{job_id}.json"
 
     def step_stacks(self, job_id: str, rank: int) -> Path:
-        """Python stacks a rank dumps when the hang watcher asks (SIGURG, runtime/watchdog.py)."""
+        """Python stacks a rank dumps when the hang watcher asks (SIGURG, runtime/health/watchdog.py)."""
         return self.debug / f"stacks-step-job{job_id}-rank{rank}.txt"
 
     @property
     def goodput(self) -> Path:
-        """The chain's goodput as of the last `job end` (launcher/goodput.py), for the next segment's W&B."""
+        """The chain's goodput as of the last `job end` (launcher/accounting/goodput.py), for the next segment's W&B."""
         return self.state / "goodput.json"
 
     @property
@@ -232,7 +232,7 @@ class ConversionPaths:
 
 def step_file(path: os.PathLike[str] | str, step: int) -> str:
     """Where a file of one training step goes when an in-job restart starts the next step
-    (launcher/restart.py): `NAME.stepN.EXT`, or `NAME.stepN` for a name without an extension."""
+    (launcher/chain/restart.py): `NAME.stepN.EXT`, or `NAME.stepN` for a name without an extension."""
     p = os.fspath(path)
     base, dot, ext = p.rpartition(".") if "." in os.path.basename(p) else (p, "", "")
     return f"{base}.step{step}{dot}{ext}"

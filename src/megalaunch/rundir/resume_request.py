@@ -1,7 +1,7 @@
 """`megalaunch resume RUN --from ITER`'s one-shot request: state/resume_request.json.
 
 The CLI writes it (atomically) before it starts the chain's next segment; rank 0 of the first segment
-that trains applies it (`runtime.resume.plan_resume`) and renames it to
+that trains applies it (`runtime.checkpoint.resume.plan_resume`) and renames it to
 `resume_request.done-<job>.json` (or `.refused-<job>.json` when the checkpoint turns out unusable),
 so the segments after it resume from their newest checkpoint again. It is a file in the run directory,
 not an environment variable: a segment queues its successor from inside the job, and the successor

@@ -1,10 +1,10 @@
 """The hang killer outside Python: `megalaunch job watch RUN --shell-pid PID`, started in the background
 by the job script just before `srun` and stopped when it returns. Standard library only.
 
-It watches rank 0's heartbeat (runtime/heartbeat.py). Two limits:
+It watches rank 0's heartbeat (runtime/health/heartbeat.py). Two limits:
 - before the first iteration, `chain.startup_timeout_s` without a sign of life: the step's start, the
   trainer's start, imports, rendezvous, NCCL init, model build, checkpoint load, data;
-- after it, `chain.hang_timeout_s` plus the time the in-Python watchdog (runtime/watchdog.py) needs to
+- after it, `chain.hang_timeout_s` plus the time the in-Python watchdog (runtime/health/watchdog.py) needs to
   dump its stacks and end the ranks itself, so that one always gets its chance first.
 
 On a hang it asks every process of the step for its Python stacks (`scancel --signal=URG JOB.STEP`:
@@ -36,9 +36,9 @@ from typing import Any
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
-from megalaunch.runtime.heartbeat import TRAINING_PHASES
-from megalaunch.runtime.task import proc_stats
-from megalaunch.runtime.watchdog import backstop_after_s
+from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
+from megalaunch.runtime.health.procs import proc_stats
+from megalaunch.runtime.health.watchdog import backstop_after_s
 
 OUTER_MARGIN_S = 30.0  # after the in-Python watchdog's backstop: it had its chance
 STACKS_WAIT_S = 5.0  # for faulthandler to write every rank's stacks
@@ -298,7 +298,7 @@ def _fire(paths: RunPaths, job_id: str, hw: HangWatch, step: SlurmStep,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megalaunch.runtime.settings import RuntimeSettings
+    from megalaunch.runtime.rank.settings import RuntimeSettings
 
     parser = argparse.ArgumentParser(prog="megalaunch job watch", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")

@@ -1,15 +1,15 @@
 """One segment of training on one rank: the rooms the Megatron seams report into, composed.
 
-- `decisions` (runtime/decisions.py): the stop signal and the triggers folded into one decision,
+- `decisions` (runtime/stop/decisions.py): the stop signal and the triggers folded into one decision,
   the same on every rank; what it asks of the loop; the segment's verdict.
-- `checkpoints` (runtime/checkpoints.py): the checkpoint to load, every save's hooks, retention.
-- `observe` (runtime/observe.py): timeline and heartbeat, watchdog beats, progress and metrics, the
+- `checkpoints` (runtime/checkpoint/checkpoints.py): the checkpoint to load, every save's hooks, retention.
+- `observe` (runtime/observation/observe.py): timeline and heartbeat, watchdog beats, progress and metrics, the
   health check, stragglers, W&B.
-- `window` (runtime/stop_window.py): the signal window at the end of the segment, in which a periodic
+- `window` (runtime/stop/stop_window.py): the signal window at the end of the segment, in which a periodic
   save is skipped (the stop save takes its place).
 
 Each room is built from its own slice of RuntimeSettings. `Session` implements the seams' and the step's
-protocols (runtime/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
+protocols (runtime/rank/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
 entry (runtime/train.py) hands the rooms what it makes later: the observer its watchdog, profiler and
 step timer, the checkpoints room its eval queue."""
 
@@ -19,16 +19,16 @@ from typing import Any
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import current_job_id
-from megalaunch.runtime.checkpoints import CheckpointConfig, Checkpoints
-from megalaunch.runtime.context import RankContext
-from megalaunch.runtime.decisions import DecisionConfig, Decisions
-from megalaunch.runtime.fault_hooks import FaultHooks
-from megalaunch.runtime.hooks import SaveKind
-from megalaunch.runtime.observe import ObserveConfig, Observer
-from megalaunch.runtime.readahead import ReadAhead
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag
-from megalaunch.runtime.stop_window import StopWindow, WindowConfig
+from megalaunch.runtime.checkpoint.checkpoints import CheckpointConfig, Checkpoints
+from megalaunch.runtime.checkpoint.readahead import ReadAhead
+from megalaunch.runtime.observation.observe import ObserveConfig, Observer
+from megalaunch.runtime.rank.context import RankContext
+from megalaunch.runtime.rank.fault_hooks import FaultHooks
+from megalaunch.runtime.rank.hooks import SaveKind
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.stop.decisions import DecisionConfig, Decisions
+from megalaunch.runtime.stop.signals import SignalFlag
+from megalaunch.runtime.stop.stop_window import StopWindow, WindowConfig
 
 
 def decision_config(s: RuntimeSettings) -> DecisionConfig:
@@ -61,7 +61,7 @@ class Session:
         self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
         self.window = StopWindow(self.ctx, window_config(settings))
         self.faults = FaultHooks.from_env(rank)
-        self.readahead: ReadAhead | None = None  # runtime/readahead.py, started by runtime/train.py
+        self.readahead: ReadAhead | None = None  # runtime/checkpoint/readahead.py, started by runtime/train.py
 
     # --- what the entry reads -----------------------------------------------------------------------------
     @property
@@ -126,7 +126,7 @@ class Session:
     def loaded(self, iteration: int, consumed_samples: int) -> None:
         self.observe.loaded(iteration, consumed_samples)
         self.checkpoints.loaded(iteration, consumed_samples)
-        if self.readahead is not None:  # runtime/readahead.py: how much of the load it had read already
+        if self.readahead is not None:  # runtime/checkpoint/readahead.py: how much of the load it had read already
             figures = self.readahead.figures()
             self.ctx.log(f"checkpoint read-ahead of {figures['directory']}: {figures['read_bytes'] / 1e9:.2f} of "
                          f"{figures['bytes'] / 1e9:.2f} GB in {figures['seconds']} s"

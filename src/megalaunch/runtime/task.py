@@ -5,7 +5,7 @@ Both backends start every rank through this small supervisor (standard library o
 - **The stop signal reaches only the trainer's decision.** The supervisor blocks it before it starts
   the command; a blocked signal is inherited through fork and exec, so neither the trainer's start-up
   nor any process it starts (checkpoint writers, resource trackers, data-loader workers) can be killed
-  by it. The trainer receives it with `sigwait` (runtime/signals.py).
+  by it. The trainer receives it with `sigwait` (runtime/stop/signals.py).
 - **No orphans.** The supervisor is a child subreaper: whatever the command leaves behind when it
   ends (a Manager, a resource tracker, a spawn worker of a rank killed with SIGKILL) is re-parented
   to it and killed, so nothing outlives the task or holds the step's output open (Slurm would
@@ -32,13 +32,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.runtime.heartbeat import task_start_beat
-from megalaunch.runtime.signals import block, resolve_signal
+from megalaunch.runtime.health.heartbeat import task_start_beat
+from megalaunch.runtime.health.procs import proc_stats
+from megalaunch.runtime.stop.signals import block, resolve_signal
 
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # c10's CPU allocator: madvise(MADV_HUGEPAGE) on large blocks
 
@@ -58,20 +58,6 @@ def _prctl(option: int, value: int) -> bool:
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def proc_stats() -> Iterator[tuple[int, bytes, list[bytes]]]:
-    """(pid, command name, the fields after the name: state, parent, group, ...) of every process, from
-    /proc/PID/stat. The name is in parentheses and may hold spaces; the fields after it are fixed."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        yield int(entry.name), stat[stat.find(b"(") + 1:stat.rfind(b")")], stat[stat.rfind(b")") + 2:].split()
 
 
 def descendants(pid: int, *, group: int | None = None) -> list[int]:
@@ -178,7 +164,7 @@ def _write_record(record: dict[str, object]) -> None:
 
 
 def _first_beat() -> None:
-    """Rank 0's step started: the hang watcher's first sign of life from the step (runtime/heartbeat.py)."""
+    """Rank 0's step started: the hang watcher's first sign of life from the step (runtime/health/heartbeat.py)."""
     run_dir, job_id = os.environ.get("MEGALAUNCH_RUN_DIR"), os.environ.get("MEGALAUNCH_JOB_ID")
     if run_dir and job_id and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         task_start_beat(RunPaths(Path(run_dir)), job_id)

@@ -3,24 +3,24 @@
 One process per GPU (srun task, or the local backend's processes), with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment. It runs Megatron's own loop
 (`megatron.training.pretrain`) on the arguments in RUN/megatron.args, a GPT/Llama model
-(runtime/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data; runtime/step.py),
+(runtime/model/model.py) and GPTDataset over RUN/data_blend.txt (or Megatron's mock data; runtime/loop/step.py),
 and adds what the chain needs (docs/training.md) through a `Session` (runtime/session.py) of rooms:
 
-- decisions (runtime/decisions.py): the stop signal and the trigger files folded into one decision per
+- decisions (runtime/stop/decisions.py): the stop signal and the trigger files folded into one decision per
   check, the same on every rank (one all-reduce MAX); every rank logs the iteration at which it acted;
-- checkpoints (runtime/checkpoints.py): resume from the newest complete checkpoint, falling back to an
-  older one (runtime/resume.py); the hooks around every save; retention of the last N plus milestones;
-- observation (runtime/observe.py): state/progress.json every log interval, the timeline and heartbeat,
-  the health check at segment start (runtime/health.py), the per-rank step-time spread
-  (runtime/stragglers.py), one W&B run for the whole experiment (runtime/wandb_run.py).
+- checkpoints (runtime/checkpoint/checkpoints.py): resume from the newest complete checkpoint, falling back to an
+  older one (runtime/checkpoint/resume.py); the hooks around every save; retention of the last N plus milestones;
+- observation (runtime/observation/observe.py): state/progress.json every log interval, the timeline and heartbeat,
+  the health check at segment start (runtime/health/health.py), the per-rank step-time spread
+  (runtime/health/stragglers.py), one W&B run for the whole experiment (runtime/observation/wandb_run.py).
 
 This module does the rest: the data-blend check, the set-up before Megatron starts, the hang watchdog
-(runtime/watchdog.py), and state/outcome.json at exit, whatever happens.
+(runtime/health/watchdog.py), and state/outcome.json at exit, whatever happens.
 
-Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG (runtime/observe.py),
+Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG (runtime/observation/observe.py),
 MEGALAUNCH_TEST_HANG, MEGALAUNCH_TEST_STEP_SLEEP_S, MEGALAUNCH_TEST_SLOW_FORWARD,
-MEGALAUNCH_TEST_RENDEZVOUS_HANG (runtime/fault_hooks.py), MEGALAUNCH_TEST_SLOW_NODE and
-MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health.py)."""
+MEGALAUNCH_TEST_RENDEZVOUS_HANG (runtime/rank/fault_hooks.py), MEGALAUNCH_TEST_SLOW_NODE and
+MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health/health.py)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,14 @@ from typing import Any
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome
-from megalaunch.runtime import resume, wgrad_fusion
-from megalaunch.runtime.dist_env import export_rank_env
-from megalaunch.runtime.failures import (
+from megalaunch.runtime.checkpoint import resume
+from megalaunch.runtime.health.health import UnhealthyNode
+from megalaunch.runtime.loop.step import megatron_argv, run_pretrain
+from megalaunch.runtime.model import wgrad_fusion
+from megalaunch.runtime.model.kernels import KernelChoice, resolve_kernels, with_wgrad_fusion
+from megalaunch.runtime.observation.startup_profile import StartupProfile
+from megalaunch.runtime.rank.dist_env import export_rank_env
+from megalaunch.runtime.rank.failures import (
     ConfigFailure,
     Failure,
     check_kernels,
@@ -46,15 +51,11 @@ from megalaunch.runtime.failures import (
     recipe_field_fix,
     resolve_attention,
 )
-from megalaunch.runtime.fault_hooks import maybe_skip_rendezvous
-from megalaunch.runtime.health import UnhealthyNode
-from megalaunch.runtime.kernels import KernelChoice, resolve_kernels, with_wgrad_fusion
+from megalaunch.runtime.rank.fault_hooks import maybe_skip_rendezvous
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.rank.storage import STORAGE_FIX, SaveDoesNotFit
 from megalaunch.runtime.session import Session
-from megalaunch.runtime.settings import RuntimeSettings
-from megalaunch.runtime.signals import SignalFlag, resolve_signal
-from megalaunch.runtime.startup_profile import StartupProfile
-from megalaunch.runtime.step import megatron_argv, run_pretrain
-from megalaunch.runtime.storage import STORAGE_FIX, SaveDoesNotFit
+from megalaunch.runtime.stop.signals import SignalFlag, resolve_signal
 
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if bytecode and rank == 0:
         session.ctx.log(bytecode)
     if rank == 0 and settings.eval_interval > 0:
-        from megalaunch.runtime.eval_queue import EvalQueue
+        from megalaunch.runtime.observation.eval_queue import EvalQueue
 
         session.checkpoints.evals = EvalQueue(paths, interval=settings.eval_interval, submit=settings.eval_submit,
                                               job_id=session.ctx.job_id, log=session.ctx.log)
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_readahead(session: Session, local_rank: int, resume_from: int | None) -> None:
     """The checkpoint this segment will likely load, read into the page cache while Python imports
-    (runtime/readahead.py); its figures are logged once the load is done (Session.loaded)."""
-    from megalaunch.runtime import readahead
+    (runtime/checkpoint/readahead.py); its figures are logged once the load is done (Session.loaded)."""
+    from megalaunch.runtime.checkpoint import readahead
 
     paths = session.ctx.paths
     iteration = resume_from if resume_from is not None else paths.read_tracker()
@@ -128,12 +129,12 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     if settings.cpu or not torch.cuda.is_available():
         torch.set_flush_denormal(True)  # before Megatron's import starts torch's worker threads, which copy it
     observe.phase("torch_imported")
-    from megalaunch.runtime.stragglers import StepTimer
+    from megalaunch.runtime.health.stragglers import StepTimer
 
     observe.step_timer = StepTimer(cuda=not settings.cpu and torch.cuda.is_available())
     cpu = settings.cpu or not torch.cuda.is_available()
     if cpu:
-        from megalaunch.runtime import cpu_compat
+        from megalaunch.runtime.model import cpu_compat
 
         cpu_compat.enable()
         ctx.log("no GPU: running on the CPU (gloo, cpu_compat)")
@@ -152,7 +153,7 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
         f"; {op}: Megatron's ({why})" for op, why in kernels.fallbacks.items() if kernels.library == "liger")
         + (f"; gradient-accumulation fusion {kernels.wgrad_fusion}" if kernels.wgrad_fusion else ""))
     ctx.ledger("kernels", **kernels.ledger())
-    from megalaunch.runtime import megatron_seams
+    from megalaunch.runtime.loop import megatron_seams
 
     megatron_seams.install(session)
     observe.phase("megatron_imported")
@@ -177,7 +178,7 @@ class Ending:
 
 
 def run_session(session: Session, settings: RuntimeSettings) -> int:
-    from megalaunch.runtime.watchdog import Watchdog
+    from megalaunch.runtime.health.watchdog import Watchdog
 
     ctx = session.ctx
 
@@ -239,7 +240,7 @@ def _judge(session: Session, end: Ending) -> Ending:
         end.code = 1
     if end.status == "failed" and (hang := session.observe.watchdog.hang_reported()):
         # Another rank's watchdog fired and exited; this rank's collective then failed.
-        from megalaunch.runtime.watchdog import EXIT_HUNG
+        from megalaunch.runtime.health.watchdog import EXIT_HUNG
 
         end.status, end.reason, end.code = "hung", hang, EXIT_HUNG
     if end.status == "storage_full" and session.ctx.is_zero:

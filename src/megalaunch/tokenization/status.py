@@ -56,7 +56,7 @@ def dump_statuses(run: TokenizeRun, slurm: Any | None = None) -> list[DumpStatus
     local_running = False
     if last and last.get("job_id"):  # a Slurm job array
         if slurm is None:
-            from megalaunch.launcher.slurm import SlurmClient
+            from megalaunch.launcher.backends.slurm import SlurmClient
 
             slurm = SlurmClient()
         active = _array_tasks(str(last["job_id"]), slurm)

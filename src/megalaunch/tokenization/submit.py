@@ -13,7 +13,7 @@ from typing import Any
 
 from megalaunch.config.cluster import BACKENDS
 from megalaunch.errors import PreflightError, RunDirError
-from megalaunch.launcher.local import pid_alive
+from megalaunch.launcher.backends.local import pid_alive
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
 from megalaunch.rundir.tokenize import TokenizeRun
 from megalaunch.tokenization.plan import Plan, load_plan, make_plan
@@ -107,7 +107,7 @@ def active_submission(run: TokenizeRun, slurm: Any | None = None) -> str | None:
         return None
     last = events[submitted[-1]]
     if last.get("job_id"):  # a Slurm job array
-        from megalaunch.launcher.slurm import SlurmClient
+        from megalaunch.launcher.backends.slurm import SlurmClient
 
         client = slurm or SlurmClient()
         jobs = client.squeue([last["job_id"]])
@@ -125,8 +125,8 @@ def active_submission(run: TokenizeRun, slurm: Any | None = None) -> str | None:
 # -- slurm ------------------------------------------------------------------------------------
 def render_job_script(run: TokenizeRun, recipe: TokenizeRecipe) -> str:
     from megalaunch import __version__
-    from megalaunch.launcher.render import render
-    from megalaunch.launcher.sbatch import JobHeader, sbatch_options
+    from megalaunch.launcher.prepare.render import render
+    from megalaunch.launcher.prepare.sbatch import JobHeader, sbatch_options
 
     slurm = recipe.slurm
     options = sbatch_options(slurm.partition, slurm.account, slurm.qos, extra=slurm.options, field_prefix="slurm.options",
@@ -139,7 +139,7 @@ def render_job_script(run: TokenizeRun, recipe: TokenizeRecipe) -> str:
 
 
 def submit_slurm(run: TokenizeRun, dumps: list[int], recipe: TokenizeRecipe, slurm: Any | None = None) -> Submission:
-    from megalaunch.launcher.slurm import SlurmClient
+    from megalaunch.launcher.backends.slurm import SlurmClient
 
     client = slurm or SlurmClient()
     atomic_write_text(run.job_script, render_job_script(run, recipe))
@@ -204,7 +204,7 @@ def submit(run: TokenizeRun, *, backend: str | None = None, dumps: list[int] | N
 
 def cancel(run: TokenizeRun, slurm: Any | None = None) -> str | None:
     """Cancel the last Slurm submission by its job id (never by name)."""
-    from megalaunch.launcher.slurm import SlurmClient
+    from megalaunch.launcher.backends.slurm import SlurmClient
 
     events = [e for e in run.events() if e.get("event") == "submitted" and e.get("job_id")]
     if not events:

@@ -1,0 +1,129 @@
+"""Does a recipe's layout fit its GPUs? The recipe's side of the memory model (config/planner/memory.py):
+its shape and layout, the GPU's memory from the cluster profile, and preflight's refusal with the
+estimate's breakdown and the changes that would fit."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megalaunch.config.megatron_args import fused_kernels
+from megalaunch.config.planner.gpus import GIB, gpu_spec, known_gpus
+from megalaunch.config.planner.memory import Layout, MemoryEstimate, ModelShape, estimate
+from megalaunch.config.schema import Recipe
+from megalaunch.errors import PreflightError
+
+
+def model_shape(recipe: Recipe, vocab_size: int | None) -> ModelShape:
+    m = recipe.model
+    return ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                      kv_heads=m.num_query_groups or m.num_attention_heads, ffn=m.ffn_hidden_size or 4 * m.hidden_size,
+                      vocab=vocab_size or 32000, seq=m.seq_length, swiglu=m.swiglu,
+                      tied=not m.untie_embeddings_and_output_weights, norm=m.normalization,
+                      bias=not m.disable_bias_linear, qkv_bias=m.add_qkv_bias,
+                      vocab_divisible_by=m.make_vocab_size_divisible_by)
+
+
+def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
+    p, t = recipe.parallel, recipe.training
+    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+                  dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
+                  num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
+                  distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
+                  attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
+                  fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
+                  kernels=speed_kernels(recipe))
+
+
+def speed_kernels(recipe: Recipe) -> str:
+    """The kernels the speed model assumes (config/planner/plan.py): liger's (its RoPE, SwiGLU and, at TP 1, fused
+    loss, and the gradient-accumulation fusion) for training.kernels auto and liger: liger-kernel comes with
+    megalaunch[train] on the GPU nodes. The memory model assumes Megatron's loss under auto (`fused_loss`):
+    a node without liger-kernel falls back to it and must still fit."""
+    return "liger" if recipe.training.kernels in ("auto", "liger") else "megatron"
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    gib: float
+    source: str  # what said so: "cluster.gpu H100" or "cluster.gpu_memory_gb"
+
+
+def gpu_memory(recipe: Recipe) -> GPUMemory | None:
+    """The GPU memory the cluster profile states (None when it says nothing, or the job runs on CPUs)."""
+    cl = recipe.cluster
+    if cl.gpus_per_node == 0:
+        return None
+    if cl.gpu_memory_gb:
+        return GPUMemory(float(cl.gpu_memory_gb), "cluster.gpu_memory_gb")
+    if cl.gpu:
+        spec = gpu_spec(cl.gpu)
+        if spec is None:
+            raise PreflightError(f"{cl.gpu!r} is not a GPU megalaunch knows", field="cluster.gpu",
+                                 valid=known_gpus(), fix="name one of them, or set cluster.gpu_memory_gb")
+        return GPUMemory(spec.memory_gib, f"cluster.gpu {cl.gpu}")
+    return None
+
+
+def fits(est: MemoryEstimate, memory_gib: float) -> bool:
+    return est.needed_gib() <= memory_gib
+
+
+def _alternatives(recipe: Recipe, layout: Layout) -> list[tuple[str, Layout]]:
+    """Single changes that lower memory, as (the --set that makes it, the layout it gives)."""
+    m, cl = recipe.model, recipe.cluster
+    out: list[tuple[str, Layout]] = []
+    if layout.recompute != "full":
+        out.append(("--set training.recompute=full", dataclasses.replace(layout, recompute="full")))
+    if layout.micro_batch > 1:
+        mb = layout.micro_batch // 2
+        out.append((f"--set training.micro_batch_size={mb}",
+                    dataclasses.replace(layout, micro_batch=mb, num_microbatches=layout.num_microbatches * 2)))
+    if layout.tp > 1 and not layout.sequence_parallel:
+        out.append(("--set parallel.sequence_parallel=true", dataclasses.replace(layout, sequence_parallel=True)))
+    tp2 = layout.tp * 2
+    kv = m.num_query_groups or m.num_attention_heads
+    if (layout.dp % 2 == 0 and tp2 <= max(cl.gpus_per_node, 1) and kv % tp2 == 0
+            and m.num_attention_heads % tp2 == 0):
+        out.append((f"--set parallel.tensor_model_parallel_size={tp2} --set parallel.sequence_parallel=true",
+                    dataclasses.replace(layout, tp=tp2, dp=layout.dp // 2, sequence_parallel=True,
+                                        num_microbatches=layout.num_microbatches * 2)))
+    pp2 = layout.pp * 2
+    if layout.dp % 2 == 0 and m.num_layers % pp2 == 0:
+        out.append((f"--set parallel.pipeline_model_parallel_size={pp2}",
+                    dataclasses.replace(layout, pp=pp2, dp=layout.dp // 2, vpp=None,
+                                        num_microbatches=layout.num_microbatches * 2)))
+    return out
+
+
+def check_memory(recipe: Recipe, dp: int, num_microbatches: int, vocab_size: int | None) -> MemoryEstimate | None:
+    """Refuse a layout whose estimated peak does not fit the GPU, with the breakdown and what would fit.
+    Mixture-of-experts models are not modelled (experts, their parallelism and token routing): no check,
+    rather than a dense model's figures for them (`megalaunch plan` refuses them outright)."""
+    mem = gpu_memory(recipe)
+    if mem is None or recipe.workload or recipe.model.num_experts:
+        return None
+    shape = model_shape(recipe, vocab_size)
+    layout = recipe_layout(recipe, dp, num_microbatches)
+    est = estimate(shape, layout)
+    if fits(est, mem.gib):
+        return est
+    fixes = []
+    singles = _alternatives(recipe, layout)
+    candidates = singles + [(f"{c1} {c2}", l2) for c1, l1 in singles for c2, l2 in _alternatives(recipe, l1)
+                            if c2.split("=")[0] != c1.split("=")[0]]
+    seen: set[frozenset[str]] = set()
+    for change, alt in candidates:  # single changes first, then pairs
+        key = frozenset(change.split(" --set "))
+        alt_est = estimate(shape, alt)
+        if fits(alt_est, mem.gib) and key not in seen and not any(k < key for k in seen):
+            seen.add(key)
+            fixes.append(f"{change} (~{alt_est.needed_gib():.0f} GiB)")
+    fix = "; ".join(fixes[:3]) if fixes else "more GPUs (cluster.nodes), more TP or PP, training.recompute=full"
+    stage = f" (pipeline stage {est.stage})" if layout.pp > 1 else ""
+    raise PreflightError(
+        f"{layout.describe()} needs ~{est.needed_gib():.0f} GiB per GPU{stage} but the GPU has {mem.gib:.0f} GiB "
+        f"({mem.source}): estimated {est.breakdown()}, + {(est.needed_gib() - est.total / GIB):.1f} GiB context, "
+        "NCCL and fragmentation",
+        field="parallel", valid=f"a layout that fits {mem.gib:.0f} GiB (see `megalaunch plan {recipe.name}`)",
+        fix=fix)

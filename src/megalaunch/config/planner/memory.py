@@ -1,0 +1,271 @@
+"""Per-GPU memory of a training layout, in plain arithmetic (login nodes import no torch/megatron).
+
+What it estimates is the peak of `torch.cuda.max_memory_allocated()` on the most loaded GPU: model
+state (bf16 weights, fp32 main gradients, fp32 master weights and Adam moments, sharded over DP x CP
+by the distributed optimizer) plus the larger of two transients: the activations of the micro-batches
+in flight with the logits and cross entropy of one micro-batch (forward/backward), or the optimizer
+step's temporaries. The fit check adds what the allocator does not count (CUDA context, NCCL,
+fragmentation: `RESERVED_GIB` + `FRAGMENTATION`) and compares with the GPU's memory.
+
+Activations are counted tensor by tensor for Megatron's local layer spec (what megalaunch trains
+without transformer-engine): per token and layer, in elements of 2 bytes,
+- sharded by SP when on, else whole on every TP rank: the two norms' inputs and normalised outputs
+  (torch's RMSNorm keeps both) and the inputs of the QKV and FC1 linears: 6 h;
+- sharded by TP: the QKV output (q + 2 kv), RoPE's rotated halves and outputs (2 (q + kv)), the core
+  attention's output and linear_proj's input (2 q), the MLP (SwiGLU: FC1 output 2 f, SiLU output f,
+  FC2 input f, of which the fused SwiGLU of `training.fused_kernels` keeps no SiLU output; GELU: 2 f);
+- Megatron's local attention (no fused kernel) also keeps the softmax probabilities: 2 bytes x heads
+  x sequence per token, unless selective recompute drops them;
+- full recompute keeps each layer's input (h) and rebuilds one layer at a time in the backward.
+The model state (weights, gradients, optimizer) equals Megatron's own theoretical memory
+(megatron/training/theoretical_memory_usage.py, which login nodes cannot import) for every shipped layout:
+tests/megatron/test_memory_model.py. Megatron's activation formula assumes TE's kernels and selective
+recompute, so the activations are calibrated against measured peaks instead (docs/results.md: 19 runs on
+1, 2 and 4 H200s within -2.7..+7.5 %). With `training.fused_kernels` the layer keeps 4 h (no dropout
+copies: fused bias-dropout-add) and 3 f (fused SwiGLU) where the unfused keeps 6 h and 4 f: measured
+1.24 against 1.55 GiB per llama3-8b layer and micro-batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megalaunch.config.planner.gpus import GIB
+
+RESERVED_GIB = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: memory the allocator does not count
+FRAGMENTATION = 0.05  # the caching allocator's slack over max allocated (reserved - allocated), as a fraction
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model, in the numbers memory and FLOPs depend on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int  # the tokenizer's vocabulary (Megatron pads it)
+    seq: int
+    swiglu: bool = True
+    tied: bool = False  # embeddings shared with the output layer
+    norm: str = "RMSNorm"
+    bias: bool = False
+    qkv_bias: bool = False
+    vocab_divisible_by: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def padded_vocab(self, tp: int) -> int:
+        step = self.vocab_divisible_by * tp
+        return math.ceil(self.vocab / step) * step
+
+    def layer_matmul_params(self) -> int:
+        """Parameters of one layer that TP splits (the linears)."""
+        h, f = self.hidden, self.ffn
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = (3 if self.swiglu else 2) * h * f
+        biases = 0
+        if self.bias:
+            biases = self.q_size + 2 * self.kv_size + h + (2 * f if self.swiglu else f) + h
+        elif self.qkv_bias:
+            biases = self.q_size + 2 * self.kv_size
+        return attn + mlp + biases
+
+    def layer_norm_params(self) -> int:
+        return 2 * self.hidden * (1 if self.norm == "RMSNorm" else 2)
+
+    def total_params(self) -> int:
+        emb = self.padded_vocab(1) * self.hidden
+        return (self.layers * (self.layer_matmul_params() + self.layer_norm_params()) + emb * (1 if self.tied else 2)
+                + self.hidden)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step runs on the GPUs."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    precision: str = "bf16"
+    attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
+    fused: bool = False  # training.fused_kernels: 4 h + 3 f per token and layer kept, not 6 h + 4 f
+    fused_loss: bool = False  # training.kernels: liger: its fused linear cross entropy (TP 1) keeps no logits
+    kernels: str = "megatron"  # speed only (config/planner/plan.py): "liger" = training.kernels auto|liger on GPUs
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def describe(self) -> str:
+        dims = [f"TP {self.tp}", f"PP {self.pp}", *([f"VPP {self.vpp}"] if self.vpp else []),
+                *([f"CP {self.cp}"] if self.cp > 1 else []), f"DP {self.dp}"]
+        extras = [f"micro-batch {self.micro_batch}", *(["SP"] if self.sequence_parallel else []),
+                  *([f"recompute {self.recompute}"] if self.recompute != "none" else [])]
+        return " x ".join(dims) + ", " + ", ".join(extras)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU on the most loaded pipeline stage; `total` is the estimated max allocated."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # transformer layers, all micro-batches in flight
+    logits: float  # embedding, final norm, output layer and cross entropy of one micro-batch
+    transient: float  # the backward's (or the optimizer step's) temporaries at the peak
+    stage: int  # the pipeline stage it describes (0 = first)
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.logits + self.transient
+
+    def needed_gib(self) -> float:
+        """What must be free on the GPU: the estimate plus what the allocator does not count."""
+        return self.total / GIB * (1 + FRAGMENTATION) + RESERVED_GIB
+
+    def breakdown(self) -> str:
+        parts = [("weights", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("activations", self.activations), ("logits", self.logits), ("temporaries", self.transient)]
+        return " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts) + \
+            f" = {self.total / GIB:.1f} GiB"
+
+
+def _bytes_per_param(layout: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter held by a rank."""
+    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    if layout.precision == "fp32":
+        return 4.0, 4.0, 8.0 / shard  # no master copy; Adam's two moments
+    return 2.0, 4.0, 12.0 / shard  # bf16/fp16 weights; fp32 main grads; fp32 master + two moments
+
+
+def stage_params(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """Parameters held by one TP rank of pipeline stage `stage`."""
+    tp, pp = layout.tp, layout.pp
+    per_layer = shape.layer_matmul_params() // tp + shape.layer_norm_params()
+    n = shape.layers // pp * per_layer
+    emb = shape.padded_vocab(tp) * shape.hidden // tp
+    if stage == 0:
+        n += emb
+    if stage == pp - 1:
+        n += shape.hidden  # final norm
+        if not shape.tied or pp > 1:  # with PP a tied output layer keeps its own copy on the last stage
+            n += emb
+    return n
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, float]:
+    """(bytes one layer keeps for its backward, bytes it holds while it runs) per micro-batch on one GPU."""
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    t = layout.tp
+    sp = layout.sequence_parallel and t > 1
+    rep = shape.hidden * (4 if layout.fused else 6) / (t if sp else 1)
+    q, kv = shape.q_size, shape.kv_size
+    mlp = ((3 if layout.fused else 4) if shape.swiglu else 2) * shape.ffn
+    sharded = ((q + 2 * kv) + 2 * (q + kv) + 2 * q + mlp) / t
+    full = (rep + sharded) * 2 * tokens
+    if layout.attention == "local":  # softmax probabilities, [b, heads/t, s, s] in bf16 (causal: all stored)
+        probs = 2 * layout.micro_batch * (shape.heads / t) * (shape.seq / layout.cp) * shape.seq / layout.cp
+        full += probs if layout.recompute == "none" else 0.0
+        running = full + probs
+    else:
+        running = full
+        if layout.recompute == "selective":
+            full -= q / t * 2 * tokens  # the core attention's own output is recomputed
+    if layout.recompute == "full":
+        kept = shape.hidden / (t if sp else 1) * 2 * tokens  # the layer's input only
+        return kept, running
+    return full, running
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at once (1F1B schedules). Interleaved:
+    stage r runs (p - r - 1) * 2 + (v - 1) * p forwards of model chunks (1/v of its layers each) before its
+    first backward (Megatron's get_pp_rank_microbatches), so even the last stage holds nearly p
+    micro-batches' worth (measured: 89.6 GiB on the last stage against 85.1 on the first, VPP 8)."""
+    pp, m, v = layout.pp, layout.num_microbatches, layout.vpp
+    if pp == 1:
+        return 1.0
+    if v:  # interleaved: Megatron's warm-up forwards of model chunks (schedules.py), + the one in its steady state
+        chunks = min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    return float(min(pp - stage, m))
+
+
+def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
+    n = stage_params(shape, layout, stage)
+    wb, gb, ob = _bytes_per_param(layout)
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    per_layer, running = layer_activation_bytes(shape, layout)
+    layers = shape.layers // layout.pp
+    acts = per_layer * layers * in_flight(layout, stage)
+    logits = 0.0
+    sp = layout.sequence_parallel and layout.tp > 1
+    if stage == 0:  # embedding output (bf16) of each micro-batch in flight
+        acts += 2 * shape.hidden * tokens / (layout.tp if sp else 1) * in_flight(layout, stage)
+    if stage == layout.pp - 1:
+        # final norm in/out, the bf16 logits and their fp32 copy, which Megatron's cross entropy turns into
+        # the softmax in place and keeps for the backward: 2 + 4 bytes per logit, one micro-batch at a time
+        # (calibrated on H200: 10 bytes overestimated every llama3-1b case by 5-20 %, docs/results.md)
+        vocab = shape.padded_vocab(layout.tp) / layout.tp
+        logits = tokens * (4 * shape.hidden / (layout.tp if sp else 1) + 6 * vocab)
+        if layout.fused_loss and layout.tp == 1:
+            logits = fused_loss_bytes(shape, tokens)
+    # The backward's working set: one layer's activation gradients plus a layer's weight gradient (bf16,
+    # before it is added into the fp32 main grads); with full recompute, the layer rebuilt for its backward.
+    grad_work = running * 0.5 + 2 * shape.layer_matmul_params() / layout.tp
+    if layout.recompute == "full":
+        grad_work += running
+    # The optimizer step (torch AdamW, foreach): one fp32 temporary per parameter of its shard (the second
+    # moment's square root) and some slack; 8 bytes (two temporaries) overestimated a full-recompute 2.8B
+    # case by 10 % on H200 (docs/results.md).
+    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    step_work = 5.0 * n / shard
+    transient = grad_work
+    if step_work > acts + logits + grad_work:  # the step runs after the activations are freed
+        transient, acts, logits = step_work, 0.0, 0.0
+    return MemoryEstimate(params=wb * n, grads=gb * n, optimizer=ob * n, activations=acts, logits=logits,
+                          transient=transient, stage=stage)
+
+
+def fused_loss_bytes(shape: ModelShape, tokens: float) -> float:
+    """megalaunch's fused linear cross entropy (runtime/model/liger_layers.py): the final norm in/out (4 h), the
+    input's gradient it computes in the forward and keeps (2 h) and an fp32 loss per token; the weight's
+    gradient, summed in fp32 (vocabulary x h x 4) and kept from the forward to the backward, where it is cast
+    to bf16 (x 2 more); one chunk of CHUNK_ROWS rows of bf16 logits at a time. No [tokens x vocabulary] tensor.
+    Measured (llama3-1b, seq 2048, one H100, liger's loss): max allocated 26.5 / 42.3 / 62.3 GiB at
+    micro-batch 2 / 8 / 16 against 28.3 / 45.5 / 68.4 estimated for the whole model (+7 to +10 %)."""
+    from megalaunch.runtime.model.liger_layers import CHUNK_ROWS
+
+    vocab = shape.padded_vocab(1)
+    return tokens * (6 * shape.hidden + 4) + 6 * vocab * shape.hidden + 2 * min(CHUNK_ROWS, tokens) * vocab
+
+
+def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:
+    """The estimate of the most loaded pipeline stage (first and last differ: embedding, logits, in-flight)."""
+    stages = {0, layout.pp - 1}
+    return max((estimate_stage(shape, layout, s) for s in stages), key=lambda e: e.total)

@@ -1,0 +1,297 @@
+"""`megalaunch plan`: every valid layout of a recipe on a cluster shape, its memory (config/planner/memory.py)
+and its predicted speed, ranked. Plain arithmetic: it runs on login nodes.
+
+The throughput model, per optimizer step on one GPU:
+- compute: the model's FLOPs (matmuls 6 N per token, causal attention, the output layer; recompute adds a
+  forward) over the GPU's peak times an efficiency: `GEMM_EFFICIENCY` (fitted to layouts measured with
+  torch SDPA and Megatron's local layers on H200s, docs/results.md), lowered for narrower matrices (TP)
+  and short micro-batches; the slowest pipeline stage sets the pace (the last one also runs the output
+  layer and the loss);
+- TP: 4 collectives per layer and micro-batch (2 forward, 2 backward; + 2 per recomputed forward) of the
+  layer's activations, ring cost 2 (t-1)/t x bytes over the node's GPU bandwidth, not overlapped;
+- CP: the KV exchange of the ring attention, half hidden behind compute;
+- PP: the 1F1B bubble (p - 1) / (v m) of the compute, and the point-to-point sends;
+- DP: the gradient reduce-scatter (fp32) and the parameter all-gather (bf16) of the distributed optimizer
+  (an all-reduce without it), not overlapped, over NVLink inside a node and `INTERNODE_GBPS` across;
+- the optimizer step: memory-bound, ~40 bytes per parameter of the shard over the HBM bandwidth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalaunch.config.planner.gpus import GPUSpec, gpu_spec, known_gpus
+from megalaunch.config.planner.memory import RECOMPUTES, Layout, MemoryEstimate, ModelShape, estimate
+from megalaunch.config.schema import Recipe
+from megalaunch.errors import PreflightError
+
+# Of the dense peak, wide matmuls, 8k tokens per micro-batch: fitted with the memory-bound terms below to 36
+# runs on H200s and H100s (docs/results.md "Fused kernels"; tests/unit/test_plan_speed.py keeps them).
+GEMM_EFFICIENCY = 0.58
+TP_EFFICIENCY_LOSS = 0.05  # per doubling of TP: narrower matmuls
+MICROBATCH_TOKENS_HALF = 512  # tokens per micro-batch at which matmul efficiency would halve
+INTERNODE_GBPS = 40.0  # per GPU across nodes (400 Gb/s InfiniBand / RoCE), achievable
+SELECTIVE_RECOMPUTE_COST = 0.03  # of compute: the core attention's forward again (measured 3 %, SDPA, H200)
+# Memory-bound work, over the GPU's HBM bandwidth (why an H100 trains llama3-1b 5-8 % slower than an H200 at
+# the same peak, and why the 1B, narrow and with a large vocabulary, reaches a lower MFU than the 8B):
+# - the layer's elementwise ops (norms, RoPE, SwiGLU, residual adds, copies): bytes per token, layer and
+#   element of hidden + FFN width, by kernel choice: Megatron's unfused (training.fused_kernels off), its
+#   torch.compile'd fusions (on), and liger-kernel's RoPE and SwiGLU on top (training.kernels auto|liger);
+# - the output layer's loss: bytes per token and vocabulary entry: Megatron's (logits written, read by the
+#   compiled cross entropy, its gradient written) or liger's kernel in megalaunch's chunked loop (TP 1);
+# - the weight gradients' fp32 accumulation: bytes per parameter and micro-batch, unless the gradient-
+#   accumulation fusion (runtime/model/wgrad_fusion.py; training.kernels auto|liger) computes them into main_grad.
+# Fitted (bench/plan_fit.py --fit), except the gradient accumulation: measured in the H100 profiles (303 ms of
+# llama3-8b's TP 2 step, 24 ms of llama3-1b's at micro-batch 8: ~19 bytes per parameter at nominal bandwidth).
+ELEMENTWISE_BYTES = {"unfused": 92.0, "fused": 47.0, "liger": 16.5}
+LOSS_BYTES = {"megatron": 67.0, "liger": 40.0}
+WGRAD_ACCUM_BYTES = 19.0
+PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    step_s: float
+    tokens_per_s: float  # per GPU
+    tflops: float  # model TFLOP/s per GPU
+    parts: dict[str, float]  # seconds per step: compute, tp, cp, pp_bubble, dp, optimizer, memory_pressure
+    fits: bool
+
+
+def flops_parts(shape: ModelShape) -> tuple[float, float]:
+    """(one transformer layer, the output layer) FLOPs of one training token, forward + backward."""
+    layer = 3 * (2 * shape.layer_matmul_params() + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
+    return layer, 3 * 2 * shape.hidden * shape.padded_vocab(1)
+
+
+def flops_per_token(shape: ModelShape) -> float:
+    """Model FLOPs of one training token (forward + backward), without recompute."""
+    layer, logits = flops_parts(shape)
+    return shape.layers * layer + logits
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
+            precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
+            fused_loss: bool = False, kernels: str = "megatron") -> list[Layout]:
+    """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
+    the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
+    micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
+    out = []
+    for tp in _divisors(min(gpus_per_node, world)):
+        if shape.heads % tp or shape.kv_heads % tp or shape.ffn % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if shape.layers % pp:
+                continue
+            for cp in _divisors(world // (tp * pp)):
+                if cp > 1 and (attention == "sdpa" or shape.seq % (2 * cp)):
+                    continue
+                dp = world // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                for mb in (1, 2, 4, 8, 16):
+                    if (global_batch // dp) % mb:
+                        continue
+                    m = global_batch // (dp * mb)
+                    vpps: list[int | None] = [None]
+                    if pp > 1:
+                        vpps += [v for v in range(2, 9) if shape.layers % (pp * v) == 0 and m % pp == 0]
+                    for vpp in vpps:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for rc in RECOMPUTES:
+                                out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb,
+                                                  num_microbatches=m, recompute=rc, sequence_parallel=sp,
+                                                  distributed_optimizer=distributed_optimizer,
+                                                  precision=precision, attention=attention, fused=fused,
+                                                  fused_loss=fused_loss, kernels=kernels))
+    return out
+
+
+def _ring(bytes_: float, n: int, gbps: float) -> float:
+    return 2 * (n - 1) / n * bytes_ / (gbps * 1e9) if n > 1 else 0.0
+
+
+def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: int) -> dict[str, float]:
+    """Seconds per optimizer step on one GPU, by part."""
+    L = layout
+    tokens_mb = L.micro_batch * shape.seq / L.cp  # tokens of one micro-batch on one GPU
+    m = L.num_microbatches
+    recompute_factor = {"none": 1.0, "selective": 1.0 + SELECTIVE_RECOMPUTE_COST, "full": 4.0 / 3.0}[L.recompute]
+    eff = GEMM_EFFICIENCY * tokens_mb / (tokens_mb + MICROBATCH_TOKENS_HALF) * (8192 + MICROBATCH_TOKENS_HALF) / 8192
+    eff *= (1 - TP_EFFICIENCY_LOSS) ** (L.tp.bit_length() - 1)
+    if L.attention == "local":
+        eff *= 0.55  # Megatron's unfused attention: half the speed at long sequences (docs/results.md)
+    # The slowest pipeline stage sets the pace: the last one also runs the output layer and the loss
+    # (Megatron splits the layers evenly; measured on 2x H200, 8 of llama3-8b's layers: PP 2 ran 20 %
+    # below DP 2, where an even split predicts the 1F1B bubble alone, 12 %; docs/results.md).
+    layer_flops, logits_flops = flops_parts(shape)
+    stage_flops = (layer_flops * shape.layers / L.pp * recompute_factor + logits_flops) / L.tp
+    compute = stage_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
+    layers = shape.layers / L.pp
+    compute += memory_bound(shape, L, layers * recompute_factor, tokens_mb * m) / (gpu.hbm_tbps * 1e12)
+    act_bytes = 2 * tokens_mb * shape.hidden
+    forwards = 2 if L.recompute == "full" else 1
+    tp_comm = _ring(act_bytes, L.tp, gpu.nvlink_gbps) * (2 * forwards + 2) * layers * m
+    kv_bytes = 2 * tokens_mb * 2 * shape.kv_size / L.tp
+    cp_comm = 0.5 * _ring(kv_bytes, L.cp, gpu.nvlink_gbps if L.tp * L.cp <= gpus_per_node else INTERNODE_GBPS) \
+        * layers * m * 2
+    bubble = compute * (L.pp - 1) / ((L.vpp or 1) * m)
+    pp_bw = gpu.nvlink_gbps if L.tp * L.cp * L.pp <= gpus_per_node else INTERNODE_GBPS
+    pp_comm = (2 * act_bytes / L.tp / (pp_bw * 1e9)) * 2 * m * (L.vpp or 1) if L.pp > 1 else 0.0
+    n = sum(shape.layer_matmul_params() for _ in range(1)) * shape.layers / (L.tp * L.pp) + \
+        shape.padded_vocab(L.tp) * shape.hidden / L.tp * (1 if shape.tied else 2) / L.pp
+    dp_group = L.dp * L.cp
+    dp_bw = gpu.nvlink_gbps if L.tp * L.cp * L.pp * L.dp <= gpus_per_node else INTERNODE_GBPS
+    grad_bytes = 4 * n
+    dp_comm = (_ring(grad_bytes, dp_group, dp_bw) / 2 + _ring(2 * n, dp_group, dp_bw) / 2) \
+        if L.distributed_optimizer else _ring(grad_bytes, dp_group, dp_bw)
+    shard = dp_group if L.distributed_optimizer else 1
+    optimizer = 40 * n / shard / (gpu.hbm_tbps * 1e12)
+    return {"compute": compute, "tp": tp_comm, "cp": cp_comm, "pp_bubble": bubble + pp_comm, "dp": dp_comm,
+            "optimizer": optimizer}
+
+
+def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> float:
+    """Bytes one GPU moves per step in memory-bound kernels (the constants above): `layers` of the stage
+    (recomputed ones counted again), `tokens` of its micro-batches."""
+    width = (shape.hidden / L.tp if L.sequence_parallel else shape.hidden) + shape.ffn / L.tp
+    liger = L.kernels == "liger"
+    kind = "liger" if liger else ("fused" if L.fused else "unfused")
+    loss = LOSS_BYTES["liger" if liger and L.tp == 1 else "megatron"] * shape.padded_vocab(L.tp) / L.tp * tokens
+    params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp)
+    wgrad = 0.0 if liger else WGRAD_ACCUM_BYTES * params * L.num_microbatches
+    return ELEMENTWISE_BYTES[kind] * width * layers * tokens + loss + wgrad
+
+
+def memory_pressure(used: float) -> float:
+    """The slowdown charged to a layout that needs `used` of the GPU's memory: none up to
+    `PRESSURE_FROM`, then rising linearly to `PRESSURE_COST` at 100 %. Near the limit the caching
+    allocator frees and retries (`num_alloc_retries`), a checkpoint save's buffers or a longer
+    document may not fit, and the memory model's own error (-3..+8 % measured) decides whether it
+    fits at all: a layout a few percent faster on paper is not worth that (a heuristic, not measured)."""
+    return PRESSURE_COST * min(1.0, max(0.0, (used - PRESSURE_FROM) / (1 - PRESSURE_FROM)))
+
+
+def step_key(step_s: float) -> float:
+    """Step times equal to 4 significant digits are a tie (SP on or off, say), which less memory wins;
+    relative, so that a tiny model's microseconds still rank."""
+    return float(f"{step_s:.4g}")
+
+
+def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
+         attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
+         fused: bool = False, fused_loss: bool = False, kernels: str = "megatron") -> list[Candidate]:
+    """Every layout, fastest first; layouts that do not fit come after all that do."""
+    out = []
+    for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                          attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
+                          fused=fused, fused_loss=fused_loss, kernels=kernels):
+        mem = estimate(shape, layout)
+        parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
+        parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
+        step = sum(parts.values())
+        tokens = global_batch * shape.seq / step / world
+        out.append(Candidate(layout=layout, memory=mem, step_s=step, tokens_per_s=tokens,
+                             tflops=tokens * flops_per_token(shape) / 1e12, parts=parts,
+                             fits=mem.needed_gib() <= memory_gib))
+    out.sort(key=lambda c: (not c.fits, step_key(c.step_s), c.memory.needed_gib()))
+    return out
+
+
+def set_lines(layout: Layout) -> list[str]:
+    """The `--set` overrides that give a recipe this layout."""
+    return [f"parallel.tensor_model_parallel_size={layout.tp}",
+            f"parallel.pipeline_model_parallel_size={layout.pp}",
+            f"parallel.virtual_pipeline_model_parallel_size={layout.vpp if layout.vpp else 'null'}",
+            f"parallel.context_parallel_size={layout.cp}",
+            f"parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
+            f"training.micro_batch_size={layout.micro_batch}",
+            f"training.recompute={layout.recompute}"]
+
+
+def table(cands: list[Candidate], top: int) -> list[str]:
+    lines = [f"{'#':>3} {'layout':<52} {'memory':>9} {'step s':>7} {'tokens/s/GPU':>12} {'TFLOP/s':>8}  "
+             "time: compute/tp/pp/dp"]
+    for i, c in enumerate(cands[:top], 1):
+        p = c.parts
+        lines.append(f"{i:>3} {c.layout.describe():<52} {c.memory.needed_gib():>6.1f} GiB {c.step_s:>7.2f} "
+                     f"{c.tokens_per_s:>12,.0f} {c.tflops:>8.0f}  {p['compute']:.2f}/{p['tp']:.2f}/"
+                     f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}"
+                     + (f" +{p['memory_pressure']:.2f} memory pressure" if p.get("memory_pressure") else "")
+                     + ("" if c.fits else "  (does not fit)"))
+    return lines
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe_name: str
+    gpu: GPUSpec
+    memory_gib: float
+    nodes: int
+    gpus_per_node: int
+    candidates: list[Candidate]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+
+def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = None, gpus_per_node: int | None = None,
+                gpu: str | None = None) -> Plan:
+    """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
+    recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
+    from megalaunch.config.megatron_args import fused_kernels
+    from megalaunch.config.planner.fit import model_shape, speed_kernels
+
+    cl = recipe.cluster
+    if recipe.model.num_experts:
+        raise PreflightError(f"{recipe.name} is a mixture-of-experts model ({recipe.model.num_experts} experts): "
+                             "the memory and speed models cover dense transformers only", field="model.num_experts",
+                             valid="a dense model (num_experts unset)",
+                             fix="plan the dense model of the same width, or size the MoE layout by hand")
+    nodes = nodes or cl.nodes
+    gpn = gpus_per_node if gpus_per_node is not None else cl.gpus_per_node
+    if nodes < 1 or gpn < 1:
+        raise PreflightError(f"{nodes} nodes x {gpn} GPUs per node: planning needs GPUs", field="--gpus-per-node",
+                             valid=">= 1 GPU per node and >= 1 node", fix="--nodes 1 --gpus-per-node 8")
+    name = gpu or cl.gpu
+    spec = gpu_spec(name)
+    if spec is None:
+        raise PreflightError(f"{name!r} is not a GPU megalaunch knows" if name else "no GPU type given",
+                             field="--gpu" if gpu or not cl.gpu else "cluster.gpu", valid=known_gpus(),
+                             fix="--gpu H100 (or set cluster.gpu in the cluster profile)")
+    memory = float(cl.gpu_memory_gb) if cl.gpu_memory_gb and not gpu else spec.memory_gib
+    t = recipe.training
+    attention = "local" if t.attention == "local" else ("te" if t.attention == "te" else "sdpa")
+    cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
+                 global_batch=t.global_batch_size, attention=attention, precision=t.precision,
+                 distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+                 fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger", kernels=speed_kernels(recipe))
+    if not cands:
+        raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
+                             f"{t.global_batch_size}", field="training.global_batch_size",
+                             valid="a multiple of the data-parallel size", fix="raise training.global_batch_size")
+    return Plan(recipe.name, spec, memory, nodes, gpn, cands)
+
+
+def recipe_text(source: str, plan: Plan) -> str:
+    """A recipe that includes `source` with the plan's first layout (for `plan --apply --write FILE`)."""
+    assert plan.best is not None
+    c = plan.best
+    lines = [f"# {plan.recipe_name}, ranked first by `megalaunch plan` for {plan.nodes} x {plan.gpus_per_node} "
+             f"{plan.gpu.name}:", f"# {c.layout.describe()}: ~{c.memory.needed_gib():.0f} GiB per GPU, "
+             f"~{c.tokens_per_s:,.0f} tokens/s per GPU predicted", f"include: [{source}]",
+             "cluster:", f"  nodes: {plan.nodes}", f"  gpus_per_node: {plan.gpus_per_node}", f"  gpu: {plan.gpu.name}"]
+    sections: dict[str, list[str]] = {}
+    for line in set_lines(c.layout):
+        key, value = line.split("=", 1)
+        section, field = key.split(".")
+        sections.setdefault(section, []).append(f"  {field}: {value}")
+    for section, items in sections.items():
+        lines += [f"{section}:", *items]
+    return "\n".join(lines) + "\n"

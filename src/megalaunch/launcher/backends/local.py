@@ -1,0 +1,238 @@
+"""The local backend: the same run directory, chain, triggers and outcomes on one machine without
+Slurm. Segments run one after another in this process; a timer plays the time limit: the stop
+signal at LEAD before it, SIGTERM at the limit, SIGKILL a grace period later. Like Slurm, which
+signals every process of a job step, each signal goes to the whole process group of each task
+(the task supervisor, the trainer and everything the trainer started).
+
+The hang watcher's decision (runtime/hangwatch.py) runs in the same loop: rank 0's heartbeat silent for
+chain.startup_timeout_s before the first iteration (a little more than chain.hang_timeout_s after) ->
+SIGURG to every task (Python stacks under RUN/debug/), outcome `hung`, SIGKILL, and the chain goes on."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from megalaunch.config.loader import load_run_recipe
+from megalaunch.config.preflight import signal_lead_s
+from megalaunch.config.schema import Recipe
+from megalaunch.launcher.chain.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
+from megalaunch.launcher.chain.chain import Chain, Verdict
+from megalaunch.launcher.prepare.prepare import PreparedRun, job_command, task_supervisor, write_run
+from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
+from megalaunch.rundir.evals import queued
+from megalaunch.rundir.ledger import Ledger, Segment
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.registry import register
+from megalaunch.runtime.hangwatch import STACKS_WAIT_S, HangWatch, Limits, read_beat, record_hang
+from megalaunch.runtime.health.watchdog import STACKS_SIGNAL
+from megalaunch.runtime.rank.dist_env import free_port
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.stop.signals import resolve_signal
+from megalaunch.runtime.stop.stop_window import DEADLINE_ENV
+
+KILL_WAIT_S = 10.0
+POLL_S = 0.2
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this id runs on this host (signal 0 checks without sending anything); a zombie,
+    ended but not yet reaped by its parent, does not count."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc here: trust the signal check
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
+
+
+
+
+def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
+                echo: Callable[[str], None] = print, lead: int | None = None) -> int:
+    """Start one process per task, play the time limit, return the exit status (max over ranks).
+    `lead`: the stop signal this long before the limit (default: the rendered lead)."""
+    cl = recipe.cluster
+    world = cl.ntasks_per_node
+    log_path = paths.logs / f"{chain_name}-{job_id}.out"
+    base_env = dict(os.environ)
+    base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    base_env.update({k: v for k, v in cl.env.items()})
+    port = free_port()
+    command = [*task_supervisor(recipe), *job_command(recipe, paths)]
+    if cl.python == "python3":  # the interpreter megalaunch runs in
+        command = [sys.executable if arg == cl.python else arg for arg in command]
+    procs: list[subprocess.Popen[bytes]] = []
+    limit = cl.time_limit_s
+    start = time.monotonic()  # the timer counts from here, and the deadline the tasks get is the same moment
+    base_env[DEADLINE_ENV] = f"{time.time() + limit:.3f}"  # the signal window (runtime/stop/stop_window.py)
+    with open(log_path, "ab") as log:
+        for rank in range(world):
+            env = dict(base_env, MEGALAUNCH_RUN_DIR=str(paths.root), MEGALAUNCH_JOB_ID=job_id,
+                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+    lead = signal_lead_s(recipe) if lead is None else lead
+    stop_sig = resolve_signal(recipe.chain.stop_signal)
+    signalled = killed = False
+    kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
+    hang = HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s), start)
+    hang_kill_at: float | None = None  # stacks asked for: outcome hung and SIGKILL at this time
+    echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
+    while any(p.poll() is None for p in procs):
+        elapsed = time.monotonic() - start
+        if not killed and any(p.returncode not in (None, 0) for p in procs):
+            # as `srun --kill-on-bad-exit=1`: one task failed, the others would wait for it forever
+            bad = next(i for i, p in enumerate(procs) if p.returncode not in (None, 0))
+            _send(procs, signal.SIGKILL)
+            killed = True
+            echo(f"segment {job_id}: task {bad} exited with status {procs[bad].returncode}; killed the others")
+        if kill_at is None and paths.cancel_requested.exists():  # `megalaunch cancel` from another shell
+            _send(procs, signal.SIGTERM)  # as scancel: SIGTERM now, SIGKILL a grace period later, no save
+            kill_at, signalled = elapsed + KILL_WAIT_S, True
+            echo(f"segment {job_id}: cancel requested, sent SIGTERM")
+        if not signalled and elapsed >= limit - lead:
+            _send(procs, stop_sig)
+            signalled = True
+            echo(f"segment {job_id}: time-limit warning, sent {stop_sig.name}")
+        if kill_at is None and elapsed >= limit:
+            _send(procs, signal.SIGTERM)
+            kill_at = limit + KILL_WAIT_S
+            echo(f"segment {job_id}: time limit reached, sent SIGTERM")
+            Ledger(paths).append("time_limit_reached", job_id=job_id)  # what ends it now is no node's fault
+        if kill_at is not None and elapsed >= kill_at:
+            _send(procs, signal.SIGKILL)
+        if hang_kill_at is None and not killed:
+            hang.observe(time.monotonic(), read_beat(paths.heartbeat(job_id)))
+            if hang.decide(time.monotonic(), "RUNNING") == "fire":
+                reason = hang.reason(time.monotonic())
+                _send(procs, STACKS_SIGNAL)  # faulthandler in each trainer dumps every thread's stack
+                hang_kill_at = elapsed + STACKS_WAIT_S
+                echo(f"segment {job_id}: HUNG: {reason}; asked every task for its stacks")
+        elif hang_kill_at is not None and not killed and elapsed >= hang_kill_at:
+            record_hang(paths, job_id, hang.reason(time.monotonic()), hang)
+            _send(procs, signal.SIGKILL)
+            killed = True
+            echo(f"segment {job_id}: killed the hung tasks; outcome hung")
+        time.sleep(POLL_S)
+    codes = [p.returncode for p in procs]
+    return max((c if c >= 0 else 128 - c) for c in codes)
+
+
+def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
+    """To every process of each live task, as Slurm signals every process of a job step."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+
+
+def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
+                    echo: Callable[[str], None] = print) -> Verdict:
+    os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
+    chain = Chain(paths, LocalBackend(), RuntimeSettings.load(paths))
+    n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
+    while True:
+        job_id = f"local-{n}"
+        chain.ledger.append("submitted", job_id=job_id, by="local backend", pid=os.getpid())
+        verdict = chain.begin(job_id)
+        if not verdict.proceed:
+            echo(f"chain stopped: {verdict.reason}")
+            return verdict
+        lead = safe_plan(paths, chain.settings, echo)  # this segment's timer, from the saves measured so far
+        if lead is not None and lead.raised:
+            record_lead(chain.ledger, job_id, lead, echo)
+        code = run_segment(paths, recipe, job_id, chain_name, echo, lead=lead.lead if lead is not None else None)
+        start_eval_worker(paths, echo)
+        verdict = chain.end(job_id, code)
+        echo(f"segment {job_id} done (exit status {code}): {verdict.reason}")
+        if not verdict.proceed:
+            return verdict
+        n += 1
+
+
+def start_eval_worker(paths: RunPaths, echo: Callable[[str], None] = print) -> int | None:
+    """After a segment: the evals it queued run in a background worker (`megalaunch eval run-queued`:
+    one at a time, nice 19, a session of its own), so the next segment starts at once and a failed
+    eval touches nothing of the chain."""
+    if not queued(paths):
+        return None
+    paths.evals.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(paths.evals / "local-worker.log", "ab") as log:
+        p = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "megalaunch.cli.main", "eval", "run-queued",
+                              str(paths.root)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+    echo(f"evals of iterations {queued(paths)} run in the background (pid {p.pid}): megalaunch eval status {paths.root}")
+    return p.pid
+
+
+class LocalBackend:
+    """This machine: the chain runs in the foreground process, segment after segment."""
+
+    name = "local"
+
+    def start(self, prepared: PreparedRun, echo: Echo) -> Started:
+        paths = write_run(prepared)
+        register(paths.root)
+        echo(f"run directory: {paths.root}")
+        echo("running the chain on this machine (Ctrl-C stops it; `megalaunch resume` continues it)")
+        verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo)
+        return Started(paths, None, verdict.reason)
+
+    def resume(self, paths: RunPaths, echo: Echo, from_iteration: int | None = None) -> Started:
+        with contextlib.suppress(FileNotFoundError):
+            paths.cancel_requested.unlink()
+        Ledger(paths).append("chain_resumed", **resumed_event(from_iteration))
+        verdict = run_local_chain(paths, load_run_recipe(paths), paths.root.name, echo=echo)
+        return Started(paths, None, verdict.reason)
+
+    def cancel(self, paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
+        """Ask the chain's process to stop: it kills its running segment and starts no other."""
+        running = [s for s in unfinished(Ledger(paths).segments()) if s.pid is not None and pid_alive(s.pid)]
+        paths.cancel_requested.write_text(f"{getpass.getuser()} {time.time()}\n")
+        deadline = time.monotonic() + timeout_s
+        while any(pid_alive(s.pid) for s in running if s.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for s in running:  # a chain process that did not stop in time
+            with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+                os.kill(s.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        targets = [s.job_id for s in running]
+        record_cancel(paths, targets)
+        return targets
+
+    def live(self, segments: list[Segment]) -> tuple[dict[str, Live], str | None]:
+        out = {}
+        for s in unfinished(segments):
+            if s.pid is not None and pid_alive(s.pid):
+                out[s.job_id] = Live("RUNNING" if s.started else "PENDING")
+        return out, None
+
+    def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None,
+                         signal_lead_s: int | None = None) -> str | None:
+        return None  # the chain's process runs the next segment itself (and sets its timer's lead)
+
+    def known_nodes(self, partition: str | None) -> list[str] | None:
+        return None  # one machine: nothing to exclude
+
+    def exclude(self, job_ids: list[str], nodes: list[str]) -> None:
+        return None
+
+    def cancel_jobs(self, job_ids: list[str]) -> None:
+        return None
+
+    def state(self, job_id: str) -> str | None:
+        return None

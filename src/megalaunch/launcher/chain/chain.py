@@ -1,0 +1,400 @@
+"""The self-requeuing chain (docs/architecture.md, "The chain"): what `megalaunch job begin` and `job end` decide.
+
+A segment's fate is read from state: outcome.json (written by the trainer, tagged with the job id),
+the checkpoint tracker and the ledger, never from the exit status alone. Both backends use this
+module; they differ only in how a successor is queued and a job cancelled (`backend.JobControl`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from megalaunch.launcher.accounting.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
+from megalaunch.launcher.accounting.nodes import (
+    ExclusionPlan,
+    NodeHealth,
+    attribute,
+    current_plan,
+    expand_hostlist,
+    health_evidence,
+)
+from megalaunch.launcher.accounting.storage import storage_fix, storage_full
+from megalaunch.launcher.chain.backend import JobControl, cancelled_by
+from megalaunch.launcher.chain.first_stage import convert_from_hf
+from megalaunch.launcher.chain.notify import Notifier, StopKind
+from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
+from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.rundir.resume_request import requested_iteration
+from megalaunch.rundir.state import read_outcome
+from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
+from megalaunch.rundir.trust import check_layout, check_path, tighten, verify_trusted
+from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.rank.storage import free_bytes
+
+STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
+SUCCESSOR_RETRY_S = (5, 10, 20, 30, 45)  # `job end`'s waits before each retry of a successor Slurm refused
+
+
+@dataclass(frozen=True)
+class Verdict:
+    proceed: bool  # begin: train now / end: the chain goes on
+    reason: str
+    needs_person: bool = False  # a pause (not a stop) that a person must resume: chain.notify tells
+
+
+def log(message: str) -> None:
+    print(f"megalaunch: {message}", file=sys.stderr, flush=True)
+
+
+class Chain:
+    def __init__(self, paths: RunPaths, scheduler: JobControl, settings: RuntimeSettings | None = None) -> None:
+        self.paths = paths
+        self.scheduler = scheduler
+        self.settings = settings or RuntimeSettings.load(paths)  # the job's slice, not the whole recipe
+        self.ledger = Ledger(paths)
+        self.notifier = Notifier(paths, self.ledger, self.settings.notify)  # chain.notify (launcher/chain/notify.py)
+
+    # ----------------------------------------------------------------------------------- begin
+    def begin(self, job_id: str) -> Verdict:
+        """Run at the start of every segment, before training."""
+        untrusted = self._check_trust(job_id)
+        if untrusted is not None:
+            return untrusted
+        self._account_for_vanished(job_id)
+        restart = os.environ.get("SLURM_RESTART_COUNT")
+        stopped = self.ledger.stopped()
+        if stopped is not None or self.paths.cancel_requested.exists():
+            reason = stopped["reason"] if stopped else "cancel requested"
+            self.ledger.append("skipped", job_id=job_id, reason=reason)
+            return Verdict(False, f"chain already stopped: {reason}")
+        iteration = self.paths.read_tracker()
+        requested = requested_iteration(self.paths)  # a pending `megalaunch resume --from`: training starts there
+        box = TriggerBox(self.paths)
+        pending = box.pending()
+        for verb in ("abort", "exit"):
+            if verb in pending:
+                decision = VERB_DECISION[verb]
+                by = ""
+                for rec in box.consume_for(decision, iteration, job_id):
+                    self.ledger.append("trigger", job_id=job_id, verb=rec["verb"], iteration=iteration,
+                                       requested_by=rec.get("user"), reason=rec.get("reason"),
+                                       when="before training")
+                    by = _who(rec) if rec["verb"] == verb else by
+                return self.stop(job_id, f"{verb} trigger{by} pending at segment start", kind="by_user")
+        stopped_by_guard = self._guard(job_id, record_continue=False)
+        if stopped_by_guard is not None:
+            return stopped_by_guard
+        target = self.settings.train_iters
+        start = iteration if requested is None else requested
+        if start is not None and start >= target:
+            return self.stop(job_id, f"training already reached its target (iteration {start})", kind="finished")
+        if self.settings.from_hf and (failed := convert_from_hf(self.paths, self.settings.from_hf, job_id, log)):
+            return self.stop(job_id, failed.reason, fix=failed.fix)
+        self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
+                           nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
+                           **({} if requested is None else {"resume_from": requested}))
+        if self.settings.auto_requeue:
+            try:
+                self._queue_successor(job_id, f"segment {job_id}")
+            except Exception as e:  # Slurm did not answer: train anyway, `job end` queues it (unknown != failed)
+                self.ledger.append("successor_not_queued", job_id=job_id, when="begin", error=str(e))
+                log(f"could not queue the successor now ({e}); training anyway, `job end` tries again")
+        log(f"segment {job_id} starts at checkpoint iteration {iteration}")
+        return Verdict(True, "train")
+
+    def _check_trust(self, job_id: str) -> Verdict | None:
+        """Before anything runs: the run directory is the owner's and nobody else can swap it, and every
+        file the job executes or reads as configuration is the one the owner recorded
+        (docs/security.md). A run made by an older megalaunch gets the current modes first."""
+        from megalaunch.errors import RunDirError
+
+        try:
+            check_path(self.paths.root)
+        except (RunDirError, OSError) as e:  # not the owner's run: write nothing into it
+            fix = getattr(e, "fix", None)
+            log(f"refusing to run: {getattr(e, 'message', e)}" + (f"\n  fix: {fix}" if fix else ""))
+            return Verdict(False, f"untrusted run directory: {getattr(e, 'message', e)}")
+        try:
+            changed = tighten(self.paths)
+            if changed:
+                self.ledger.append("modes_tightened", job_id=job_id, changed=changed)
+                log(f"run directory modes tightened: {', '.join(changed)}")
+            check_layout(self.paths)
+            verify_trusted(self.paths)
+        except (RunDirError, OSError) as e:
+            reason = e.message if isinstance(e, RunDirError) else str(e)
+            log(f"refusing to run: {reason}")
+            return self.stop(job_id, f"untrusted run directory: {reason}",
+                             fix=getattr(e, "fix", None) or "submit the recipe again")
+        return None
+
+    def _account_for_vanished(self, current: str) -> None:
+        """A segment that started but never reached `job end` (killed, node failure) is recorded as
+        ended by the next segment, so the crash-loop budget sees it."""
+        for seg in self.ledger.segments(self.ledger.current_epoch()):
+            if seg.started is None or seg.ended is not None or seg.job_id == current:
+                continue
+            state = self.scheduler.state(seg.job_id)
+            start_iter = seg.started.get("checkpoint_iteration")
+            now = self.paths.read_tracker()
+            outcome = read_outcome(self.paths, seg.job_id)
+            self.ledger.append("ended", job_id=seg.job_id, outcome=(outcome or {}).get("status", "killed"),
+                               slurm_state=state, exit_code=None, checkpoint_iteration=now,
+                               new_checkpoint=_advanced(start_iter, now), accounted_by=current)
+
+    # ------------------------------------------------------------------------------------- end
+    def end(self, job_id: str, exit_code: int | None) -> Verdict:
+        """Run after the training step of a segment: record the outcome and decide the chain."""
+        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        start_iter = started.get("checkpoint_iteration") if started else None
+        now = self.paths.read_tracker()
+        outcome = read_outcome(self.paths, job_id)
+        ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
+        status, reason, fix, figures = self._what_ended(job_id, outcome, ends, exit_code)
+        new_ckpt = _advanced(start_iter, now)
+        if status == "failed":
+            self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
+        elif status == "unhealthy_node":
+            self._suspect_unhealthy(job_id, outcome or {})
+        self._remove_failed_saves(job_id)
+        if status == "storage_full":  # the figures after the unfinished save was removed
+            full = figures.pop("_full")
+            free_now = free_bytes(self.paths.checkpoints)
+            reason, figures = full.reason(free_now), {"storage": full.record(free_now)}
+        self.ledger.append("ended", job_id=job_id, outcome=status, reason=reason, exit_code=exit_code,
+                           checkpoint_iteration=now, new_checkpoint=new_ckpt,
+                           first_failure=ends[0].__dict__ if ends else None, **({"fix": fix} if fix else {}),
+                           **figures, **self.ledger.step_progress(job_id, now))
+        log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
+            + f", checkpoint iteration {now}")
+        self._write_goodput()
+        return self.notifier.segment_ended(job_id, status, self._after_end(job_id, status, reason, fix, now))
+
+    def _what_ended(self, job_id: str, outcome: dict[str, Any] | None, ends: list[TaskEnd],
+                    exit_code: int | None) -> tuple[str, Any, Any, dict[str, Any]]:
+        """The segment's status, reason and fix, from its outcome and what the ranks and the disk say."""
+        status = outcome["status"] if outcome else "failed"
+        reason = (outcome or {}).get("reason")
+        fix = (outcome or {}).get("fix")
+        if status == "failed" and (outcome or {}).get("kind") == "config":
+            status = "config_error"  # an outcome written before the config_error status existed
+        if status in ("failed", "hung") and self.paths.cancel_requested.exists():
+            status, reason = "cancelled", cancelled_by(self.paths)  # a cancel is nobody's node fault
+        elif status == "failed" and (err := config_error(self.paths, job_id)) is not None:
+            # a rank failed on the configuration and took the segment down before rank 0 could say so
+            status, fix = "config_error", err.get("fix")
+            reason = f"rank {err.get('rank')}: {err.get('reason')}"
+        elif status == "failed" and self._hit_time_limit(job_id):  # killed at the limit: no node's fault
+            status = "timeout"
+            reason = "killed at the time limit: the stop save did not finish within the signal lead"
+            fix = f"megalaunch resume {self.paths.root} --set checkpoint.save_time_estimate_s=S (S: the slowest save)"
+        elif status == "failed":
+            reason = failure_reason(ends[0] if ends else None, reason, exit_code)
+        full = storage_full(self.paths, job_id, outcome) if status in ("failed", "storage_full") else None
+        if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
+            return "storage_full", reason, storage_fix(self.paths), {"_full": full}
+        return status, reason, fix, {}
+
+    def _hit_time_limit(self, job_id: str) -> bool:
+        return any(e["event"] == "time_limit_reached" and str(e.get("job_id")) == job_id for e in self.ledger.events())
+
+    def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
+        """Stop the chain, or let the queued successor resume."""
+        if status == "finished":
+            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
+        if status in ("exited", "aborted"):
+            verb = "exit" if status == "exited" else "abort"
+            what = "saved and stopped" if verb == "exit" else "stopped without saving"
+            return self.stop(job_id, f"{verb} trigger{_requested_by(self.paths, verb, job_id)}: {what}", kind="by_user")
+        if status == "config_error":
+            return self.stop(job_id, f"configuration error, no retry can fix it: {reason}",
+                             fix=str(fix) if fix else "correct the recipe, then submit it again")
+        if status == "storage_full":
+            return self.stop(job_id, f"storage full, no retry can fix it: {reason}", fix=fix)
+        if self.paths.cancel_requested.exists():
+            return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested", kind="by_user")
+        if now is not None and now >= self.settings.train_iters:
+            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
+        stopped_by_guard = self._guard(job_id, record_continue=True)
+        if stopped_by_guard is not None:
+            return stopped_by_guard
+        if not self.settings.auto_requeue:
+            return Verdict(False, "auto-requeue is off: one segment only")
+        if status in ("failed", "unhealthy_node"):  # the successor queued at `job begin` stays off the suspects
+            self._exclude_on_successors(job_id)
+        paused = self._requeue_if_begin_could_not(job_id)  # one queued now excludes them from the start
+        if paused is not None:
+            return paused
+        return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _queue_successor(self, job_id: str, by: str) -> str | None:
+        plan = self._exclusion_plan()
+        lead = safe_plan(self.paths, self.settings, log)  # from the saves measured (launcher/prepare/signal_lead.py)
+        raised = {"signal_lead_s": lead.lead} if lead is not None and lead.raised else {}
+        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None, **raised)
+        if successor is not None:
+            self.ledger.append("submitted", job_id=successor, by=by, dependency="singleton")
+            if raised and lead is not None:
+                record_lead(self.ledger, successor, lead, log)
+            if plan is not None:
+                self._record_exclusion(successor, plan)
+            log(f"queued successor {successor} (singleton)")
+            if self.paths.cancel_requested.exists():  # a cancel raced with the submission
+                self.scheduler.cancel_jobs([successor])
+        return successor
+
+    def _requeue_if_begin_could_not(self, job_id: str) -> Verdict | None:
+        """`job begin` could not queue this segment's successor (Slurm did not answer): queue it now,
+        retrying for about two minutes. None when there is a successor; else the chain pauses."""
+        if not any(e.get("job_id") == job_id for e in self.ledger.events() if e["event"] == "successor_not_queued"):
+            return None
+        import time
+
+        error = ""
+        for wait_s in (0, *SUCCESSOR_RETRY_S):
+            time.sleep(wait_s)
+            try:
+                self._queue_successor(job_id, f"segment {job_id} (at its end: `job begin` could not)")
+                return None
+            except Exception as e:
+                error = str(e)
+                log(f"could not queue the successor ({error})")
+        self.ledger.append("successor_not_queued", job_id=job_id, when="end", error=error)
+        return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
+                              f"pauses, nothing is lost: megalaunch resume {self.paths.root}", needs_person=True)
+
+    # ------------------------------------------------------------------------------ bad nodes
+    def _node_health(self) -> NodeHealth | None:
+        d = self.settings.node_health_dir
+        return NodeHealth(d) if d else None
+
+    def _suspect_nodes(self, job_id: str, ends: list[TaskEnd], nodes: list[str]) -> None:
+        """A failed segment (on `nodes`): record the node(s) it points at in the team's node-health ledger."""
+        if (health := self._node_health()) is None:
+            return
+        att = attribute(ends, self.paths.segment_log(job_id), nodes)
+        self._record_suspects(health, job_id, [(node, att.reason, ev) for node, ev in att.suspects.items()])
+
+    def _suspect_unhealthy(self, job_id: str, outcome: dict[str, object]) -> None:
+        """A segment the health check ended (runtime/health/health.py): its unhealthy node(s) become suspect,
+        with every rank's figures on them as the evidence."""
+        health, check = self._node_health(), outcome.get("health_check")
+        if health is None or not isinstance(check, dict):
+            return
+        suspects = []
+        for node in check.get("unhealthy_nodes") or []:
+            evidence = [health_evidence(r, check) for r in check.get("ranks") or [] if r.get("node") == node]
+            suspects.append((str(node), "health check: " + "; ".join(evidence[:4]), evidence))
+        self._record_suspects(health, job_id, suspects)
+
+    def _record_suspects(self, health: NodeHealth, job_id: str, suspects: list[tuple[str, str, list[str]]]) -> None:
+        """(node, reason, evidence) each into the node-health ledger and the run's ledger."""
+        for node, reason, evidence in suspects:
+            try:
+                s = health.suspect(node, reason=reason, evidence=evidence, run=self.paths.root.name,
+                                   job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
+            except OSError as e:  # the ledger must never change what the chain does
+                log(f"could not record suspect node {node} in {health.file}: {e}")
+                continue
+            self.ledger.append("node_suspected", job_id=job_id, node=node, reason=reason, evidence=evidence,
+                               expires=s.expires, ledger=str(health.file))
+            log(f"suspect node {node}: {reason}")
+
+    def _exclusion_plan(self) -> ExclusionPlan | None:
+        """Which suspect nodes a successor excludes now (None: exclusion off, or nothing suspect)."""
+        return current_plan(self.settings, self.scheduler.known_nodes, log)
+
+    def _record_exclusion(self, successor: str, plan: ExclusionPlan) -> None:
+        self.ledger.append("exclusion", job_id=successor, excluded=plan.exclude, kept=plan.kept)
+        log(f"successor {successor} {plan.describe()}")
+
+    def _exclude_on_successors(self, job_id: str) -> None:
+        """The successor was queued when this segment began: exclude what is suspect now."""
+        plan = self._exclusion_plan()
+        if plan is None:
+            return
+        for successor in self.pending_successors(job_id):
+            if plan.exclude:
+                try:
+                    self.scheduler.exclude([successor], plan.exclude)
+                except Exception as e:  # Slurm did not answer: the successor runs as queued
+                    log(f"could not exclude {', '.join(plan.exclude)} from {successor}: {e}")
+                    self.ledger.append("exclusion", job_id=successor, excluded=[], kept={
+                        n: f"scontrol update failed: {e}" for n in plan.exclude} | plan.kept)
+                    continue
+            self._record_exclusion(successor, plan)
+
+    def _remove_failed_saves(self, job_id: str) -> None:
+        """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never
+        loadable); delete it now rather than leave it to the next segment (a full disk stays full)."""
+        from megalaunch.runtime.checkpoint.resume import remove_failed_saves
+
+        try:
+            deleted = remove_failed_saves(self.paths, job_id=job_id)
+        except OSError as e:  # clean-up must never change what the chain does
+            log(f"could not remove an unfinished save: {e}")
+            return
+        if deleted:
+            log(f"deleted the unfinished save(s) of iteration {', '.join(map(str, deleted))}")
+
+    def _write_goodput(self) -> None:
+        from megalaunch.launcher.accounting.goodput import write_chain_goodput
+
+        try:
+            write_chain_goodput(self.paths)
+        except Exception as e:  # accounting must never change what the chain does
+            log(f"could not write {self.paths.goodput}: {e}")
+
+    def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
+        """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""
+        budget = self.settings.max_segments_without_progress
+        failures = self.ledger.consecutive_without_progress()
+        if failures >= budget:
+            self.ledger.append("guard", job_id=job_id, decision="stop", failures=failures, budget=budget)
+            return self.stop(job_id, f"{failures} consecutive segments without a new checkpoint (budget {budget})")
+        if failures and record_continue:
+            self.ledger.append("guard", job_id=job_id, decision="continue", failures=failures, budget=budget)
+        return None
+
+    # ------------------------------------------------------------------------------------ stop
+    def pending_successors(self, current: str | None = None) -> list[str]:
+        """Queued segments that never started: the successor(s) to cancel when the chain stops."""
+        return [s.job_id for s in self.ledger.segments()
+                if s.started is None and s.ended is None and not s.skipped and s.job_id != current]
+
+    def stop(self, job_id: str | None, reason: str, *, fix: str | None = None, kind: StopKind = "needs_person") -> Verdict:
+        """End the chain: cancel the queued successor by job id, record why, tell chain.notify (`kind`)."""
+        successors = self.pending_successors(job_id)
+        if successors:
+            try:
+                self.scheduler.cancel_jobs(successors)
+            except Exception as e:  # a failed cancel must not lose the record of the decision
+                log(f"could not cancel successor(s) {successors}: {e}")
+        self.ledger.append("chain_stopped", job_id=job_id, reason=reason, cancelled=successors,
+                           **({"fix": fix} if fix else {}))
+        log(f"chain stopped: {reason}" + (f"; cancelled {', '.join(successors)}" if successors else "")
+            + (f"\n  fix: {fix}" if fix else ""))
+        self.notifier.chain_stopped(job_id, reason, fix, kind)
+        return Verdict(False, reason)
+
+
+def _who(record: dict[str, object]) -> str:
+    """' by USER ("REASON")' from a trigger's audit record."""
+    user, why = record.get("user"), record.get("reason")
+    return (f" by {user}" if user else "") + (f' ("{why}")' if why else "")
+
+
+def _requested_by(paths: RunPaths, verb: str, job_id: str) -> str:
+    """Who asked for the exit/abort that this segment acted on, from the consumed trigger's record."""
+    records = [r for r in TriggerBox(paths).consumed()
+               if r.get("verb") == verb and str(r.get("consumed_by_job")) == str(job_id)]
+    return _who(records[-1]) if records else ""
+
+
+def _advanced(before: int | None, after: int | None) -> bool:
+    if after is None:
+        return False
+    return before is None or after > before

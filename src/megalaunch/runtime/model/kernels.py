@@ -1,0 +1,170 @@
+"""`training.kernels`: which library computes RMSNorm, RoPE, SwiGLU and the output layer with its cross
+entropy on Megatron's local layers, decided in the job like `training.attention: auto` (where importability
+and the GPU are known) and recorded in the ledger.
+
+- `megatron`: Megatron's own (unfused torch norm and rotary embedding; the torch.compile'd SwiGLU and cross
+  entropy of `training.fused_kernels`);
+- `liger`:    liger-kernel's Triton kernels (runtime/model/liger_layers.py) for each op whose shape they support,
+  Megatron's for the rest (each fallback is named in the ledger); a CUDA GPU is needed;
+- `te`:       transformer-engine's own fused layers (`transformer_impl: transformer_engine`);
+- `auto`:     te with transformer_impl: transformer_engine; else liger, where liger-kernel is importable on a
+  GPU, for the ops measured faster than Megatron's (LIGER_FASTER, docs/results.md); else megatron.
+
+The parameters and their names are the same whichever library computes the op, so a checkpoint saved with
+one choice loads with another (tests/unit/test_kernels.py).
+
+Standard library only at module level: the launcher's tests import it without torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from megalaunch.runtime.rank.failures import ConfigFailure, flag_value, installed
+
+KERNELS = ("auto", "megatron", "liger", "te")
+OPS = ("rmsnorm", "rope", "swiglu", "linear_ce")
+# The ops where liger-kernel was measured faster than Megatron's path (bench/kernels.py, docs/results.md "Fused
+# kernels", H100): what `auto` takes from liger. RoPE (x4.3 on the GPU) and SwiGLU (x1.03 at llama3-1b's width,
+# x3.5 at llama3-8b's) per op, the fused loss end to end (no logits; megalaunch's loop around liger's kernel,
+# without its host syncs). liger's RMSNorm is not faster (x0.93 on the GPU at 1b, and three times the CPU's
+# launch cost): Megatron's torch norm stays.
+LIGER_FASTER: frozenset[str] = frozenset({"rope", "swiglu", "linear_ce"})
+LIGER_FIX = ("pip install liger-kernel in the job's environment (it comes with megalaunch[train]), "
+             "or --set training.kernels=auto (Megatron's kernels where liger-kernel is missing)")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The library that computes each op on this node, and why."""
+
+    requested: str
+    library: str                                 # megatron | liger | te: the choice as a whole
+    why: str
+    liger_ops: frozenset[str] = frozenset()      # the ops liger-kernel computes (library == liger)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why Megatron's computes it instead
+    wgrad_fusion: str = ""                       # "on: ..." / "off: ..." (runtime/model/wgrad_fusion.py); "" n/a
+
+    @property
+    def wgrad_on(self) -> bool:
+        return self.wgrad_fusion.startswith("on")
+
+    def ledger(self) -> dict[str, object]:
+        return {"requested": self.requested, "chosen": self.library, "why": self.why,
+                "liger_ops": sorted(self.liger_ops), "fallbacks": dict(self.fallbacks),
+                "wgrad_fusion": self.wgrad_fusion}
+
+
+def liger_unsupported(argv: list[str], flow: bool = False) -> dict[str, str]:
+    """Which ops liger-kernel cannot take in this model and layout (Megatron's argument list; `flow`: a
+    training flow computes the loss), and why."""
+    out: dict[str, str] = {}
+    if (flag_value(argv, "--normalization") or "LayerNorm") != "RMSNorm":
+        out["rmsnorm"] = "the model's norm is not RMSNorm"
+    cp = int(flag_value(argv, "--context-parallel-size") or 1)
+    rope_why = [why for bad, why in (
+        ((flag_value(argv, "--position-embedding-type") or "learned_absolute") != "rope", "no rotary embedding"),
+        (cp > 1, f"context parallelism (CP {cp}) splits the sequence"),
+        ("--qk-layernorm" in argv, "q/k norms come between the projection and the rotation"),
+        ("--rotary-interleaved" in argv, "interleaved rotary layout"),
+        (float(flag_value(argv, "--rotary-percent") or 1.0) != 1.0, "partial rotary embedding"),
+    ) if bad]
+    if rope_why:
+        out["rope"] = rope_why[0]
+    if "--swiglu" not in argv:
+        out["swiglu"] = "the MLP is not SwiGLU"
+    elif flag_value(argv, "--num-experts"):
+        out["swiglu"] = "mixture-of-experts layers keep Megatron's expert MLPs"
+    tp = int(flag_value(argv, "--tensor-model-parallel-size") or 1)
+    groups = int(flag_value(argv, "--num-query-groups") or 0)
+    if "rope" not in out and 0 < groups < tp:
+        out["rope"] = f"{groups} KV heads for TP {tp}: each rank takes a slice of the query heads after the rotation"
+    if flow:
+        out["linear_ce"] = "a training flow reads per-token losses (the fused loss makes only their sum)"
+    elif tp > 1:
+        out["linear_ce"] = f"TP {tp} shards the vocabulary (liger's fused linear cross entropy needs the whole)"
+    elif flag_value(argv, "--mtp-num-layers"):
+        out["linear_ce"] = "multi-token prediction computes its own losses"
+    return out
+
+
+def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | None = None) -> KernelChoice:
+    """`training.kernels` decided for this node; raises ConfigFailure when the recipe asks for a library
+    this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error).
+    With a training flow (`flow`), the fused loss is left out: a flow reads the model's per-token losses,
+    which the fused loss does not make (it gives their sum, spread as the mean over the labelled tokens)."""
+    if requested not in KERNELS:
+        raise ConfigFailure(f"training.kernels: {requested!r} is not one of {', '.join(KERNELS)}",
+                            "--set training.kernels=auto")
+    te_impl = flag_value(argv, "--transformer-impl") == "transformer_engine"
+    if requested == "te" or (requested == "auto" and te_impl):
+        if not installed("transformer_engine"):
+            raise ConfigFailure("training.kernels: te needs transformer-engine, which is not installed on this node",
+                                "--set training.kernels=auto --set training.transformer_impl=local, "
+                                "or install transformer-engine (pip install megalaunch[te])")
+        return KernelChoice(requested, "te", "set in the recipe" if requested == "te"
+                            else "auto: transformer_impl is transformer_engine (its layers bring their own fusions)")
+    if requested == "megatron":
+        return KernelChoice(requested, "megatron", "set in the recipe")
+    if requested == "liger":
+        if not installed("liger_kernel"):
+            raise ConfigFailure("training.kernels: liger needs liger-kernel, which is not installed on this node",
+                                LIGER_FIX)
+        if cpu:
+            raise ConfigFailure("training.kernels: liger needs a CUDA GPU (its kernels are Triton's); this job has none",
+                                "--set training.kernels=auto (Megatron's kernels on the CPU)")
+        return _liger(requested, argv, *_bench_ops(), flow=bool(flow))
+    if cpu:
+        return KernelChoice(requested, "megatron", "auto: Megatron's kernels on the CPU (liger-kernel needs CUDA)")
+    if not installed("liger_kernel"):
+        return KernelChoice(requested, "megatron", "auto: liger-kernel is not importable on this node")
+    if not LIGER_FASTER:
+        return KernelChoice(requested, "megatron", "auto: none of liger-kernel's kernels is measured faster yet "
+                            "(bench/kernels.py); training.kernels=liger uses them")
+    return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster",
+                  flow=bool(flow))
+
+
+def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch_why: Any = None) -> KernelChoice:
+    """The choice with gradient-accumulation fusion decided (runtime/model/wgrad_fusion.py): on under auto and liger
+    where the launcher turned Megatron's off for want of apex and torch can compute it; Megatron's own under
+    megatron and te. `torch_why()` says why torch cannot (None: it can); the job passes wgrad_fusion.supported."""
+    from megalaunch.runtime.model import wgrad_fusion
+
+    if wgrad_fusion.FLAG not in argv:
+        return choice  # Megatron's own decision (TE's or apex's layers): nothing to add
+    if choice.requested == "megatron" or choice.library == "te":
+        why = "off: Megatron's own (its fusion needs apex)"
+    elif cpu:
+        why = "off: no GPU"
+    elif {"--use-torch-fsdp2", "--use-megatron-fsdp"} & set(argv):
+        why = "off: FSDP keeps no main_grad for it"
+    elif flag_value(argv, "--num-experts"):
+        why = "off: mixture-of-experts layers (their expert GEMMs are not measured with it)"
+    else:
+        blocked = (torch_why or wgrad_fusion.supported)()
+        why = f"off: {blocked}" if blocked else "on: torch's fp32-output matmul into main_grad (no apex needed)"
+    return replace(choice, wgrad_fusion=why)
+
+
+def _bench_ops() -> tuple[frozenset[str], str]:
+    """liger's ops under `kernels: liger`: all, or those MEGALAUNCH_LIGER_OPS names (bench/kernels.py measures
+    the ops one set at a time with it; unknown names are refused, not ignored)."""
+    named = os.environ.get("MEGALAUNCH_LIGER_OPS", "").strip()
+    if not named:
+        return frozenset(OPS), "set in the recipe"
+    ops = frozenset(op.strip() for op in named.replace("+", ",").split(",") if op.strip())
+    if ops - set(OPS):
+        raise ConfigFailure(f"MEGALAUNCH_LIGER_OPS: {', '.join(sorted(ops - set(OPS)))} is not one of {', '.join(OPS)}",
+                            "unset MEGALAUNCH_LIGER_OPS, or name ops from that list")
+    return ops, f"set in the recipe, ops limited to {', '.join(sorted(ops))} by MEGALAUNCH_LIGER_OPS"
+
+
+def _liger(requested: str, argv: list[str], wanted: frozenset[str], why: str, flow: bool = False) -> KernelChoice:
+    unsupported = liger_unsupported(argv, flow)
+    ops = frozenset(op for op in wanted if op not in unsupported)
+    fallbacks = {op: unsupported.get(op, "Megatron's was measured as fast or faster") for op in OPS if op not in ops}
+    if not ops:
+        return KernelChoice(requested, "megatron", f"{why}, but none of its ops fits this model", fallbacks=fallbacks)
+    return KernelChoice(requested, "liger", why, ops, fallbacks)
