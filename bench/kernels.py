@@ -127,7 +127,7 @@ def op_cases(shape: dict[str, int]) -> dict[str, dict[str, Any]]:
 def stage_ops(out: Path) -> list[dict[str, Any]]:
     import torch
 
-    from megalaunch.runtime.model.model import megatron_parallel_state
+    from megalaunch.runtime.model.standalone import megatron_parallel_state
 
     rows = []
     with megatron_parallel_state():

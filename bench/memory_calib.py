@@ -70,8 +70,9 @@ def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> t
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.planner.fit import model_shape, recipe_layout
     from megalaunch.config.planner.memory import estimate
-    from megalaunch.config.preflight import topology
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.config.topology import topology
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     all_sets = [*BASE, f"cluster.gpus_per_node={gpus}", "cluster.gpu=null", *sets]
     loaded = load_recipe(recipe, all_sets, name=run_name(name), cluster="local")

@@ -92,9 +92,9 @@ def model_attention(a: argparse.Namespace) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
-    from megalaunch.runtime.model import model as mm
+    from megalaunch.runtime.model import attention, standalone
 
-    with mm.megatron_parallel_state():
+    with standalone.megatron_parallel_state():
         cfg = TransformerConfig(num_layers=1, hidden_size=a.heads * a.head_dim, num_attention_heads=a.heads,
                                 num_query_groups=a.kv_heads, bf16=True, params_dtype=torch.bfloat16)
         shape = (a.seq, a.batch, a.heads, a.head_dim)
@@ -103,8 +103,8 @@ def model_attention(a: argparse.Namespace) -> None:
                         requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
         for env in ("", "cudnn_attention,flash_attention,efficient_attention"):
-            os.environ[mm.SDPA_BACKENDS_ENV] = env
-            attn = mm.sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
+            os.environ[attention.SDPA_BACKENDS_ENV] = env
+            attn = attention.sdpa_attention_class()(cfg, 1, AttnMaskType.causal, "self")
 
             def step(attn: torch.nn.Module = attn) -> None:
                 out = attn(q, k, v, None)
@@ -117,7 +117,7 @@ def model_attention(a: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             kernels = sorted({e.name[:60] for e in prof.events() if "attention" in e.name.lower()
                               or "fmha" in e.name.lower() or "cudnn" in e.name.lower() or "flash" in e.name.lower()})
-            print(f"model SDPA, {mm.SDPA_BACKENDS_ENV}={env or '(unset)'}: {cuda_ms(step, a.iters):.2f} ms "
+            print(f"model SDPA, {attention.SDPA_BACKENDS_ENV}={env or '(unset)'}: {cuda_ms(step, a.iters):.2f} ms "
                   f"fwd+bwd; kernels: {kernels}", flush=True)
 
 

@@ -144,7 +144,8 @@ def main() -> int:
     args = ap.parse_args()
     from megalaunch.config.loader import load_recipe
     from megalaunch.launcher.backends.local import run_local_chain
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.root.mkdir(parents=True, exist_ok=True)

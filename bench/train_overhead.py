@@ -50,7 +50,8 @@ DEFAULT_SETS = [
 def make_run(root: Path, recipe: str, sets: list[str], name: str) -> Path:
     sys.path.insert(0, str(SRC))
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     loaded = load_recipe(recipe, sets, name=name, cluster="local")
     return write_run(prepare_run(loaded, root=root)).root

@@ -20,6 +20,9 @@ find_python() {
 
 make_venv() {  # $1: extras, e.g. "train" or "dev,train,tokenize,convert"
   local py
+  if [ ! -x "$VENV/bin/python" ] && [ ! -L "$VENV" ] && cached_venv "$1"; then
+    return 0
+  fi
   if [ ! -x "$VENV/bin/python" ]; then
     py=$(find_python)
     echo "==> creating $VENV with $py"
@@ -28,4 +31,29 @@ make_venv() {  # $1: extras, e.g. "train" or "dev,train,tokenize,convert"
   echo "==> installing megalaunch[$1] into $VENV (torch and megatron-core: a few GB the first time)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -e "${ROOT}[$1]"
+}
+
+# cached_venv EXTRAS: make .venv a link to a virtualenv shared by every checkout on this machine, built
+# once per (pyproject.toml, extras, Python) under $MEGALAUNCH_VENV_CACHE (default ~/.cache/megalaunch/venvs;
+# "off" turns it off), so a fresh clone re-installs only megalaunch itself (seconds, not the minutes
+# torch and megatron-core take). Only for the default .venv; returns 1 when not used.
+cached_venv() {
+  local cache_root=${MEGALAUNCH_VENV_CACHE:-$HOME/.cache/megalaunch/venvs} py key dir
+  [ "$cache_root" != off ] && [ -z "${MEGALAUNCH_VENV:-}" ] || return 1
+  py=$(find_python) || return 1
+  key=$( { cat "$ROOT/pyproject.toml"; echo "extras=$1"; "$py" -VV; } | sha256sum | cut -c1-16)
+  dir=$cache_root/$key
+  if [ ! -f "$dir/.complete" ]; then
+    echo "==> building the shared virtualenv $dir (megalaunch[$1]; torch and megatron-core: a few GB)"
+    rm -rf "$dir"
+    mkdir -p "$cache_root"
+    "$py" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    "$dir/bin/python" -m pip install -q -e "${ROOT}[$1]"
+    touch "$dir/.complete"
+  fi
+  ln -sfn "$dir" "$VENV"
+  echo "==> $VENV -> $dir (shared virtualenv for megalaunch[$1]); installing this checkout into it"
+  # the editable install points the shared environment at this checkout's sources
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
 }

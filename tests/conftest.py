@@ -74,3 +74,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if shared and sum(durations.get(it.nodeid, 0.5) for it in its) < MODULE_GROUP_MAX_S:
             for it in its:
                 it.add_marker(pytest.mark.xdist_group(module))
+
+
+# --- CPU time per test (MEGALAUNCH_TEST_CPU_LOG=DIR) ------------------------------------------------
+# The scheduler (tests/support/schedule.py) needs to know which tests keep a core busy and which mostly
+# wait (on Slurm's clock, a paced chain, a timer): wall time alone cannot tell. With the variable set,
+# every test appends its wall and CPU seconds (its own process and the children it waited for: the
+# trainers of the local backend, the CLI's subprocesses) to DIR/<worker>.jsonl;
+# `python tests/support/schedule.py --cpu DIR` folds them into tests/durations.json.
+_CPU_LOG = os.environ.get("MEGALAUNCH_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import time
+
+    t0, w0 = os.times(), time.monotonic()
+    yield
+    t1, w1 = os.times(), time.monotonic()
+    cpu = sum(getattr(t1, f) - getattr(t0, f) for f in ("user", "system", "children_user", "children_system"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    Path(_CPU_LOG).mkdir(parents=True, exist_ok=True)
+    with open(Path(_CPU_LOG) / f"{worker}.jsonl", "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(w1 - w0, 2), "cpu": round(cpu, 2)}) + "\n")

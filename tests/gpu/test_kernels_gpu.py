@@ -74,7 +74,7 @@ def test_rmsnorm(dtype: torch.dtype) -> None:
 @pytest.fixture
 def parallel_state():
     """Megatron's one-process parallel state: the rotary embedding and its application ask for the CP group."""
-    from megalaunch.runtime.model.model import megatron_parallel_state
+    from megalaunch.runtime.model.standalone import megatron_parallel_state
 
     with megatron_parallel_state():
         yield

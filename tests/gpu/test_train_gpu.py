@@ -95,7 +95,8 @@ def test_periodic_saves_then_group_signal_bf16(tmp_path: Path, async_save: bool)
 @pytest.mark.parametrize("attention", ["local", "sdpa"])
 def test_llama_1b_trains_and_resumes(tmp_path: Path, attention: str) -> None:
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     sets = [*GPU, *LLAMA_1B, "training.train_iters=40", f"training.attention={attention}"]
     loaded = load_recipe("train/llama3-1b", sets, name=f"llama1b-{attention}", cluster="local")

@@ -23,7 +23,7 @@ def _main_grads(fusion: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     from megalaunch.config.schema import ModelConfig
     from megalaunch.conversion.model import build_gpt_model
-    from megalaunch.runtime.model.model import megatron_parallel_state
+    from megalaunch.runtime.model.standalone import megatron_parallel_state
 
     shape = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                         seq_length=32, max_position_embeddings=32, make_vocab_size_divisible_by=64,

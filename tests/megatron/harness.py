@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.config.loader import load_recipe
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.dist_env import free_port

@@ -15,7 +15,7 @@ from test_memory_model import megatron_weight_and_optimizer_bytes
 from megalaunch.config.loader import load_recipe
 from megalaunch.config.planner.checkpoint_size import recipe_peak
 from megalaunch.config.planner.fit import model_shape, recipe_layout
-from megalaunch.config.preflight import topology
+from megalaunch.config.topology import topology
 from megalaunch.launcher.accounting.storage import checkpoint_usage
 from megalaunch.runtime.checkpoint.resume import iter_dir
 from megalaunch.runtime.rank.failures import classify

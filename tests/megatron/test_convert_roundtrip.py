@@ -79,7 +79,7 @@ def megatron_layout(tied: bool, qkv_bias: bool) -> tuple[dict[str, tuple[int, ..
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     from megalaunch.conversion.model import build_gpt_model
-    from megalaunch.runtime.model.model import megatron_parallel_state
+    from megalaunch.runtime.model.standalone import megatron_parallel_state
 
     family = "qwen2" if qkv_bias else "llama"
     model = model_from_hf_config(json.loads(json.dumps(_config_dict(family, tied)))).model
@@ -113,7 +113,7 @@ def test_checkpoint_layout_is_what_gptmodel_asks_for(models: dict[Any, Path], ca
 
     expected, objects = megatron_layout(tied=case[1], qkv_bias=case[0] == "qwen2")
     ckpt = models[case] / "mcore" / "release"
-    with_process_group = pytest.importorskip("megalaunch.conversion.checkpoint_io.mcore_io").process_group
+    with_process_group = pytest.importorskip("megalaunch.conversion.checkpoint_io.mcore_dist").process_group
     with with_process_group():
         found = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(str(ckpt)).items()}
     assert found == expected
@@ -176,13 +176,13 @@ def test_llama31_rope_scaling_is_exercised(models: dict[Any, Path], tmp_path: Pa
 def test_padded_vocabulary_pads_with_zeros_and_strips(models: dict[Any, Path], tmp_path: Path) -> None:
     root = models[("llama", False, "float32")]
     hf_to_mcore(root / "hf", tmp_path / "mcore", tensor_parallel=2, vocab_size=600, progress=False)
-    from megalaunch.conversion.checkpoint_io import mcore_io
+    from megalaunch.conversion.checkpoint_io import mcore_dist
 
-    with mcore_io.process_group():
-        meta = mcore_io.tensors_metadata(tmp_path / "mcore" / "release")
+    with mcore_dist.process_group():
+        meta = mcore_dist.tensors_metadata(tmp_path / "mcore" / "release")
         emb = meta["embedding.word_embeddings.weight"]
         assert tuple(emb.global_shape) == (768, 64)  # max(300, 600) padded to 128 x TP=2
-        (rows,) = mcore_io.load(tmp_path / "mcore" / "release", [mcore_io.ShardRequest(
+        (rows,) = mcore_dist.load(tmp_path / "mcore" / "release", [mcore_dist.ShardRequest(
             "embedding.word_embeddings.weight", (768, 64), (0, 0), (768, 64), False, torch.float32)])
     assert not rows[300:].any() and rows[:300].abs().sum() > 0
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", progress=False)

@@ -24,7 +24,7 @@ import json, sys, torch, pytest
 from support import liger_reference
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import build_gpt_model
-from megalaunch.runtime.model.model import megatron_parallel_state
+from megalaunch.runtime.model.standalone import megatron_parallel_state
 from megalaunch.runtime.model.kernels import OPS
 
 interpreted = sys.argv[1] == "interpreted"

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.config.loader import load_recipe
 from megalaunch.config.planner.fit import model_shape, recipe_layout
 from megalaunch.config.planner.memory import estimate_stage, stage_params
 from megalaunch.config.planner.plan import plan_recipe
-from megalaunch.config.preflight import topology
+from megalaunch.config.recipe_files import shipped_recipes
+from megalaunch.config.topology import topology
 
 pytestmark = pytest.mark.megatron
 

@@ -19,7 +19,8 @@ SCRIPT = r"""
 import json, torch
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import build_gpt_model
-from megalaunch.runtime.model.model import megatron_parallel_state, sdpa_attention_class
+from megalaunch.runtime.model.attention import sdpa_attention_class
+from megalaunch.runtime.model.standalone import megatron_parallel_state
 
 model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                     seq_length=32, max_position_embeddings=32, make_vocab_size_divisible_by=64)

@@ -19,7 +19,8 @@ from tests.support.chat import make_chat_model, preference_rows, write_jsonl
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.conversion import hf_to_mcore
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.tokenization.chat.build import build
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

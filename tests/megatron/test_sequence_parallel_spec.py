@@ -20,8 +20,9 @@ SCRIPT = r"""
 import json
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.model import transformer_config
-from megalaunch.runtime.model.model import (decoder_spec, layer_spec, megatron_parallel_state,
-                                     sequence_parallel_norm_class, spec_uses)
+from megalaunch.runtime.model.model import decoder_spec, layer_spec
+from megalaunch.runtime.model.norms import sequence_parallel_norm_class, spec_uses
+from megalaunch.runtime.model.standalone import megatron_parallel_state
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 model = ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,

@@ -36,7 +36,8 @@ from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.prepare.prepare import PreparedRun, job_command, prepare_run
+from megalaunch.launcher.prepare.job_inputs import job_command
+from megalaunch.launcher.prepare.prepare import PreparedRun, prepare_run
 from megalaunch.rundir.files import read_args_file
 
 RECIPE_FIELDS = string_fields(Recipe)

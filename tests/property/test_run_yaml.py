@@ -18,7 +18,8 @@ from megalaunch.config.loader import load_recipe, load_run_recipe
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import to_plain
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 
 # debug.code_snapshot names a directory write_run copies into the run directory: arbitrary text can
 # name "/" or "..". What it does is covered by tests/unit/test_render.py; here it stays unset.

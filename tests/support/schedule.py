@@ -9,9 +9,13 @@ Slurm's 30 s signal granularity, Megatron on the CPU) and many short ones, on 2 
   gaps;
 * a worker runs a test only once it knows the next one (xdist): behind a long test it gets the
   shortest unit, so nothing long waits behind another long test;
-* at most MEGALAUNCH_TEST_HEAVY (default 2, the cores) CPU-heavy tests (outside tests/slurm, >= 10 s)
-  at a time: more would only slow each other down, and many of them time things (signal leads,
-  hang timers) that a starved CPU stretches; a worker waits rather than start a third one;
+* the long tests (>= 10 s) that keep cores busy share a CPU budget, MEGALAUNCH_TEST_CPUS (default:
+  the machine's cores): each counts its measured CPU load (CPU seconds / wall seconds, from
+  tests/durations.json; a test without a CPU figure counts one core outside tests/slurm, none inside,
+  where the work runs under slurmd and the test mostly waits), and a worker waits rather than start one that would overrun the budget, unless no long test
+  runs. More would only slow each other down, and many of them time things (signal leads, hang
+  timers) that a starved CPU stretches. A long test that mostly waits (on Slurm's clock, a paced
+  chain, the local backend's timer) costs little of the budget, so it runs beside two busy ones;
 * xdist_group units (one group for the Slurm tests that need the second cluster, one per module
   for short modules with module-scoped fixtures, see tests/conftest.py) stay on one worker.
 
@@ -29,15 +33,29 @@ from xdist.scheduler import LoadGroupScheduling
 
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 UNKNOWN_S = 0.5
-HEAVY_S = 10.0  # outside tests/slurm, an estimate at least this long: the test keeps a core busy
+HEAVY_S = 10.0  # a test estimated at least this long counts against the CPU budget
 LONG_S = 20.0   # a head test this long gets the shortest unit as the one queued behind it
 
 
-def load_durations() -> dict[str, float]:
+def _entries() -> dict[str, Any]:
+    """tests/durations.json: {test id: [wall seconds, CPU seconds]} (or a bare number: wall only)."""
     try:
-        return {k: float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+        return dict(json.loads(DURATIONS.read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def load_durations() -> dict[str, float]:
+    return {k: float(v[0] if isinstance(v, list) else v) for k, v in _entries().items()}
+
+
+def load_cpu_loads() -> dict[str, float]:
+    """{test id: CPU seconds per wall second} where measured."""
+    return {k: float(v[1]) / max(float(v[0]), 0.1) for k, v in _entries().items() if isinstance(v, list)}
+
+
+def default_load(nodeid: str) -> float:
+    return 0.0 if nodeid.startswith("tests/slurm/") else 1.0
 
 
 def base_nodeid(nodeid: str) -> str:
@@ -51,27 +69,32 @@ class LongestFirstScheduling(LoadGroupScheduling):
     def __init__(self, config: Any, log: Any = None) -> None:
         super().__init__(config, log)
         self.durations = load_durations()
-        self.heavy_cap = int(os.environ.get("MEGALAUNCH_TEST_HEAVY", "2"))
+        self.loads = load_cpu_loads()
+        self.cpu_budget = float(os.environ.get("MEGALAUNCH_TEST_CPUS") or os.cpu_count() or 2)
 
     # --- estimates
     def estimate(self, nodeid: str) -> float:
         return self.durations.get(base_nodeid(nodeid), UNKNOWN_S)
 
-    def heavy(self, nodeid: str) -> bool:
-        return not base_nodeid(nodeid).startswith("tests/slurm/") and self.estimate(nodeid) >= HEAVY_S
+    def load(self, nodeid: str) -> float:
+        """The cores a long test keeps busy (0 for a short one: short tests fill the gaps)."""
+        if self.estimate(nodeid) < HEAVY_S:
+            return 0.0
+        base = base_nodeid(nodeid)
+        return self.loads.get(base, default_load(base))
 
     def _unit_cost(self, unit: dict[str, bool]) -> float:
         return sum(self.estimate(n) for n, done in unit.items() if not done)
 
-    def _unit_heavy(self, unit: dict[str, bool]) -> bool:
-        return any(self.heavy(n) for n, done in unit.items() if not done)
+    def _unit_load(self, unit: dict[str, bool]) -> float:
+        return max((self.load(n) for n, done in unit.items() if not done), default=0.0)
 
     # --- state
     def _pending_ids(self, node: Any) -> list[str]:
         return [n for unit in self.assigned_work.get(node, {}).values() for n, done in unit.items() if not done]
 
-    def _heavy_assigned(self) -> int:
-        return sum(self.heavy(n) for node in self.assigned_work for n in self._pending_ids(node))
+    def _load_assigned(self) -> float:
+        return sum(self.load(n) for node in self.assigned_work for n in self._pending_ids(node))
 
     # --- scheduling
     def schedule(self) -> None:
@@ -102,10 +125,12 @@ class LongestFirstScheduling(LoadGroupScheduling):
             self._reschedule(node)
 
     def _pick(self, head: str | None) -> str | None:
-        """The scope to send next: the longest unit, or the shortest behind a long head; no heavy unit
-        while the cap is reached (None: wait, unless the node needs a test behind its head)."""
-        allow_heavy = self._heavy_assigned() < self.heavy_cap
-        scopes = [s for s, unit in self.workqueue.items() if allow_heavy or not self._unit_heavy(unit)]
+        """The scope to send next: the longest unit, or the shortest behind a long head; no unit whose
+        load would overrun the CPU budget while long tests run (None: wait, unless the node needs a test
+        behind its head)."""
+        busy = self._load_assigned()
+        scopes = [s for s, unit in self.workqueue.items()
+                  if busy == 0 or busy + self._unit_load(unit) <= self.cpu_budget + 1e-9]
         if not scopes:
             if head is None:
                 return None
@@ -149,10 +174,29 @@ def durations_from_junit(xml_path: Path, root: Path) -> dict[str, float]:
     return out
 
 
-if __name__ == "__main__":  # python tests/support/schedule.py REPORT.xml: refresh tests/durations.json
+def measured_from_cpu_log(directory: Path) -> dict[str, list[float]]:
+    """{test id: [wall, cpu]} from the files MEGALAUNCH_TEST_CPU_LOG=DIR wrote (tests/conftest.py)."""
+    out: dict[str, list[float]] = {}
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out[row["test"]] = [round(float(row["wall"]), 1), round(float(row["cpu"]), 1)]
+    return out
+
+
+if __name__ == "__main__":
+    # python tests/support/schedule.py --cpu DIR: refresh tests/durations.json from a run with
+    # MEGALAUNCH_TEST_CPU_LOG=DIR (scripts/test); a test measured as 0 CPU (its work ran under slurmd,
+    # which no test waits for) keeps the wall time only, so it counts as the default load.
     import sys
 
-    measured = durations_from_junit(Path(sys.argv[1]), DURATIONS.parents[1])
-    kept = {k: v for k, v in sorted(measured.items()) if v >= 1.0}  # shorter ones: UNKNOWN_S is close enough
-    DURATIONS.write_text(json.dumps(kept, indent=0) + "\n")
-    print(f"{DURATIONS}: {len(measured)} tests, {sum(measured.values()):.0f} s in all; {len(kept)} of >= 1 s kept")
+    if sys.argv[1:2] != ["--cpu"] or len(sys.argv) != 3:
+        sys.exit("usage: python tests/support/schedule.py --cpu DIR")
+    measured = measured_from_cpu_log(Path(sys.argv[2]))
+    kept: dict[str, Any] = {}
+    for k, (wall, cpu) in sorted(measured.items()):
+        if wall >= 1.0:  # shorter ones: UNKNOWN_S is close enough
+            kept[k] = [wall, cpu] if not k.startswith("tests/slurm/") else wall
+    DURATIONS.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in kept.items()) + "\n}\n")
+    total = sum(w for w, _ in measured.values())
+    print(f"{DURATIONS}: {len(measured)} tests, {total:.0f} s in all; {len(kept)} of >= 1 s kept")

@@ -61,14 +61,10 @@ FUNCTION_LINES = 60  # a function or method, from its `def` line to its last lin
 LONG_FUNCTIONS_ALLOWED: dict[str, str] = {
     "megalaunch.config.megatron_args:megatron_args":
         "the one place Megatron's whole argument list is built, one short section per recipe part, in order",
-    "megalaunch.config.typed:coerce":
-        "a flat dispatch with one branch per annotation kind (Union, Literal, list, dict, dataclass, scalars)",
     "megalaunch.conversion.checkpoint_io.mcore_save:_lazy_strategy_class":
         "defines two torch/Megatron subclasses inside a function so that importing the module costs no torch",
     "megalaunch.launcher.accounting.goodput:segment_time":
         "one pass over a segment's consecutive boundaries, so its components add up to the wall time exactly",
-    "megalaunch.launcher.backends.local:run_segment":
-        "the local backend's one poll loop; each branch plays one Slurm behaviour (bad exit, cancel, signal, limit, hang)",
 }
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.chain.chain import Chain
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.launcher.status import run_status
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.paths import RunPaths
@@ -173,7 +174,7 @@ def test_config_error_outcome_stops_with_its_fix_in_status(run, monkeypatch) -> 
     assert stopped is not None and stopped["fix"] == "--set training.attention=sdpa"
     ended = chain.ledger.segments()[0].ended
     assert ended is not None and ended["outcome"] == "config_error"
-    from megalaunch.launcher.status import format_run_status
+    from megalaunch.launcher.status_format import format_run_status
 
     text = format_run_status(run_status(paths))
     assert "fix: --set training.attention=sdpa" in text and "CONFIG_ERROR" in text
@@ -290,7 +291,7 @@ def test_status_of_a_finished_run_names_the_conversion(run, monkeypatch) -> None
     """Issue 15: every stage prints its next command; a finished training run's is the conversion."""
     import shlex
 
-    from megalaunch.launcher.status import format_run_status
+    from megalaunch.launcher.status_format import format_run_status
 
     paths, sched, chain = run
     chain.begin("1")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.conversion.checkpoint_io import mcore_io
+from megalaunch.conversion.checkpoint_io import mcore_layout
 from megalaunch.conversion.errors import ConversionError, IncompleteCheckpointError, MissingFileError
 
 torch = pytest.importorskip("torch")
@@ -110,41 +110,41 @@ def fake_iteration(root: Path, name: str) -> Path:
 
 def test_tracker_rules(tmp_path: Path) -> None:
     with pytest.raises(IncompleteCheckpointError, match=r"latest_checkpointed_iteration\.txt"):
-        mcore_io.resolve(tmp_path)
-    (tmp_path / mcore_io.TRACKER).write_text("garbage")
+        mcore_layout.resolve(tmp_path)
+    (tmp_path / mcore_layout.TRACKER).write_text("garbage")
     with pytest.raises(IncompleteCheckpointError, match="'garbage'"):
-        mcore_io.resolve(tmp_path)
-    (tmp_path / mcore_io.TRACKER).write_text("20\n")
+        mcore_layout.resolve(tmp_path)
+    (tmp_path / mcore_layout.TRACKER).write_text("20\n")
     with pytest.raises(IncompleteCheckpointError, match="iter_0000020, which does not exist"):
-        mcore_io.resolve(tmp_path)
+        mcore_layout.resolve(tmp_path)
     fake_iteration(tmp_path, "iter_0000030")
     with pytest.raises(IncompleteCheckpointError, match="newer than the tracker's 20"):
-        mcore_io.resolve(tmp_path, 30)
+        mcore_layout.resolve(tmp_path, 30)
     with pytest.raises(IncompleteCheckpointError, match="newer than the tracker's 20"):
-        mcore_io.resolve(tmp_path / "iter_0000030")
+        mcore_layout.resolve(tmp_path / "iter_0000030")
     with pytest.raises(MissingFileError, match="iter_0000030"):
-        mcore_io.resolve(tmp_path, 10)
+        mcore_layout.resolve(tmp_path, 10)
 
 
 def test_iteration_without_metadata_is_incomplete(tmp_path: Path) -> None:
     (tmp_path / "iter_0000010").mkdir()
-    (tmp_path / mcore_io.TRACKER).write_text("10")
+    (tmp_path / mcore_layout.TRACKER).write_text("10")
     with pytest.raises(IncompleteCheckpointError, match=r"no metadata\.json"):
-        mcore_io.resolve(tmp_path)
+        mcore_layout.resolve(tmp_path)
     (tmp_path / "iter_0000010" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     with pytest.raises(IncompleteCheckpointError, match=r"no \.metadata"):
-        mcore_io.resolve(tmp_path)
+        mcore_layout.resolve(tmp_path)
     (tmp_path / "iter_0000010" / ".metadata").write_bytes(b"\x80\x04truncated")
     with pytest.raises(IncompleteCheckpointError, match="unreadable"):
-        mcore_io.resolve(tmp_path)
+        mcore_layout.resolve(tmp_path)
 
 
 def test_run_directory_means_its_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / mcore_io.TRACKER).write_text("release")
+    (tmp_path / "checkpoints" / mcore_layout.TRACKER).write_text("release")
     fake_iteration(tmp_path / "checkpoints", "release").joinpath("metadata.json").write_text(
         json.dumps({"sharded_backend": "zarr"}))
     with pytest.raises(ConversionError, match="'zarr' checkpoint"):
-        mcore_io.resolve(tmp_path)
+        mcore_layout.resolve(tmp_path)
     with pytest.raises(MissingFileError, match="does not exist"):
-        mcore_io.resolve(tmp_path / "nope")
+        mcore_layout.resolve(tmp_path / "nope")

@@ -1,5 +1,6 @@
-"""runtime/megatron_patches.deferred_compile: Megatron's import-time `torch.compile` decorations compile
-on first call instead of importing TorchDynamo/Inductor at import (docs/goodput.md, start-up)."""
+"""runtime/loop/megatron_patches: Megatron's import-time `torch.compile` decorations compile on first call
+instead of importing TorchDynamo/Inductor at import, and wandb stays out of that import unless Megatron's
+own W&B writer is set up (docs/goodput.md, start-up)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ torch = pytest.importorskip("torch")
 from megalaunch.runtime.loop.megatron_patches import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
 
 PROBE = r"""
-import json, sys, torch
+import json, os, sys, tempfile, types, torch
 from megalaunch.runtime.loop import megatron_patches
 megatron_patches.import_megatron()
 import megatron.core.jit as jit
+from megatron.core import timers
 from megatron.core.fusions import fused_bias_gelu
+from megatron.training import global_vars
 out = {"dynamo_after_import": "torch._dynamo" in sys.modules,
        "jit_fuser_deferred": bool(getattr(jit.jit_fuser, "_megalaunch_deferred", False)),
        "kernel_wrapped": hasattr(fused_bias_gelu.bias_gelu, "__wrapped__"),
-       "compile_restored": not getattr(torch.compile, "_megalaunch_deferred", False)}
+       "compile_restored": not getattr(torch.compile, "_megalaunch_deferred", False),
+       "wandb_after_import": "wandb" in sys.modules, "timers_wandb": timers.wandb is not None}
+# Megatron's own W&B writer (megatron_args: wandb-project) gives the timers the real module back
+os.environ["WANDB_MODE"] = "disabled"
+args = types.SimpleNamespace(wandb_project="p", wandb_exp_name="e", wandb_save_dir=tempfile.mkdtemp(),
+                             wandb_entity=None, rank=0, world_size=1)
+global_vars._set_wandb_writer(args)
+out["timers_wandb_with_writer"] = timers.wandb is not None and timers.wandb is sys.modules["wandb"]
 print(json.dumps(out))
 """
 
@@ -38,13 +48,15 @@ def probe(env: dict[str, str]) -> dict[str, bool]:
 def test_megatron_imports_without_the_compiler_and_torch_compile_is_restored() -> None:
     got = probe({})
     assert got == {"dynamo_after_import": False, "jit_fuser_deferred": True, "kernel_wrapped": True,
-                   "compile_restored": True}
+                   "compile_restored": True, "wandb_after_import": False, "timers_wandb": False,
+                   "timers_wandb_with_writer": True}
 
 
 def test_switched_off_megatron_imports_the_compiler_as_before() -> None:
     got = probe({DEFERRED_COMPILE_ENV: "0"})
     assert got["dynamo_after_import"] is True
     assert got["jit_fuser_deferred"] is False
+    assert got["wandb_after_import"] is True and got["timers_wandb"] is True
 
 
 def test_a_deferred_function_compiles_on_first_call_and_computes_the_same() -> None:

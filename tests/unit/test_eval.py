@@ -201,7 +201,8 @@ def test_live_records_fail_a_job_slurm_no_longer_runs(tmp_path: Path) -> None:
 
 
 def test_eval_cli_errors_are_one_line(tmp_path: Path) -> None:
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     paths = write_run(prepare_run(load_recipe("tiny", []), root=tmp_path / "runs"))
     for args, says in ((["eval", str(paths.root)], "no complete checkpoint yet"),

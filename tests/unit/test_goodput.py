@@ -9,6 +9,7 @@ import pytest
 from megalaunch.launcher.accounting.goodput import (
     COMPONENTS,
     checkpoint_interval_hint,
+    checkpoint_saves,
     mfu,
     peak_tflops,
     segment_time,
@@ -71,6 +72,21 @@ def test_a_running_segment_counts_the_time_since_its_last_record_as_training() -
 def test_a_segment_without_a_trainer_timeline_is_untracked() -> None:
     seg = segment_time("7", {"time": 100.0}, {"time": 130.0, "outcome": "saved"}, None, [], now=999.0)
     assert seg.parts["untracked"] == pytest.approx(30.0) and _sum(seg) == pytest.approx(30.0)
+
+
+def test_a_wait_for_an_asynchronous_save_is_save_time_not_exit() -> None:
+    """Its checkpoint's second interval (the loop's end waited for it after an abort): checkpoint_save,
+    the iterations before it lost work from the save's first interval; Young/Daly counts one save."""
+    phases = {**PHASES, "decision": 165.0, "exit": 172.0}
+    tl = _tl(phases=phases, saves=((140, 130.0, 135.0), (140, 161.0, 171.0)), last=158)
+    seg = segment_time("7", {"time": 100.0}, {"time": 175.0, "outcome": "aborted"}, tl, [], now=999.0)
+    p = seg.parts
+    assert _sum(seg) == pytest.approx(75.0)
+    assert p["checkpoint_save"] == pytest.approx(5.0 + 10.0) and p["exit"] == pytest.approx(1.0)
+    assert p["lost_work"] == pytest.approx(160.0 - 135.0) and seg.last_checkpoint == 140
+    assert checkpoint_saves(seg.saves) == {140: (pytest.approx(15.0), 171.0)}
+    hint = checkpoint_interval_hint({"wall": 75.0, "segments": [{"outcome": "aborted", "saves": seg.saves}]}, None)
+    assert (hint["saves"], hint["save_s"]) == (1, pytest.approx(15.0))
 
 
 @pytest.mark.parametrize(("gpu", "peak"), [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),

@@ -13,7 +13,7 @@ from tests.unit.test_nodes import _NoSlurm, events, slurm_chain
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.accounting.nodes import NodeHealth
-from megalaunch.launcher.prepare.prepare import runtime_settings
+from megalaunch.launcher.prepare.job_inputs import runtime_settings
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.runtime.health.health import Baselines, RankFigures, judge
 from megalaunch.runtime.health.stragglers import StepTimer, describe, summarize
@@ -118,7 +118,8 @@ def _unhealthy_outcome(monkeypatch, paths, job: str) -> None:  # type: ignore[no
 
 
 def test_an_unhealthy_node_becomes_suspect_and_the_successor_excludes_it(tmp_path, monkeypatch) -> None:
-    from megalaunch.launcher.status import format_run_status, run_status
+    from megalaunch.launcher.status import run_status
+    from megalaunch.launcher.status_format import format_run_status
 
     paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 1, "node2")
     assert chain.begin("41").proceed and sched.submitted == ["100"]

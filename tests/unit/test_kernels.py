@@ -129,7 +129,7 @@ def test_preflight_refuses_a_kernels_choice_that_cannot_work(sets, words, tmp_pa
 def test_kernels_is_megalaunch_s_own_field_not_a_megatron_flag(tmp_path: Path) -> None:
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.megatron_args import megatron_args
-    from megalaunch.launcher.prepare.prepare import runtime_settings
+    from megalaunch.launcher.prepare.job_inputs import runtime_settings
     from megalaunch.rundir.paths import RunPaths
 
     recipe = load_recipe("tiny", ["training.kernels=megatron"]).recipe
@@ -139,7 +139,7 @@ def test_kernels_is_megalaunch_s_own_field_not_a_megatron_flag(tmp_path: Path) -
 
 
 def _shipped() -> list[str]:
-    from megalaunch.config.loader import shipped_recipes
+    from megalaunch.config.recipe_files import shipped_recipes
 
     return sorted(k for k in shipped_recipes() if k.startswith("train/"))
 

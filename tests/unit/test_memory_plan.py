@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from megalaunch.cli.main import main
-from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.config.loader import load_recipe
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.planner.fit import model_shape, recipe_layout
 from megalaunch.config.planner.gpus import GIB, gpu_spec
 from megalaunch.config.planner.memory import Layout, ModelShape, estimate
 from megalaunch.config.planner.plan import plan_recipe, set_lines, step_key
 from megalaunch.config.preflight import preflight
+from megalaunch.config.recipe_files import shipped_recipes
 from megalaunch.errors import PreflightError
 from megalaunch.rundir.paths import RunPaths
 

@@ -23,7 +23,8 @@ from megalaunch.launcher.accounting.nodes import (
     plan_exclusion,
 )
 from megalaunch.launcher.chain.chain import Chain
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -192,7 +193,8 @@ def test_the_nodes_command_lists_and_clears(tmp_path) -> None:
 
 
 def test_status_shows_the_suspect_and_the_exclusion(tmp_path, monkeypatch) -> None:
-    from megalaunch.launcher.status import format_run_status, run_status
+    from megalaunch.launcher.status import run_status
+    from megalaunch.launcher.status_format import format_run_status
 
     paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 1, "node2")
     chain.begin("31")
@@ -226,9 +228,9 @@ class _FlakySlurm(RecordingScheduler):
 
 
 def test_slurm_not_answering_at_segment_start_is_not_a_failure(tmp_path, monkeypatch) -> None:
-    import megalaunch.launcher.chain.chain as chain_mod
+    import megalaunch.launcher.chain.successor as successor_mod
 
-    monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
+    monkeypatch.setattr(successor_mod, "SUCCESSOR_RETRY_S", (0, 0))
     paths = make_run(tmp_path, "cluster.backend=slurm")
     sched = _FlakySlurm(down=2)  # begin's try and end's first try fail, end's first retry works
     chain = Chain(paths, sched)
@@ -244,9 +246,9 @@ def test_slurm_not_answering_at_segment_start_is_not_a_failure(tmp_path, monkeyp
 
 
 def test_slurm_down_at_both_ends_pauses_the_chain_and_says_how_to_resume(tmp_path, monkeypatch) -> None:
-    import megalaunch.launcher.chain.chain as chain_mod
+    import megalaunch.launcher.chain.successor as successor_mod
 
-    monkeypatch.setattr(chain_mod, "SUCCESSOR_RETRY_S", (0, 0))
+    monkeypatch.setattr(successor_mod, "SUCCESSOR_RETRY_S", (0, 0))
     paths = make_run(tmp_path, "cluster.backend=slurm")
     sched = _FlakySlurm(down=10)
     chain = Chain(paths, sched)

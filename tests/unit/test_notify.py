@@ -19,10 +19,11 @@ from tests.unit.test_chain import RecordingScheduler, _ckpt, _outcome
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import PreflightError
-from megalaunch.launcher.chain import chain as chain_module
+from megalaunch.launcher.chain import successor as successor_module
 from megalaunch.launcher.chain.chain import Chain
 from megalaunch.launcher.chain.notify import GRACE_S
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import Decision, TriggerBox
 
@@ -144,7 +145,7 @@ def test_a_pause_the_successor_could_not_be_queued_needs_a_person(tmp_path: Path
         def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
             raise RuntimeError("slurmctld did not answer")
 
-    monkeypatch.setattr(chain_module, "SUCCESSOR_RETRY_S", ())  # no retries' waits in a unit test
+    monkeypatch.setattr(successor_module, "SUCCESSOR_RETRY_S", ())  # no retries' waits in a unit test
     paths, _, _ = make_chain(tmp_path, f"chain.notify.webhooks=['{hook.url}']")
     chain = Chain(paths, Refusing())
     chain.begin("1")

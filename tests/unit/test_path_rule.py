@@ -13,7 +13,8 @@ from megalaunch.config.loader import load_recipe, load_run_recipe
 from megalaunch.config.paths import expand_path, path_fields
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import ConfigError
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 
 EXPECTED_PATH_FIELDS = {
     "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",

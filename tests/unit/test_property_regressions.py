@@ -9,7 +9,8 @@ import pytest
 
 from megalaunch.config.loader import load_recipe, load_run_recipe
 from megalaunch.errors import ConfigError, MegalaunchError, PreflightError
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import args_file_text, read_args_file
 from megalaunch.rundir.paths import RunPaths
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.config.loader import load_recipe, parse_set, shipped_recipes
+from megalaunch.config.loader import load_recipe, parse_set
 from megalaunch.config.preflight import preflight
+from megalaunch.config.recipe_files import shipped_recipes
 from megalaunch.errors import ConfigError
 
 TRAIN = sorted(k for k in shipped_recipes() if k.startswith("train/"))

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megalaunch.config.loader import load_recipe, shipped_recipes
+from megalaunch.config.loader import load_recipe
+from megalaunch.config.recipe_files import shipped_recipes
 from megalaunch.launcher.prepare.prepare import prepare_run
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -189,7 +190,7 @@ def test_debug_options_render_valid_scripts(tmp_path: Path) -> None:
 
 def test_code_snapshot_copies_tracked_files_and_fails_loudly(tmp_path: Path) -> None:
     from megalaunch.errors import PreflightError
-    from megalaunch.launcher.prepare.prepare import write_run
+    from megalaunch.launcher.prepare.write import write_run
 
     src = tmp_path / "src"
     src.mkdir()

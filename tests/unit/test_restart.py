@@ -15,8 +15,10 @@ from megalaunch.errors import ConfigError
 from megalaunch.launcher.accounting.goodput import chain_goodput
 from megalaunch.launcher.chain.chain import Chain
 from megalaunch.launcher.chain.restart import archive_step, startup_estimate, step_end, step_nodes
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
-from megalaunch.launcher.status import format_run_status, run_status
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
+from megalaunch.launcher.status import run_status
+from megalaunch.launcher.status_format import format_run_status
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text
 from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.rundir.state import write_outcome

@@ -140,7 +140,8 @@ def test_a_missing_checkpoint_the_chain_needs_is_refused_before_a_job(finished: 
 
 def test_a_missing_checkpoint_load_is_refused_before_the_first_checkpoint(tmp_path: Path) -> None:
     from megalaunch.config.loader import load_recipe
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     source = tmp_path / "pretrained"
     source.mkdir()

@@ -22,8 +22,11 @@ from megalaunch.errors import RunDirError, SlurmError
 from megalaunch.launcher.chain.backend import Live, Started
 from megalaunch.launcher.chain.chain import Chain
 from megalaunch.launcher.chain.resume_from import check_resume_from, resume_chain
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
-from megalaunch.launcher.status import format_resume, format_run_status, run_status
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
+from megalaunch.launcher.status import run_status
+from megalaunch.launcher.status_format import format_run_status
+from megalaunch.launcher.status_history import format_resume
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths

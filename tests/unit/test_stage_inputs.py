@@ -145,7 +145,8 @@ def test_dry_run_announces_the_directory_the_submit_creates(tmp_path: Path) -> N
 def frozen_run(tmp_path: Path, sources: tuple[Path, Path]) -> Path:
     from megalaunch.config.loader import load_recipe
     from megalaunch.data.blend import resolve_blend
-    from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.write import write_run
 
     blend_file = tmp_path / "blend.txt"
     resolve_blend([(str(p), None) for p in sources]).write(blend_file)

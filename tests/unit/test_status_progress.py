@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from tests.unit.helpers import counter_recipe
 
-from megalaunch.launcher.prepare.prepare import prepare_submission, write_run
-from megalaunch.launcher.status import format_run_status, run_status
+from megalaunch.launcher.prepare.prepare import prepare_submission
+from megalaunch.launcher.prepare.write import write_run
+from megalaunch.launcher.status import run_status
+from megalaunch.launcher.status_format import format_run_status
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths

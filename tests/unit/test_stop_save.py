@@ -14,8 +14,9 @@ from megalaunch.config.loader import load_recipe
 from megalaunch.config.megatron_args import async_save
 from megalaunch.launcher.backends.slurm_backend import SlurmBackend
 from megalaunch.launcher.chain.chain import Chain
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.signal_lead import measured_lead_s, plan_lead, segment_step_s, stop_lines
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import atomic_write_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -121,6 +122,27 @@ def test_an_async_save_is_accounted_when_complete(session: Any) -> None:
     assert s.before_save(20, "periodic")
     s.after_save(20)  # synchronous: complete when it returns
     assert done == [10, 20] and len(s.observe.timeline.data["writes"]) == 2
+
+
+def test_a_wait_for_an_asynchronous_save_is_save_time(session: Any) -> None:
+    """Right after its save (a stop during it) the save's interval grows to the complete checkpoint;
+    after iterations (before a stop save, the loop's end) the wait is one more interval of that checkpoint."""
+    s = session(None)
+    s.observe.timeline.iteration(9, flush=False)
+    assert s.before_save(10, "periodic")
+    s.after_save(10, complete=False)
+    (begin, end) = s.observe.timeline.data["saves"][0][1:]
+    s.save_waited(10, end + 0.01, end + 5.0)
+    assert s.observe.timeline.data["saves"] == [[10, begin, end + 5.0]]
+    s.observe.timeline.iteration(11, flush=False)
+    assert s.before_save(20, "periodic")
+    s.after_save(20, complete=False)
+    s.observe.timeline.iteration(21, flush=False)  # training went on while it was writing
+    now = s.observe.timeline.data["phases"]["last_iteration_end"]
+    s.save_waited(20, now + 1.0, now + 3.0)
+    saves = s.observe.timeline.data["saves"]
+    assert [x[0] for x in saves] == [10, 20, 20] and saves[-1] == [20, now + 1.0, now + 3.0]
+    assert s.checkpoints.save_times[-1] == pytest.approx(2.0) and len(s.checkpoints.save_times) == 4
 
 
 def test_a_forced_decision_sees_a_stop_between_decision_points(session: Any, monkeypatch: pytest.MonkeyPatch) -> None:

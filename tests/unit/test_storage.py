@@ -21,8 +21,10 @@ from megalaunch.config.planner.fit import model_shape
 from megalaunch.config.storage import DiskBudget, check_disk, parse_lfs_df, parse_lfs_quota, parse_quota
 from megalaunch.errors import PreflightError
 from megalaunch.launcher.chain.chain import Chain
-from megalaunch.launcher.prepare.prepare import prepare_run, prepare_submission, write_run
-from megalaunch.launcher.status import format_run_status, run_status
+from megalaunch.launcher.prepare.prepare import prepare_run, prepare_submission
+from megalaunch.launcher.prepare.write import write_run
+from megalaunch.launcher.status import run_status
+from megalaunch.launcher.status_format import format_run_status
 from megalaunch.runtime.rank.failures import STORAGE_PREFIX, classify
 from megalaunch.runtime.rank.storage import (
     STORAGE_FIX,

@@ -18,7 +18,8 @@ from tests.unit.helpers import cli
 from megalaunch.config.loader import load_recipe
 from megalaunch.config.tokenizer import resolve_tokenizer
 from megalaunch.errors import PreflightError
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import read_args_file
 
 pytest.importorskip("tokenizers")

@@ -16,7 +16,8 @@ import pytest
 from megalaunch.config.loader import load_recipe
 from megalaunch.errors import RunDirError
 from megalaunch.launcher.chain.chain import Chain
-from megalaunch.launcher.prepare.prepare import prepare_run, write_run
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths

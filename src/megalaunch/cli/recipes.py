@@ -14,7 +14,7 @@ app = typer.Typer(no_args_is_help=True)
 
 
 def _is_tokenize(ref: str) -> bool:
-    from megalaunch.config.loader import find_recipe
+    from megalaunch.config.recipe_files import find_recipe
 
     return find_recipe(ref).parent.name == "tokenize"
 
@@ -22,7 +22,7 @@ def _is_tokenize(ref: str) -> bool:
 @app.command("list")
 def list_() -> None:
     """Shipped recipes, by group."""
-    from megalaunch.config.loader import shipped_recipes
+    from megalaunch.config.recipe_files import shipped_recipes
 
     group = None
     for key, path in shipped_recipes().items():
@@ -42,7 +42,8 @@ def show(
     cluster: ClusterOpt = None,
 ) -> None:
     """Print a recipe fully resolved (with defaults)."""
-    from megalaunch.config.loader import find_recipe, load_recipe
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.recipe_files import find_recipe
 
     if _is_tokenize(recipe):
         import yaml

@@ -36,7 +36,8 @@ def submit(
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.launcher.backends.registry import backend_for
-    from megalaunch.launcher.prepare.prepare import disk_lines, dry_run_text, prepare_submission, summary
+    from megalaunch.launcher.prepare.prepare import prepare_submission
+    from megalaunch.launcher.prepare.preview import disk_lines, dry_run_text, summary
 
     sets = [*(set_ or []), *([f"checkpoint.from_hf={from_hf}"] if from_hf else [])]
     prepared = prepare_submission(recipe, sets, name=name, cluster=cluster, check_disk=not dry_run,
@@ -68,7 +69,8 @@ def status(
 ) -> None:
     """Show a run's chain (segments, iteration, checkpoint, triggers, guard) or all of your runs."""
     from megalaunch.launcher.control import find_run
-    from megalaunch.launcher.status import all_runs_status, format_run_status, run_status
+    from megalaunch.launcher.status import all_runs_status, run_status
+    from megalaunch.launcher.status_format import format_run_status
     from megalaunch.rundir.paths import RunPaths
     from megalaunch.rundir.registry import known_runs
 

@@ -1,5 +1,6 @@
 """Load a recipe: resolve includes, merge, apply `--set` overrides, build the typed schema (a training
-`Recipe`, or a stage's own schema such as tokenization's, through the same code).
+`Recipe`, or a stage's own schema such as tokenization's, through the same code). Finding a recipe
+file and reading one is config/recipe_files.py's.
 
 Precedence, written down once: `--set` > the recipe file > its includes (later includes override
 earlier ones) > schema defaults. Every leaf remembers which file or flag set it (provenance)."""
@@ -8,22 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
 from megalaunch.config.paths import expand_paths
+from megalaunch.config.recipe_files import base_dir, display_name, find_recipe, load_yaml, read_recipe_file
 from megalaunch.config.schema import Recipe
-from megalaunch.config.typed import UnknownKeyError, build, did_you_mean, to_plain
+from megalaunch.config.typed import UnknownKeyError, build, to_plain
 from megalaunch.errors import ConfigError, RunDirError
 from megalaunch.rundir.paths import RunPaths
 
-RECIPE_GROUPS = ("train", "models", "clusters", "training", "tokenize")
 _MAX_INCLUDE_DEPTH = 16
 # A schema's own treatment of one file's values before merging, given the directory its relative
 # paths are relative to (tokenization anchors input and tokenizer paths there).
@@ -43,134 +42,6 @@ class LoadedRecipe:
 
     def origin(self, dotted: str) -> str:
         return self.provenance.get(dotted, "default")
-
-
-def recipes_root() -> Path:
-    return Path(str(resources.files("megalaunch") / "recipes"))
-
-
-def shipped_recipes() -> dict[str, Path]:
-    """'group/name' -> file, for every shipped recipe."""
-    root = recipes_root()
-    out = {}
-    for group in RECIPE_GROUPS:
-        for p in sorted((root / group).glob("*.yaml")):
-            out[f"{group}/{p.stem}"] = p
-    return out
-
-
-def find_recipe(ref: str, relative_to: Path | None = None, group: str = "train") -> Path:
-    """A file path (absolute, or relative to the including file / cwd) or a shipped name
-    ('train/tiny', or just 'tiny' for a recipe of `group`)."""
-    candidates = []
-    p = Path(os.path.expanduser(ref))  # Path.expanduser raises for an unknown ~user
-    if relative_to is not None and not p.is_absolute():
-        candidates.append(relative_to / p)
-    candidates.append(p)
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-
-        if c.suffix == "" and c.with_suffix(".yaml").is_file():
-            return c.with_suffix(".yaml").resolve()
-    shipped = shipped_recipes()
-    name = ref[:-5] if ref.endswith(".yaml") else ref
-    for key in (name, f"{group}/{name}"):
-        if key in shipped:
-            return shipped[key]
-    if any(c.is_dir() for c in candidates):
-        raise ConfigError(f"{ref} is a directory, not a recipe file", fix="name a .yaml file in it")
-    raise ConfigError(f"recipe '{ref}' not found{did_you_mean(name, shipped)}",
-                      valid="a YAML file path or a shipped recipe (see `megalaunch recipes list`)")
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key repeated in one mapping (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
-                    "the second would silently replace the first", key_node.start_mark)
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _load_yaml(text: str, where: str) -> Any:
-    """`yaml.load` that refuses what it would build but Python cannot handle: an alias inside itself
-    (`&a [*a]`, endless recursion later). A scalar Python cannot build (the date 2024-13-45, an integer
-    of 5000 digits) raises ValueError for the caller to report."""
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply", fix="write the value with fewer nested brackets") from None
-    except (AttributeError, TypeError, IndexError, KeyError) as e:  # PyYAML's own constructors: `!!timestamp x`, `!!float`
-        raise ValueError(str(e)) from None
-    stack: set[int] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, (dict, list)):
-            if id(node) in stack:
-                raise ConfigError(f"{where}: a YAML alias refers to a mapping or list that contains it",
-                                  fix="write the value out instead of the alias")
-            stack.add(id(node))
-            for child in (node.values() if isinstance(node, dict) else node):
-                walk(child)
-            stack.discard(id(node))
-
-    walk(data)
-    return data
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """YAML with duplicate keys refused; errors name `where` and the line."""
-    try:
-        return _load_yaml(text, where)
-    except ValueError as e:  # a scalar YAML recognises but Python cannot build
-        raise ConfigError(f"{where}: a value cannot be read ({e})", fix="quote it to make it a string") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}:" if mark is not None else ""
-        problem = getattr(e, "problem", None) or e
-        if isinstance(e, yaml.constructor.ConstructorError):  # a repeated key
-            raise ConfigError(f"{where}:{line} {problem}") from None
-        raise ConfigError(f"{where}:{line} is not valid YAML ({problem})") from None
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if path.is_dir():
-        raise ConfigError(f"{path} is a directory, not a recipe file", fix="name a .yaml file in it")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read recipe {path}: {e.strerror}") from None
-    if not raw.strip():
-        raise ConfigError(f"{path} is empty: a recipe needs at least `name:` and an `include:` or sections",
-                          fix="see `megalaunch recipes show tiny` for a complete one")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): not a recipe file") from None
-    if "\0" in text:
-        raise ConfigError(f"{path} holds NUL bytes: not a recipe file")
-    data = parse_yaml(text, str(path))
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def _display(path: Path) -> str:
-    root = recipes_root()
-    try:
-        return "recipes/" + str(path.relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any], source: str, prov: dict[str, str], prefix: str = "",
@@ -197,11 +68,6 @@ def _mark(value: Any, source: str, prov: dict[str, str], dotted: str,
             _mark(v, source, prov, f"{dotted}.{k}", src_prov, f"{sdotted}.{k}")
     else:
         prov[dotted] = (src_prov or {}).get(sdotted, source)
-
-
-def _base_dir(path: Path) -> Path:
-    """Relative paths in a recipe file are relative to the file; in a shipped recipe, to the cwd."""
-    return Path.cwd() if path.resolve().is_relative_to(recipes_root().resolve()) else path.parent
 
 
 def _section_type(tp: Any) -> Any:
@@ -245,27 +111,27 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor
                group: str = "train", schema: Any = None) -> dict[str, Any]:
     """The composed tree of `path`; fills `prov` with the origin of each of its leaves."""
     if path in stack:
-        chain = " -> ".join(_display(p) for p in (*stack, path))
+        chain = " -> ".join(display_name(p) for p in (*stack, path))
         raise ConfigError(f"include cycle: {chain}", field="include", fix="remove one of the includes")
     if len(stack) > _MAX_INCLUDE_DEPTH:
         raise ConfigError("includes nest too deeply", field="include")
-    data = _read_yaml(path)
+    data = read_recipe_file(path)
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{_display(path)}: include")
+        raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{display_name(path)}: include")
     if schema is not None:
-        _check_shapes(data, schema, _display(path))
+        _check_shapes(data, schema, display_name(path))
     if anchor is not None:
-        anchor(data, _base_dir(path))
+        anchor(data, base_dir(path))
     merged: dict[str, Any] = {}
     for inc in includes:
         inc_path = find_recipe(inc, path.parent, group)
         sub_prov: dict[str, str] = {}
         sub = _load_tree(inc_path, sub_prov, (*stack, path), anchor, group, schema)
-        _merge(merged, sub, _display(inc_path), prov, src_prov=sub_prov)
-    _merge(merged, data, _display(path), prov)
+        _merge(merged, sub, display_name(inc_path), prov, src_prov=sub_prov)
+    _merge(merged, data, display_name(path), prov)
     return merged
 
 
@@ -278,7 +144,7 @@ def parse_set(expr: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {expr!r}: empty key", fix="e.g. --set training.lr=3e-4")
     try:
-        value = _load_yaml(text, f"--set {key}") if text.strip() else ""
+        value = load_yaml(text, f"--set {key}") if text.strip() else ""
     except yaml.constructor.ConstructorError as e:
         raise ConfigError(f"--set {key}: {e.problem}") from None
     except (yaml.YAMLError, ValueError):  # ValueError: a date or number Python cannot build
@@ -333,7 +199,7 @@ def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any =
         ref_c = cluster if "/" in cluster or cluster.endswith(".yaml") else f"clusters/{cluster}"
         cpath = find_recipe(ref_c)
         sub_prov: dict[str, str] = {}
-        _merge(tree, _load_tree(cpath, sub_prov, (), schema=schema), _display(cpath), prov, src_prov=sub_prov)
+        _merge(tree, _load_tree(cpath, sub_prov, (), schema=schema), display_name(cpath), prov, src_prov=sub_prov)
     apply_sets(tree, list(sets), prov, schema, anchor)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)
@@ -359,7 +225,7 @@ def read_run_tree(paths: RunPaths) -> dict[str, Any]:
     if not paths.run_yaml.is_file():
         raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
                           fix="pass the directory that `megalaunch submit` printed")
-    return _read_yaml(paths.run_yaml)
+    return read_recipe_file(paths.run_yaml)
 
 
 def load_run_recipe(paths: RunPaths) -> Recipe:
@@ -367,4 +233,4 @@ def load_run_recipe(paths: RunPaths) -> Recipe:
     if not paths.run_yaml.is_file():
         raise RunDirError(f"{paths.root} is not a megalaunch run directory (no run.yaml)",
                           fix="pass the directory that `megalaunch submit` printed")
-    return load_resolved(_read_yaml(paths.run_yaml))  # a damaged run.yaml is a ConfigError naming it
+    return load_resolved(read_recipe_file(paths.run_yaml))  # a damaged run.yaml is a ConfigError naming it

@@ -7,12 +7,14 @@ is a valid float). Every error names the dotted field path. Fields document them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from megalaunch.errors import ConfigError
@@ -102,68 +104,99 @@ def _float(text: str) -> float:
 
 
 def coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check/convert `value` to type `tp`; raise ConfigError naming `path` otherwise."""
-    origin = get_origin(tp)
+    """Check/convert `value` to type `tp`; raise ConfigError naming `path` otherwise. One function per
+    annotation kind: the generic forms by their origin, then dataclasses, then the scalars."""
     if tp is Any:
         return value
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"got {value!r} ({type(value).__name__})", field=path, valid=_type_name(tp))
-    if origin is Literal:
-        if value in get_args(tp):
-            return value
-        raise ConfigError(f"got {value!r}{did_you_mean(str(value), map(str, get_args(tp)))}",
-                          field=path, valid=_type_name(tp))
-    if origin is list or origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"expected a list, got {value!r}", field=path, valid=_type_name(tp))
-        (item_tp,) = get_args(tp)[:1]
-        return tuple(coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"expected a mapping, got {value!r}", field=path, valid="mapping")
-        key_tp, val_tp = get_args(tp)
-        return {coerce(k, key_tp, path): coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    by_origin = _BY_ORIGIN.get(get_origin(tp))
+    if by_origin is not None:
+        return by_origin(value, tp, path)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"expected true or false, got {value!r}", field=path, valid="true | false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-            return int(value)
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and _float(value).is_integer():
-            return int(_float(value))
-        raise ConfigError(f"expected an integer, got {value!r}", field=path, valid="integer")
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
-        elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            number = _float(value)
-        if number is not None and math.isfinite(number):
-            return number
-        raise ConfigError(f"expected a number, got {value!r}", field=path, valid="a finite number (e.g. 3e-4)")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"expected a string, got {value!r}", field=path, valid="string")
+    scalar = _SCALARS.get(tp)
+    if scalar is not None:
+        return scalar(value, path)
     raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in the schema, not user error
+
+
+def _to_union(value: Any, tp: Any, path: str) -> Any:
+    """The first member type that takes `value` (None where the union holds it)."""
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        with contextlib.suppress(ConfigError):
+            return coerce(value, arg, path)
+    raise ConfigError(f"got {value!r} ({type(value).__name__})", field=path, valid=_type_name(tp))
+
+
+def _to_literal(value: Any, tp: Any, path: str) -> Any:
+    if value in get_args(tp):
+        return value
+    raise ConfigError(f"got {value!r}{did_you_mean(str(value), map(str, get_args(tp)))}",
+                      field=path, valid=_type_name(tp))
+
+
+def _to_tuple(value: Any, tp: Any, path: str) -> tuple[Any, ...]:
+    """A list (or tuple) annotation: a YAML list, stored as a tuple (the dataclasses are frozen)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"expected a list, got {value!r}", field=path, valid=_type_name(tp))
+    (item_tp,) = get_args(tp)[:1]
+    return tuple(coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _to_dict(value: Any, tp: Any, path: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected a mapping, got {value!r}", field=path, valid="mapping")
+    key_tp, val_tp = get_args(tp)
+    return {coerce(k, key_tp, path): coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+
+
+def _to_bool(value: Any, path: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"expected true or false, got {value!r}", field=path, valid="true | false")
+
+
+def _to_int(value: Any, path: str) -> int:
+    """An int, or a float or numeric string with an integral value (`1e3`, `2.0`)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and _float(value).is_integer():
+        return int(_float(value))
+    raise ConfigError(f"expected an integer, got {value!r}", field=path, valid="integer")
+
+
+def _to_float(value: Any, path: str) -> float:
+    """A finite number: an int or float, or a numeric string (YAML reads `5e-4` as a string)."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value) if not isinstance(value, int) or abs(value) < 2**1023 else math.inf
+    elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        number = _float(value)
+    if number is not None and math.isfinite(number):
+        return number
+    raise ConfigError(f"expected a number, got {value!r}", field=path, valid="a finite number (e.g. 3e-4)")
+
+
+def _to_str(value: Any, path: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"expected a string, got {value!r}", field=path, valid="string")
+
+
+# The annotation kinds `coerce` dispatches on: generic forms by `get_origin`, scalars by the type itself.
+_BY_ORIGIN: dict[Any, Callable[[Any, Any, str], Any]] = {
+    Union: _to_union, types.UnionType: _to_union, Literal: _to_literal,
+    list: _to_tuple, tuple: _to_tuple, dict: _to_dict,
+}
+_SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def build(cls: Any, data: Any, path: str = "") -> Any:

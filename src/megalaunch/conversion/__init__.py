@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-core checkpoint conversion for Llama-family models (Llama 2/3/3.1,
 Mistral, Qwen2): declarative name tables (`tables`), named transforms (`transforms`), streaming
-safetensors (`safetensors_io`) and torch_dist (`mcore_io`, `mcore_save`) I/O, orchestrated by
+safetensors and torch_dist I/O (`checkpoint_io`: `safetensors_io`, `mcore_*`), orchestrated by
 `to_mcore` and `to_hf` (shared parts in `converter`).
 
 Importing this package is cheap; torch, megatron and transformers load inside the functions."""

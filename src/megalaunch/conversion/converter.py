@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megalaunch.conversion.checkpoint_io import mcore_io
+from megalaunch.conversion.checkpoint_io import mcore_layout
 from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, MissingFileError
 from megalaunch.conversion.tables import Item
@@ -96,7 +96,7 @@ def largest_group_bytes(work: list[Item], dims: Dims, element_size: int) -> int:
 
 
 def _prepare_output(out: Path, iteration: int | None, overwrite: bool) -> Path:
-    target = out / mcore_io.iteration_dir_name(iteration)
+    target = out / mcore_layout.iteration_dir_name(iteration)
     if target.exists() and any(target.iterdir()):
         if not overwrite:
             raise ConversionError(f"{target} already exists and is not empty",

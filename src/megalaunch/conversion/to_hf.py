@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from megalaunch.config.schema import ModelConfig
 from megalaunch.config.tokenizer import TOKENIZER_FILES, TokenizerSpec, resolve_tokenizer
 from megalaunch.conversion import families, transforms
-from megalaunch.conversion.checkpoint_io import mcore_io, safetensors_io
+from megalaunch.conversion.checkpoint_io import mcore_dist, mcore_layout, safetensors_io
+from megalaunch.conversion.checkpoint_io.mcore_direct import DirectReader
 from megalaunch.conversion.checkpoint_io.progress import Progress
 from megalaunch.conversion.converter import (
     ASSET_FILES,
@@ -98,7 +99,7 @@ def _template_tokenizer(template: Path) -> TokenizerSpec:
     return resolve_tokenizer(template, field_name="--hf-template")
 
 
-def _hf_source(ref: mcore_io.CheckpointRef, common: dict[str, Any], *, hf_template: Path | None,
+def _hf_source(ref: mcore_layout.CheckpointRef, common: dict[str, Any], *, hf_template: Path | None,
                family: str | None, model: ModelConfig | None, vocab_size: int | None,
                padded_rows: int, dtype: torch.dtype) -> _Source:
     """Which Hugging Face config describes this checkpoint: --hf-template, else the one hf-to-mcore
@@ -144,12 +145,12 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
                 progress: bool = True, fsync: bool = False) -> Report:
     """Convert a complete Megatron-core checkpoint into a Hugging Face directory `out`."""
     out = Path(out)
-    ref = mcore_io.resolve(Path(checkpoint), iteration)
+    ref = mcore_layout.resolve(Path(checkpoint), iteration)
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise ConversionError(f"{out} already holds safetensors files", fix="choose another --out, or --overwrite")
-    with mcore_io.process_group():
-        common = mcore_io.load_common(ref.path)
-        meta = mcore_io.tensors_metadata(ref.path)
+    with mcore_dist.process_group():
+        common = mcore_dist.load_common(ref.path)
+        meta = mcore_dist.tensors_metadata(ref.path)
         embed = meta.get("embedding.word_embeddings.weight")
         if embed is None:
             raise ConversionError(f"{ref.path} has no embedding.word_embeddings.weight: not a GPT checkpoint "
@@ -207,7 +208,7 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
     staging = _Staging()
     requests = [_request(item, dims, meta) for item in work]
     capacity = max(_numel(r.local_shape) * r.dtype.itemsize for r in requests)
-    with mcore_io.DirectReader(ckpt) as reader:
+    with DirectReader(ckpt) as reader:
         for item, r in zip(work, requests, strict=True):
             target = staging.tensor(((1,) if r.stacked else ()) + r.local_shape, r.dtype, capacity)
             reader.read_into(r.key, r.offset, target)
@@ -226,12 +227,12 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
                 report.tensors += 1
 
 
-def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_io.ShardRequest:
+def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_dist.ShardRequest:
     info = meta[item.rule.mcore]
     shape = tuple(int(d) for d in info.global_shape)
     local = shape[1:] if item.rule.per_layer else shape
-    return mcore_io.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
-                                 info.dtype)
+    return mcore_dist.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
+                                   info.dtype)
 
 
 def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path) -> None:

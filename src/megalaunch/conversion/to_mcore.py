@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion import families, transforms
-from megalaunch.conversion.checkpoint_io import mcore_io, mcore_save, safetensors_io
+from megalaunch.conversion.checkpoint_io import mcore_dist, mcore_layout, mcore_save, safetensors_io
 from megalaunch.conversion.checkpoint_io.progress import Progress
 from megalaunch.conversion.converter import (
     ASSET_FILES,
@@ -127,7 +127,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         }
         bar = Progress(report.bytes, f"hf-to-mcore {target.name}", progress)
         start = time.perf_counter()
-        with mcore_io.process_group():
+        with mcore_dist.process_group():
             stats = mcore_save.save(target, shards, common, max_inflight_bytes=budget, threads=max(1, threads),
                                   extra_state=EXTRA_STATE_MODULES, num_layers=dims.num_layers, fsync=fsync,
                                   crc32=crc32, on_written=lambda s: bar.update(s.nbytes))
@@ -135,7 +135,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         report.seconds = time.perf_counter() - start
         report.threads, report.max_inflight_bytes = stats.threads, stats.max_inflight_bytes
         report.peak_inflight_bytes = stats.peak_inflight_bytes
-    mcore_io.write_tracker(out, iteration)
+    mcore_layout.write_tracker(out, iteration)
     _copy_assets(hf_dir, out / ASSETS_DIR)
     report.output = target
     return report

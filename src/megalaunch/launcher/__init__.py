@@ -1,7 +1,8 @@
 """Login-node side of a run: preparing and rendering it, executing it (Slurm, local), the chain of
 segments, and what the user asks of it. Here: the commands' library functions that read across the
-parts, `status`, `logs` and `control` (who may act on a run). The parts, each a sub-package whose
-docstring says what it owns and what it may use (tests/unit/test_architecture.py holds the rules):
+parts, `status` (with its text, `status_format`, and the ledger's history lines, `status_history`),
+`logs` and `control` (who may act on a run). The parts, each a sub-package whose docstring says what
+it owns and what it may use (tests/unit/test_architecture.py holds the rules):
 
     backends     Slurm and local execution, the backend registry      uses chain, prepare, accounting
     chain        segment begin/end, restarts, notifications, resume  uses prepare, accounting

@@ -1,4 +1,6 @@
-"""What `megalaunch status` shows: read from the run directory, plus one batched query of the backend."""
+"""What `megalaunch status` shows: read from the run directory, plus one batched query of the backend;
+for one run (`run_status`) or for all of a user's runs, one line each (`all_runs_status`). The ledger's
+history lines are status_history.py's, the pace launcher/accounting/pace.py's, the text status_format.py's."""
 
 from __future__ import annotations
 
@@ -6,13 +8,20 @@ import time
 from typing import Any
 
 from megalaunch.config.loader import load_run_recipe
-from megalaunch.launcher.accounting.storage import checkpoint_usage, format_usage
+from megalaunch.launcher.accounting.pace import efficiency, tokens_per_s
+from megalaunch.launcher.accounting.storage import checkpoint_usage
 from megalaunch.launcher.backends.registry import backend_for
 from megalaunch.launcher.chain.backend import Live, unfinished
 from megalaunch.launcher.prepare.signal_lead import stop_lines
+from megalaunch.launcher.status_history import (
+    health_lines,
+    node_decisions,
+    restart_lines,
+    resume_summary,
+    straggler_lines,
+)
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.rundir.resume_request import read_resume_request
 from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
 from megalaunch.rundir.triggers import TriggerBox
 
@@ -78,10 +87,10 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     from megalaunch.rundir.files import read_jsonl
 
     metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
-    efficiency = _efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics)
+    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics)
     rate = tokens_per_s(metrics, running=chain_state == "running")
     return {
-        **efficiency,
+        **figures,
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
         "backend": recipe.cluster.backend, "chain_state": chain_state,
         "stop_reason": stopped.get("reason") if stopped else None,
@@ -96,81 +105,14 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
                              for e in events if e.get("event") == "trigger_refused"],
         "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
-        "nodes": _node_decisions(events), "restarts": restart_lines(events),
-        "health": _health_lines(events),
-        "stragglers": _straggler_lines(events),
+        "nodes": node_decisions(events), "restarts": restart_lines(events),
+        "health": health_lines(events),
+        "stragglers": straggler_lines(events),
         "stop_signal": stop_lines(events),
         "resume": resume_summary(paths, events),
         "storage": checkpoint_usage(paths, recipe, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
-
-
-def _node_decisions(events: list[dict[str, Any]]) -> list[str]:
-    """The run's bad-node decisions (launcher/accounting/nodes.py), oldest first: suspects with their evidence,
-    and what each successor excluded or kept and why."""
-    out = []
-    for e in events:
-        if e.get("event") == "node_suspected":
-            evidence = "; ".join(e.get("evidence") or [])
-            out.append(f"suspect {e.get('node')} after job {e.get('job_id')}: {e.get('reason')}"
-                       + (f" [{evidence}]" if evidence else "")
-                       + (f", until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e['expires']))}"
-                          if e.get("expires") else ""))
-        elif e.get("event") == "exclusion":
-            parts = ([f"excludes {', '.join(e['excluded'])}"] if e.get("excluded") else []) + [
-                f"keeps {n} ({why})" for n, why in sorted((e.get("kept") or {}).items())]
-            out.append(f"job {e.get('job_id')} " + "; ".join(parts))
-    return out
-
-
-def restart_lines(events: list[dict[str, Any]]) -> list[str]:
-    """In-job restarts (launcher/chain/restart.py) and the ones refused, oldest first."""
-    out = []
-    for e in events:
-        if e.get("event") == "restart":
-            off = f"; kept off {', '.join(e['exclude'])}" if e.get("exclude") else ""
-            out.append(f"job {e.get('job_id')} started step {e.get('step')} after {e.get('after')} "
-                       f"({e.get('reason')}), from checkpoint {e.get('checkpoint_iteration')}{off}")
-        elif e.get("event") == "restart_refused":
-            out.append(f"job {e.get('job_id')} did not restart step {e.get('step')} ({e.get('after')}): "
-                       f"{e.get('reason')}")
-    return out
-
-
-def _health_lines(events: list[dict[str, Any]]) -> list[str]:
-    """The latest segment's health check (runtime/health/health.py): its figures and cost."""
-    checks = [e for e in events if e.get("event") == "health_check"]
-    if not checks:
-        return []
-    e = checks[-1]
-    figs = [f"{r.get('node')} r{r.get('rank')} " + (f"{r['tflops']:.3g}" if isinstance(r.get("tflops"), (int, float))
-                                                       else "failed") for r in e.get("ranks") or []]
-    ar = e.get("allreduce_gbps")
-    return [f"job {e.get('job_id')}: " + ("healthy" if e.get("healthy") else
-                                          f"UNHEALTHY {', '.join(e.get('unhealthy_nodes') or [])}")
-            + f", matmul TFLOP/s {', '.join(figs[:8])}" + (" ..." if len(figs) > 8 else "")
-            + (f" (reference {e['reference_tflops']:.3g})" if isinstance(e.get("reference_tflops"), (int, float)) else "")
-            + (f", all-reduce {ar:.3g} GB/s" if isinstance(ar, (int, float)) else "")
-            + (f", {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else "")]
-
-
-def _straggler_lines(events: list[dict[str, Any]]) -> list[str]:
-    """Each segment's latest step-time spread (runtime/health/stragglers.py), when above the threshold."""
-    from megalaunch.runtime.health.stragglers import describe
-
-    latest: dict[str, dict[str, Any]] = {}
-    for e in events:
-        if e.get("event") == "stragglers":
-            latest[str(e.get("job_id"))] = e
-    out = []
-    for job, e in latest.items():
-        try:
-            if e.get("straggling"):
-                out.append(f"job {job}: {describe(e)}")
-        except (KeyError, TypeError, ValueError):  # a record of another version: skip it
-            continue
-    return out
 
 
 def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
@@ -182,154 +124,6 @@ def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
         return None
     return (f"megalaunch convert mcore-to-hf {shlex.quote(str(paths.root))} "
             f"--out {shlex.quote(str(paths.root / 'hf'))}")
-
-
-def format_run_status(st: dict[str, Any]) -> str:
-    lines = [f"run {st['chain_name']}  ({st['backend']})  {st['run_dir']}",
-             f"  chain: {st['chain_state']}" + (f" - {st['stop_reason']}" if st["stop_reason"] else "")]
-    if st.get("stop_fix"):
-        lines.append(f"  fix: {st['stop_fix']}")
-    it = st["iteration"]
-    lines.append(f"  iteration: {it if it is not None else '-'} / {st['target']}   last checkpoint: "
-                 f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"
-                 + (f"   tokens/s: {st['tokens_per_s']:.0f}" + (" (run average)" if st.get("tokens_per_s_over") == "run"
-                                                             else "") if st["tokens_per_s"] else "")
-                 + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
-    if st.get("goodput") is not None:
-        mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
-        eta = f"   ETA: {_duration(st['eta_s'])} of training" if st.get("eta_s") else ""
-        lines.append(f"  goodput so far: {st['goodput']:.1%} of {st['wall_h']:.2f} h allocated "
-                     f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
-                     f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
-    lines.append(f"  triggers pending: {', '.join(st['pending_triggers']) or 'none'}   consumed: {st['consumed_triggers']}")
-    for r in st.get("refused_triggers") or []:
-        lines.append(f"  refused trigger '{r['name']}' planted by {r['planted_by']}: {r['why']} (ignored)")
-    g = st["last_guard"]
-    if g:
-        lines.append(f"  last guard decision: {g['decision']} ({g['failures']}/{g['budget']} segments without "
-                     "a new checkpoint)")
-    if st["slurm_error"]:
-        lines.append(f"  slurm: {st['slurm_error']}")
-    for line in st.get("nodes") or []:
-        lines.append(f"  nodes: {line}")
-    for line in st.get("restarts") or []:
-        lines.append(f"  in-job restart: {line}")
-    for line in st.get("health") or []:
-        lines.append(f"  health check: {line}")
-    for line in st.get("stragglers") or []:
-        lines.append(f"  stragglers: {line}")
-    for line in st.get("stop_signal") or []:
-        lines.append(f"  stop signal: {line}")
-    lines += format_usage(st.get("storage"))
-    lines += format_resume(st.get("resume"))
-    lines.append("  segments:")
-    for r in st["segments"]:
-        span = ""
-        if r["start_iteration"] is not None or r["end_iteration"] is not None:
-            span = f"  iter {r['start_iteration'] if r['start_iteration'] is not None else 0} -> {r['end_iteration'] if r['end_iteration'] is not None else '...'}"
-        lines.append(f"    {r['segment']:>3}  {r['job_id']:<12} {r['state']:<10}{span}"
-                     + (f"  ({r['reason']})" if r["reason"] else ""))
-    if st.get("next"):
-        lines.append(f"  next: {st['next']}")
-    return "\n".join(lines)
-
-
-def resume_summary(paths: RunPaths, events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The latest `resume --from` (or `--resume-from`) the job acted on: its `resume_from` ledger record
-    (iteration, the checkpoints moved aside) or `resume_refused` record; and a request still pending."""
-    last = next((e for e in reversed(events) if e["event"] in ("resume_from", "resume_refused")), None)
-    try:
-        pending = read_resume_request(paths)
-    except ValueError as e:
-        pending = {"iteration": None, "error": str(e)}
-    return None if last is None and pending is None else {"last": last, "pending": pending}
-
-
-def format_resume(summary: dict[str, Any] | None) -> list[str]:
-    """`megalaunch status` lines for `resume_summary`."""
-    if not summary:
-        return []
-    lines = []
-    last, pending = summary["last"], summary["pending"]
-    if last is not None and last["event"] == "resume_from":
-        who = f" (asked by {last['requested_by']})" if last.get("requested_by") else ""
-        moved = ", ".join(map(str, last.get("abandoned") or []))
-        lines.append(f"  resumed from iteration {last['iteration']}{who} by job {last['job_id']}"
-                     + (f"; moved aside: {moved} (checkpoints/iter_NNNNNNN.abandoned-{last['job_id']})"
-                        if moved else ""))
-    elif last is not None:
-        lines.append(f"  resume from iteration {last.get('iteration')} refused by job {last['job_id']}: "
-                     f"{last.get('reason')}")
-    if pending is not None:
-        lines.append(f"  resume request pending: iteration {pending.get('iteration')}"
-                     + (f" (by {pending['user']})" if pending.get("user") else "")
-                     + (f" - {pending['error']}" if pending.get("error") else "; the next segment starts there"))
-    return lines
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 86400:
-        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
-    if seconds >= 3600:
-        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-    return f"{seconds // 60} min {seconds % 60} s"
-
-
-def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | None:
-    """Training tokens/s from state/metrics.jsonl: while the chain runs, over the newest segment's last
-    (up to) 20 log intervals; otherwise the average over every logged interval of the run. Each line's
-    rate leaves its interval's saves out; intervals are weighted by their samples (tokens over time,
-    not a mean of rates). None before two log intervals of one segment."""
-    previous: dict[Any, int] = {}
-    intervals: list[tuple[Any, int, float]] = []  # (job, samples, tokens/s)
-    for r in metrics:
-        job, samples, rate = r.get("job_id"), r.get("consumed_samples"), r.get("tokens_per_s")
-        before = previous.get(job)
-        if isinstance(samples, int):
-            previous[job] = samples
-        if (isinstance(before, int) and isinstance(samples, int) and samples > before
-                and isinstance(rate, (int, float)) and rate > 0):
-            intervals.append((job, samples - before, float(rate)))
-    if running and intervals:
-        intervals = [i for i in intervals if i[0] == intervals[-1][0]][-20:]
-    if not intervals:
-        return None
-    return sum(n for _, n, _ in intervals) / sum(n / rate for _, n, rate in intervals)
-
-
-def _efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
-    from megalaunch.launcher.accounting.goodput import STARTUP, chain_goodput, mfu
-
-    try:
-        chain = chain_goodput(paths, time.time(), metrics)
-    except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
-        return {"goodput": None}
-    wall = chain["wall"]
-    if not chain["segments"] or wall <= 0:
-        return {"goodput": None}
-    totals = chain["totals"]
-    latest = chain["segments"][-1]
-    rate = _iterations_per_s(metrics)
-    left = None
-    if rate and it is not None:
-        left = max(0, recipe.training.train_iters - int(it)) / rate
-    return {"goodput": chain["goodput"], "wall_h": wall / 3600.0,
-            "startup_share": sum(totals[k] for k in STARTUP) / wall, "save_share": totals["checkpoint_save"] / wall,
-            "lost_share": totals["lost_work"] / wall,
-            "mfu": mfu(latest["tflops_per_gpu"], latest["gpu"], recipe.cluster.gpu_peak_tflops), "eta_s": left}
-
-
-def _iterations_per_s(metrics: list[dict[str, Any]]) -> float | None:
-    """Iterations per second of training over the last (up to) 20 log intervals of one segment."""
-    rows = metrics[-20:]
-    if rows:
-        rows = [r for r in rows if r.get("job_id") == rows[-1].get("job_id")]
-    if len(rows) < 2:
-        return None
-    di, dt = rows[-1]["iteration"] - rows[0]["iteration"], rows[-1]["time"] - rows[0]["time"]
-    return di / dt if di > 0 and dt > 0 else None
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:

@@ -18,14 +18,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from megalaunch.config.loader import load_run_recipe
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain.chain import Chain, Verdict
-from megalaunch.launcher.prepare.prepare import PreparedRun, job_command, task_supervisor, write_run
+from megalaunch.launcher.prepare.job_inputs import job_command, task_supervisor
+from megalaunch.launcher.prepare.prepare import PreparedRun
 from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
+from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.evals import queued
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
@@ -64,9 +68,32 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
                 echo: Callable[[str], None] = print, lead: int | None = None) -> int:
     """Start one process per task, play the time limit, return the exit status (max over ranks).
     `lead`: the stop signal this long before the limit (default: the rendered lead)."""
+    log_path = paths.logs / f"{chain_name}-{job_id}.out"
+    procs, start = _start_tasks(paths, recipe, job_id, log_path)
+    limit = recipe.cluster.time_limit_s
+    step = _JobStep(procs, paths, job_id, echo, limit=limit, lead=signal_lead_s(recipe) if lead is None else lead,
+                    stop_sig=resolve_signal(recipe.chain.stop_signal),
+                    hang=HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s),
+                                   start))
+    echo(f"segment {job_id}: {len(procs)} task(s), limit {limit} s, {step.stop_sig.name} at {limit - step.lead} s; "
+         f"log {log_path}")
+    while any(p.poll() is None for p in procs):
+        elapsed = time.monotonic() - start
+        step.kill_on_bad_exit()
+        step.cancel_if_requested(elapsed)
+        step.play_time_limit(elapsed)
+        step.watch_for_hang(elapsed)
+        time.sleep(POLL_S)
+    codes = [p.returncode for p in procs]
+    return max((c if c >= 0 else 128 - c) for c in codes)
+
+
+def _start_tasks(paths: RunPaths, recipe: Recipe, job_id: str,
+                 log_path: Path) -> tuple[list[subprocess.Popen[bytes]], float]:
+    """One process per task, each in a session of its own, all appending to the segment's log, as srun
+    starts a job step; and the moment the timer counts from (the deadline the tasks get is the same)."""
     cl = recipe.cluster
     world = cl.ntasks_per_node
-    log_path = paths.logs / f"{chain_name}-{job_id}.out"
     base_env = dict(os.environ)
     base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     base_env.update({k: v for k, v in cl.env.items()})
@@ -75,9 +102,8 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     if cl.python == "python3":  # the interpreter megalaunch runs in
         command = [sys.executable if arg == cl.python else arg for arg in command]
     procs: list[subprocess.Popen[bytes]] = []
-    limit = cl.time_limit_s
     start = time.monotonic()  # the timer counts from here, and the deadline the tasks get is the same moment
-    base_env[DEADLINE_ENV] = f"{time.time() + limit:.3f}"  # the signal window (runtime/stop/stop_window.py)
+    base_env[DEADLINE_ENV] = f"{time.time() + cl.time_limit_s:.3f}"  # the signal window (runtime/stop/stop_window.py)
     with open(log_path, "ab") as log:
         for rank in range(world):
             env = dict(base_env, MEGALAUNCH_RUN_DIR=str(paths.root), MEGALAUNCH_JOB_ID=job_id,
@@ -85,51 +111,72 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
-    lead = signal_lead_s(recipe) if lead is None else lead
-    stop_sig = resolve_signal(recipe.chain.stop_signal)
-    signalled = killed = False
+    return procs, start
+
+
+@dataclass
+class _JobStep:
+    """One segment's tasks as Slurm treats a job step, checked once per poll: each method plays one of
+    Slurm's behaviours, from the seconds `elapsed` since the tasks started."""
+
+    procs: list[subprocess.Popen[bytes]]
+    paths: RunPaths
+    job_id: str
+    echo: Callable[[str], None]
+    limit: int
+    lead: int
+    stop_sig: signal.Signals
+    hang: HangWatch
+    signalled: bool = False  # the stop signal (or a cancel's SIGTERM) was sent
+    killed: bool = False  # SIGKILL sent for a bad exit or a hang
     kill_at: float | None = None  # SIGTERM sent: SIGKILL at this time
-    hang = HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s), start)
     hang_kill_at: float | None = None  # stacks asked for: outcome hung and SIGKILL at this time
-    echo(f"segment {job_id}: {world} task(s), limit {limit} s, {stop_sig.name} at {limit - lead} s; log {log_path}")
-    while any(p.poll() is None for p in procs):
-        elapsed = time.monotonic() - start
-        if not killed and any(p.returncode not in (None, 0) for p in procs):
-            # as `srun --kill-on-bad-exit=1`: one task failed, the others would wait for it forever
-            bad = next(i for i, p in enumerate(procs) if p.returncode not in (None, 0))
-            _send(procs, signal.SIGKILL)
-            killed = True
-            echo(f"segment {job_id}: task {bad} exited with status {procs[bad].returncode}; killed the others")
-        if kill_at is None and paths.cancel_requested.exists():  # `megalaunch cancel` from another shell
-            _send(procs, signal.SIGTERM)  # as scancel: SIGTERM now, SIGKILL a grace period later, no save
-            kill_at, signalled = elapsed + KILL_WAIT_S, True
-            echo(f"segment {job_id}: cancel requested, sent SIGTERM")
-        if not signalled and elapsed >= limit - lead:
-            _send(procs, stop_sig)
-            signalled = True
-            echo(f"segment {job_id}: time-limit warning, sent {stop_sig.name}")
-        if kill_at is None and elapsed >= limit:
-            _send(procs, signal.SIGTERM)
-            kill_at = limit + KILL_WAIT_S
-            echo(f"segment {job_id}: time limit reached, sent SIGTERM")
-            Ledger(paths).append("time_limit_reached", job_id=job_id)  # what ends it now is no node's fault
-        if kill_at is not None and elapsed >= kill_at:
-            _send(procs, signal.SIGKILL)
-        if hang_kill_at is None and not killed:
-            hang.observe(time.monotonic(), read_beat(paths.heartbeat(job_id)))
-            if hang.decide(time.monotonic(), "RUNNING") == "fire":
-                reason = hang.reason(time.monotonic())
-                _send(procs, STACKS_SIGNAL)  # faulthandler in each trainer dumps every thread's stack
-                hang_kill_at = elapsed + STACKS_WAIT_S
-                echo(f"segment {job_id}: HUNG: {reason}; asked every task for its stacks")
-        elif hang_kill_at is not None and not killed and elapsed >= hang_kill_at:
-            record_hang(paths, job_id, hang.reason(time.monotonic()), hang)
-            _send(procs, signal.SIGKILL)
-            killed = True
-            echo(f"segment {job_id}: killed the hung tasks; outcome hung")
-        time.sleep(POLL_S)
-    codes = [p.returncode for p in procs]
-    return max((c if c >= 0 else 128 - c) for c in codes)
+
+    def kill_on_bad_exit(self) -> None:
+        """As `srun --kill-on-bad-exit=1`: one task failed, the others would wait for it forever."""
+        if not self.killed and any(p.returncode not in (None, 0) for p in self.procs):
+            bad = next(i for i, p in enumerate(self.procs) if p.returncode not in (None, 0))
+            _send(self.procs, signal.SIGKILL)
+            self.killed = True
+            self.echo(f"segment {self.job_id}: task {bad} exited with status {self.procs[bad].returncode}; "
+                      "killed the others")
+
+    def cancel_if_requested(self, elapsed: float) -> None:
+        """`megalaunch cancel` from another shell, as scancel: SIGTERM now, SIGKILL a grace period later, no save."""
+        if self.kill_at is None and self.paths.cancel_requested.exists():
+            _send(self.procs, signal.SIGTERM)
+            self.kill_at, self.signalled = elapsed + KILL_WAIT_S, True
+            self.echo(f"segment {self.job_id}: cancel requested, sent SIGTERM")
+
+    def play_time_limit(self, elapsed: float) -> None:
+        """The stop signal `lead` seconds before the limit, SIGTERM at it, SIGKILL a grace period later."""
+        if not self.signalled and elapsed >= self.limit - self.lead:
+            _send(self.procs, self.stop_sig)
+            self.signalled = True
+            self.echo(f"segment {self.job_id}: time-limit warning, sent {self.stop_sig.name}")
+        if self.kill_at is None and elapsed >= self.limit:
+            _send(self.procs, signal.SIGTERM)
+            self.kill_at = self.limit + KILL_WAIT_S
+            self.echo(f"segment {self.job_id}: time limit reached, sent SIGTERM")
+            Ledger(self.paths).append("time_limit_reached", job_id=self.job_id)  # what ends it now is no node's fault
+        if self.kill_at is not None and elapsed >= self.kill_at:
+            _send(self.procs, signal.SIGKILL)
+
+    def watch_for_hang(self, elapsed: float) -> None:
+        """The hang watcher's decision (runtime/hangwatch.py): rank 0's heartbeat silent too long -> every
+        task's stacks, then outcome hung and SIGKILL a little later."""
+        if self.hang_kill_at is None and not self.killed:
+            self.hang.observe(time.monotonic(), read_beat(self.paths.heartbeat(self.job_id)))
+            if self.hang.decide(time.monotonic(), "RUNNING") == "fire":
+                reason = self.hang.reason(time.monotonic())
+                _send(self.procs, STACKS_SIGNAL)  # faulthandler in each trainer dumps every thread's stack
+                self.hang_kill_at = elapsed + STACKS_WAIT_S
+                self.echo(f"segment {self.job_id}: HUNG: {reason}; asked every task for its stacks")
+        elif self.hang_kill_at is not None and not self.killed and elapsed >= self.hang_kill_at:
+            record_hang(self.paths, self.job_id, self.hang.reason(time.monotonic()), self.hang)
+            _send(self.procs, signal.SIGKILL)
+            self.killed = True
+            self.echo(f"segment {self.job_id}: killed the hung tasks; outcome hung")
 
 
 def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:

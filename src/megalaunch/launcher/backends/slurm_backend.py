@@ -39,7 +39,7 @@ class SlurmBackend:
 
     def start(self, prepared: PreparedRun, echo: Echo) -> Started:
         """Write the run directory and queue the first segment."""
-        from megalaunch.launcher.prepare.prepare import write_run
+        from megalaunch.launcher.prepare.write import write_run
 
         r = prepared.recipe
         for field, names in (("cluster.secret_env", r.cluster.secret_env), ("chain.notify.webhook_env",

@@ -2,7 +2,9 @@
 
 A segment's fate is read from state: outcome.json (written by the trainer, tagged with the job id),
 the checkpoint tracker and the ledger, never from the exit status alone. Both backends use this
-module; they differ only in how a successor is queued and a job cancelled (`backend.JobControl`)."""
+module; they differ only in how a successor is queued and a job cancelled (`backend.JobControl`).
+Here: the decisions and the crash-loop guard; a segment's fate and clean-up are `segment_end`'s,
+queueing the successor is `successor`'s, the bad nodes are `suspects`'."""
 
 from __future__ import annotations
 
@@ -11,20 +13,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megalaunch.launcher.accounting.evidence import TaskEnd, abnormal_ends, config_error, failure_reason
-from megalaunch.launcher.accounting.nodes import (
-    ExclusionPlan,
-    NodeHealth,
-    attribute,
-    current_plan,
-    expand_hostlist,
-    health_evidence,
-)
-from megalaunch.launcher.accounting.storage import storage_fix, storage_full
-from megalaunch.launcher.chain.backend import JobControl, cancelled_by
+from megalaunch.launcher.accounting.evidence import abnormal_ends
+from megalaunch.launcher.accounting.nodes import expand_hostlist
+from megalaunch.launcher.chain.backend import JobControl
 from megalaunch.launcher.chain.first_stage import convert_from_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
-from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
+from megalaunch.launcher.chain.segment_end import advanced, remove_failed_saves, what_ended, write_goodput
+from megalaunch.launcher.chain.successor import Successor
+from megalaunch.launcher.chain.suspects import Suspects
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration
@@ -35,7 +31,6 @@ from megalaunch.runtime.rank.settings import RuntimeSettings
 from megalaunch.runtime.rank.storage import free_bytes
 
 STOP_EXIT_CODE = 100  # `job begin` exit status meaning "the chain is over, do not train"
-SUCCESSOR_RETRY_S = (5, 10, 20, 30, 45)  # `job end`'s waits before each retry of a successor Slurm refused
 
 
 @dataclass(frozen=True)
@@ -56,6 +51,8 @@ class Chain:
         self.settings = settings or RuntimeSettings.load(paths)  # the job's slice, not the whole recipe
         self.ledger = Ledger(paths)
         self.notifier = Notifier(paths, self.ledger, self.settings.notify)  # chain.notify (launcher/chain/notify.py)
+        self.suspects = Suspects(paths, self.settings, self.ledger, scheduler, log)  # launcher/chain/suspects.py
+        self.successor = Successor(paths, self.settings, self.ledger, scheduler, self.suspects, log)
 
     # ----------------------------------------------------------------------------------- begin
     def begin(self, job_id: str) -> Verdict:
@@ -98,7 +95,7 @@ class Chain:
                            **({} if requested is None else {"resume_from": requested}))
         if self.settings.auto_requeue:
             try:
-                self._queue_successor(job_id, f"segment {job_id}")
+                self.successor.queue(f"segment {job_id}")
             except Exception as e:  # Slurm did not answer: train anyway, `job end` queues it (unknown != failed)
                 self.ledger.append("successor_not_queued", job_id=job_id, when="begin", error=str(e))
                 log(f"could not queue the successor now ({e}); training anyway, `job end` tries again")
@@ -143,7 +140,7 @@ class Chain:
             outcome = read_outcome(self.paths, seg.job_id)
             self.ledger.append("ended", job_id=seg.job_id, outcome=(outcome or {}).get("status", "killed"),
                                slurm_state=state, exit_code=None, checkpoint_iteration=now,
-                               new_checkpoint=_advanced(start_iter, now), accounted_by=current)
+                               new_checkpoint=advanced(start_iter, now), accounted_by=current)
 
     # ------------------------------------------------------------------------------------- end
     def end(self, job_id: str, exit_code: int | None) -> Verdict:
@@ -153,13 +150,13 @@ class Chain:
         now = self.paths.read_tracker()
         outcome = read_outcome(self.paths, job_id)
         ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
-        status, reason, fix, figures = self._what_ended(job_id, outcome, ends, exit_code)
-        new_ckpt = _advanced(start_iter, now)
+        status, reason, fix, figures = what_ended(self.paths, self.ledger, job_id, outcome, ends, exit_code)
+        new_ckpt = advanced(start_iter, now)
         if status == "failed":
-            self._suspect_nodes(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
+            self.suspects.after_failure(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
         elif status == "unhealthy_node":
-            self._suspect_unhealthy(job_id, outcome or {})
-        self._remove_failed_saves(job_id)
+            self.suspects.after_health_check(job_id, outcome or {})
+        remove_failed_saves(self.paths, job_id, log)
         if status == "storage_full":  # the figures after the unfinished save was removed
             full = figures.pop("_full")
             free_now = free_bytes(self.paths.checkpoints)
@@ -170,36 +167,8 @@ class Chain:
                            **figures, **self.ledger.step_progress(job_id, now))
         log(f"segment {job_id} ended: {status}" + (f" ({reason})" if reason else "")
             + f", checkpoint iteration {now}")
-        self._write_goodput()
+        write_goodput(self.paths, log)
         return self.notifier.segment_ended(job_id, status, self._after_end(job_id, status, reason, fix, now))
-
-    def _what_ended(self, job_id: str, outcome: dict[str, Any] | None, ends: list[TaskEnd],
-                    exit_code: int | None) -> tuple[str, Any, Any, dict[str, Any]]:
-        """The segment's status, reason and fix, from its outcome and what the ranks and the disk say."""
-        status = outcome["status"] if outcome else "failed"
-        reason = (outcome or {}).get("reason")
-        fix = (outcome or {}).get("fix")
-        if status == "failed" and (outcome or {}).get("kind") == "config":
-            status = "config_error"  # an outcome written before the config_error status existed
-        if status in ("failed", "hung") and self.paths.cancel_requested.exists():
-            status, reason = "cancelled", cancelled_by(self.paths)  # a cancel is nobody's node fault
-        elif status == "failed" and (err := config_error(self.paths, job_id)) is not None:
-            # a rank failed on the configuration and took the segment down before rank 0 could say so
-            status, fix = "config_error", err.get("fix")
-            reason = f"rank {err.get('rank')}: {err.get('reason')}"
-        elif status == "failed" and self._hit_time_limit(job_id):  # killed at the limit: no node's fault
-            status = "timeout"
-            reason = "killed at the time limit: the stop save did not finish within the signal lead"
-            fix = f"megalaunch resume {self.paths.root} --set checkpoint.save_time_estimate_s=S (S: the slowest save)"
-        elif status == "failed":
-            reason = failure_reason(ends[0] if ends else None, reason, exit_code)
-        full = storage_full(self.paths, job_id, outcome) if status in ("failed", "storage_full") else None
-        if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
-            return "storage_full", reason, storage_fix(self.paths), {"_full": full}
-        return status, reason, fix, {}
-
-    def _hit_time_limit(self, job_id: str) -> bool:
-        return any(e["event"] == "time_limit_reached" and str(e.get("job_id")) == job_id for e in self.ledger.events())
 
     def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
         """Stop the chain, or let the queued successor resume."""
@@ -224,129 +193,12 @@ class Chain:
         if not self.settings.auto_requeue:
             return Verdict(False, "auto-requeue is off: one segment only")
         if status in ("failed", "unhealthy_node"):  # the successor queued at `job begin` stays off the suspects
-            self._exclude_on_successors(job_id)
-        paused = self._requeue_if_begin_could_not(job_id)  # one queued now excludes them from the start
-        if paused is not None:
-            return paused
+            self.suspects.exclude_from(self.pending_successors(job_id))
+        error = self.successor.queue_if_begin_could_not(job_id)  # one queued now excludes them from the start
+        if error is not None:
+            return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
+                                  f"pauses, nothing is lost: megalaunch resume {self.paths.root}", needs_person=True)
         return Verdict(True, f"outcome {status}: the next segment resumes")
-
-    def _queue_successor(self, job_id: str, by: str) -> str | None:
-        plan = self._exclusion_plan()
-        lead = safe_plan(self.paths, self.settings, log)  # from the saves measured (launcher/prepare/signal_lead.py)
-        raised = {"signal_lead_s": lead.lead} if lead is not None and lead.raised else {}
-        successor = self.scheduler.submit_successor(self.paths, exclude=plan.exclude if plan else None, **raised)
-        if successor is not None:
-            self.ledger.append("submitted", job_id=successor, by=by, dependency="singleton")
-            if raised and lead is not None:
-                record_lead(self.ledger, successor, lead, log)
-            if plan is not None:
-                self._record_exclusion(successor, plan)
-            log(f"queued successor {successor} (singleton)")
-            if self.paths.cancel_requested.exists():  # a cancel raced with the submission
-                self.scheduler.cancel_jobs([successor])
-        return successor
-
-    def _requeue_if_begin_could_not(self, job_id: str) -> Verdict | None:
-        """`job begin` could not queue this segment's successor (Slurm did not answer): queue it now,
-        retrying for about two minutes. None when there is a successor; else the chain pauses."""
-        if not any(e.get("job_id") == job_id for e in self.ledger.events() if e["event"] == "successor_not_queued"):
-            return None
-        import time
-
-        error = ""
-        for wait_s in (0, *SUCCESSOR_RETRY_S):
-            time.sleep(wait_s)
-            try:
-                self._queue_successor(job_id, f"segment {job_id} (at its end: `job begin` could not)")
-                return None
-            except Exception as e:
-                error = str(e)
-                log(f"could not queue the successor ({error})")
-        self.ledger.append("successor_not_queued", job_id=job_id, when="end", error=error)
-        return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
-                              f"pauses, nothing is lost: megalaunch resume {self.paths.root}", needs_person=True)
-
-    # ------------------------------------------------------------------------------ bad nodes
-    def _node_health(self) -> NodeHealth | None:
-        d = self.settings.node_health_dir
-        return NodeHealth(d) if d else None
-
-    def _suspect_nodes(self, job_id: str, ends: list[TaskEnd], nodes: list[str]) -> None:
-        """A failed segment (on `nodes`): record the node(s) it points at in the team's node-health ledger."""
-        if (health := self._node_health()) is None:
-            return
-        att = attribute(ends, self.paths.segment_log(job_id), nodes)
-        self._record_suspects(health, job_id, [(node, att.reason, ev) for node, ev in att.suspects.items()])
-
-    def _suspect_unhealthy(self, job_id: str, outcome: dict[str, object]) -> None:
-        """A segment the health check ended (runtime/health/health.py): its unhealthy node(s) become suspect,
-        with every rank's figures on them as the evidence."""
-        health, check = self._node_health(), outcome.get("health_check")
-        if health is None or not isinstance(check, dict):
-            return
-        suspects = []
-        for node in check.get("unhealthy_nodes") or []:
-            evidence = [health_evidence(r, check) for r in check.get("ranks") or [] if r.get("node") == node]
-            suspects.append((str(node), "health check: " + "; ".join(evidence[:4]), evidence))
-        self._record_suspects(health, job_id, suspects)
-
-    def _record_suspects(self, health: NodeHealth, job_id: str, suspects: list[tuple[str, str, list[str]]]) -> None:
-        """(node, reason, evidence) each into the node-health ledger and the run's ledger."""
-        for node, reason, evidence in suspects:
-            try:
-                s = health.suspect(node, reason=reason, evidence=evidence, run=self.paths.root.name,
-                                   job_id=job_id, ttl_s=self.settings.suspect_ttl_s)
-            except OSError as e:  # the ledger must never change what the chain does
-                log(f"could not record suspect node {node} in {health.file}: {e}")
-                continue
-            self.ledger.append("node_suspected", job_id=job_id, node=node, reason=reason, evidence=evidence,
-                               expires=s.expires, ledger=str(health.file))
-            log(f"suspect node {node}: {reason}")
-
-    def _exclusion_plan(self) -> ExclusionPlan | None:
-        """Which suspect nodes a successor excludes now (None: exclusion off, or nothing suspect)."""
-        return current_plan(self.settings, self.scheduler.known_nodes, log)
-
-    def _record_exclusion(self, successor: str, plan: ExclusionPlan) -> None:
-        self.ledger.append("exclusion", job_id=successor, excluded=plan.exclude, kept=plan.kept)
-        log(f"successor {successor} {plan.describe()}")
-
-    def _exclude_on_successors(self, job_id: str) -> None:
-        """The successor was queued when this segment began: exclude what is suspect now."""
-        plan = self._exclusion_plan()
-        if plan is None:
-            return
-        for successor in self.pending_successors(job_id):
-            if plan.exclude:
-                try:
-                    self.scheduler.exclude([successor], plan.exclude)
-                except Exception as e:  # Slurm did not answer: the successor runs as queued
-                    log(f"could not exclude {', '.join(plan.exclude)} from {successor}: {e}")
-                    self.ledger.append("exclusion", job_id=successor, excluded=[], kept={
-                        n: f"scontrol update failed: {e}" for n in plan.exclude} | plan.kept)
-                    continue
-            self._record_exclusion(successor, plan)
-
-    def _remove_failed_saves(self, job_id: str) -> None:
-        """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never
-        loadable); delete it now rather than leave it to the next segment (a full disk stays full)."""
-        from megalaunch.runtime.checkpoint.resume import remove_failed_saves
-
-        try:
-            deleted = remove_failed_saves(self.paths, job_id=job_id)
-        except OSError as e:  # clean-up must never change what the chain does
-            log(f"could not remove an unfinished save: {e}")
-            return
-        if deleted:
-            log(f"deleted the unfinished save(s) of iteration {', '.join(map(str, deleted))}")
-
-    def _write_goodput(self) -> None:
-        from megalaunch.launcher.accounting.goodput import write_chain_goodput
-
-        try:
-            write_chain_goodput(self.paths)
-        except Exception as e:  # accounting must never change what the chain does
-            log(f"could not write {self.paths.goodput}: {e}")
 
     def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
         """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""
@@ -393,8 +245,3 @@ def _requested_by(paths: RunPaths, verb: str, job_id: str) -> str:
                if r.get("verb") == verb and str(r.get("consumed_by_job")) == str(job_id)]
     return _who(records[-1]) if records else ""
 
-
-def _advanced(before: int | None, after: int | None) -> bool:
-    if after is None:
-        return False
-    return before is None or after > before

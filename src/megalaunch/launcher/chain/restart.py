@@ -36,6 +36,7 @@ from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.accounting.evidence import RESTART_MARKER, abnormal_ends
 from megalaunch.launcher.accounting.nodes import NodeHealth, expand_hostlist
 from megalaunch.launcher.chain.chain import Chain, log
+from megalaunch.launcher.chain.segment_end import remove_failed_saves, what_ended, write_goodput
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.rundir.state import read_outcome
@@ -104,7 +105,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     paths = chain.paths
     outcome = read_outcome(paths, job_id)
     ends = abnormal_ends(paths, job_id, paths.segment_log(job_id))
-    status, reason, _fix, _figures = chain._what_ended(job_id, outcome, ends, exit_code)
+    status, reason, _fix, _figures = what_ended(paths, chain.ledger, job_id, outcome, ends, exit_code)
     if status not in RESTARTABLE:
         return StepEnd(False, status, "not a failure a restart fixes")
     started = _step_started(chain, job_id) or {}
@@ -118,10 +119,10 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
         log(f"no in-job restart after step {step} ({status}): {refused}")
         return StepEnd(False, status, refused)
     if status == "failed":
-        chain._suspect_nodes(job_id, ends, nodes)
+        chain.suspects.after_failure(job_id, ends, nodes)
     elif status == "unhealthy_node":
-        chain._suspect_unhealthy(job_id, outcome or {})
-    chain._remove_failed_saves(job_id)
+        chain.suspects.after_health_check(job_id, outcome or {})
+    remove_failed_saves(paths, job_id, log)
     archive_step(paths, job_id, step)
     chain.ledger.append("restart", job_id=job_id, step=step + 1, after=status, reason=str(reason or status),
                         exit_code=exit_code, first_failure=ends[0].__dict__ if ends else None,
@@ -129,7 +130,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     print(f"{RESTART_MARKER} step {step + 1} of segment {job_id} after {status}: {reason or status}",
           flush=True)
     log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}")
-    chain._write_goodput()
+    write_goodput(paths, log)
     chain.notifier.restarted(job_id, step + 1, status, str(reason or status))
     return StepEnd(True, status, str(reason or status))
 

@@ -3,9 +3,9 @@ start-up speed-ups and bug fixes for megatron-core 0.19.2 without TE/apex (docs/
 docs/goodput.md). Like the seams, everything here touches Megatron's private names and is covered by
 tests/megatron; torch and Megatron are imported inside the functions.
 
-- Start-up: kernels' `torch.compile` deferred to their first call while Megatron is imported; the fused
-  kernels' warm-up skipped when the model uses none of them; the NullTokenizer built without importing
-  transformers.
+- Start-up: kernels' `torch.compile` deferred to their first call while Megatron is imported; wandb
+  kept out of that import unless Megatron's own W&B writer is set up; the fused kernels' warm-up skipped
+  when the model uses none of them; the NullTokenizer built without importing transformers.
 - Bug fixes: the dataset helper `make` (bug 1); the distributed optimizer's `assert len(steps) == 1` on
   an empty state (bug 2); Adam's per-parameter `step` reset (and aliased into one tensor) after a load
   (bug 3); fp32 main-param views copied outside no_grad.
@@ -17,6 +17,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,12 +85,55 @@ def deferred_compile() -> Iterator[None]:
 
 
 def import_megatron() -> None:
-    """Import the Megatron modules the trainer uses, with their kernels' compilation deferred."""
+    """Import the Megatron modules the trainer uses, with their kernels' compilation deferred and wandb
+    kept out (`wandb_hidden`)."""
     import importlib
 
-    with deferred_compile():
+    with deferred_compile(), wandb_hidden():
         for name in MEGATRON_MODULES:
             importlib.import_module(name)
+    timers_follow_megatron_wandb()
+
+
+@contextlib.contextmanager
+def wandb_hidden() -> Iterator[None]:
+    """Megatron's timers import wandb at module level (`try: import wandb`), only to log timer values
+    through Megatron's own W&B writer, which megalaunch does not set up (the chain's W&B run is
+    runtime/observation/wandb_run.py, imported where W&B is on, on rank 0). wandb's import costs
+    0.5-1.5 s of every rank's start-up; during Megatron's import it raises ImportError instead (the
+    timers keep `wandb = None`), unless something imported it already. MEGALAUNCH_DEFER_COMPILE=0: off."""
+    if "wandb" in sys.modules or os.environ.get(DEFERRED_COMPILE_ENV, "1") == "0":
+        yield
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
+    try:
+        yield
+    finally:
+        if sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+
+
+def timers_follow_megatron_wandb() -> None:
+    """Where a run asks Megatron itself for W&B (`megatron_args: {wandb-project: ...}`), give the timers
+    the real module back once Megatron's writer exists, so its timer values are logged as before."""
+    from megatron.core import timers
+    from megatron.training import global_vars
+
+    if getattr(timers, "wandb", None) is not None or getattr(global_vars._set_wandb_writer, "_megalaunch", False):
+        return
+    original = global_vars._set_wandb_writer
+
+    @functools.wraps(original)
+    def set_wandb_writer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if global_vars._GLOBAL_WANDB_WRITER is not None:
+            import wandb
+
+            timers.wandb = wandb
+        return result
+
+    set_wandb_writer._megalaunch = True  # type: ignore[attr-defined]
+    global_vars._set_wandb_writer = set_wandb_writer
 
 
 # --- start-up: Megatron warms up fused kernels that the local layers never call ----------------

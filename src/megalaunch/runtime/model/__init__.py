@@ -1,6 +1,8 @@
-"""The model Megatron's loop trains: layer specs and the provider with its attention choice (`model`),
-which library computes each op (`kernels`: Megatron's or liger-kernel's, `liger_layers`), the weight
-gradient accumulated in fp32 without apex (`wgrad_fusion`), and everything that lets it run on a machine
-without a GPU (`cpu_compat`).
+"""The model Megatron's loop trains: layer specs, the model class and the provider (`model`), the attention
+implementations (`attention`: SDPA, flash-attn), megalaunch's norms in a spec (`norms`: the
+sequence-parallel torch norm), which library computes each op (`kernels`: Megatron's or liger-kernel's,
+`liger_layers`), the weight gradient accumulated in fp32 without apex (`wgrad_fusion`), a one-process
+parallel state for building the model outside the loop (`standalone`), and everything that lets it run
+on a machine without a GPU (`cpu_compat`).
 
 May use: runtime.rank."""

@@ -3,7 +3,7 @@ decides which ops). Each replacement keeps Megatron's parameters and their names
 depend on the choice:
 
 - RMSNorm: `LigerRMSNorm` (parameter `weight`, like torch's) built where Megatron's torch norm would be,
-  with the weights marked `sequence_parallel` as megalaunch's own sequence-parallel norm does (model.py);
+  with the weights marked `sequence_parallel` as megalaunch's own sequence-parallel norm does (norms.py);
 - RoPE: Megatron's single-QKV rotary seam (`fused_single_qkv_rope`, which otherwise needs
   transformer-engine) filled with liger's rotation of q and k in one kernel;
 - SwiGLU: an MLP whose activation is liger's fused gate-up SiLU x up over fc1's output;
@@ -22,7 +22,7 @@ IGNORE_INDEX = -100  # liger's default: a label the loss skips (where the loss m
 
 @functools.cache
 def norm_class() -> type:
-    """LigerRMSNorm where Megatron's local spec puts its torch norm (a `__new__` factory, like model.py's)."""
+    """LigerRMSNorm where Megatron's local spec puts its torch norm (a `__new__` factory, like norms.py's)."""
 
     class LigerNorm:
         def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,

@@ -1,0 +1,48 @@
+"""What a submit says about a prepared run before (or instead of) writing it: the one-line summary,
+the checkpoints' disk budget with the verdict, and the dry run's text (the run directory, the job script,
+Megatron's arguments)."""
+
+from __future__ import annotations
+
+from megalaunch.errors import PreflightError
+from megalaunch.launcher.prepare.prepare import PreparedRun
+
+
+def disk_lines(prepared: PreparedRun) -> list[str]:
+    """The checkpoint size, the peak on disk and the room for it; a dry run adds what submit would say."""
+    budget = prepared.budget
+    if budget is None:
+        return []
+    lines = budget.lines()
+    if not budget.fits and prepared.recipe.checkpoint.disk_check:
+        from megalaunch.config.preflight import tokenizer_vocab_size
+        from megalaunch.config.storage import check_disk
+
+        try:
+            check_disk(prepared.recipe, budget, tokenizer_vocab_size(prepared.recipe, prepared.tokenizer))
+        except PreflightError as e:
+            lines.append(f"disk: submit refuses this: {e}")
+    return lines
+
+
+def summary(prepared: PreparedRun) -> str:
+    r, topo = prepared.recipe, prepared.topology
+    return (f"{r.name}: {r.model.num_layers} layers x {r.model.hidden_size} hidden, world {topo.world_size} "
+            f"= TP {topo.tp} x PP {topo.pp} x CP {topo.cp} x DP {topo.dp}, "
+            f"{r.training.global_batch_size} seqs x {r.model.seq_length} tokens per step, "
+            f"{r.training.train_iters} iterations, backend {r.cluster.backend}")
+
+
+def dry_run_text(prepared: PreparedRun) -> str:
+    """What a submit would create: the run directory, the job script, Megatron's arguments."""
+    import shlex
+
+    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}", *disk_lines(prepared)]
+    if prepared.tokenizer is not None:
+        lines.append(f"{prepared.tokenizer.describe()} -> {prepared.paths.tokenizer}/")
+    if "job.sbatch" in prepared.files:
+        lines += ["----- job.sbatch -----", prepared.files["job.sbatch"].rstrip("\n")]
+    lines += ["----- megatron.args -----",
+              shlex.join(line for line in prepared.files["megatron.args"].splitlines() if line),
+              "nothing written, nothing submitted"]
+    return "\n".join(lines)

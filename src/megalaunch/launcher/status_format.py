@@ -1,0 +1,69 @@
+"""How `megalaunch status RUN` prints what `status.run_status` gathered: the chain's state and why, the
+progress and the pace, goodput and MFU, triggers, the guard, the ledger's history (status_history.py),
+the checkpoints' disk, and one line per segment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megalaunch.launcher.accounting.storage import format_usage
+from megalaunch.launcher.status_history import format_resume
+
+
+def format_run_status(st: dict[str, Any]) -> str:
+    lines = [f"run {st['chain_name']}  ({st['backend']})  {st['run_dir']}",
+             f"  chain: {st['chain_state']}" + (f" - {st['stop_reason']}" if st["stop_reason"] else "")]
+    if st.get("stop_fix"):
+        lines.append(f"  fix: {st['stop_fix']}")
+    it = st["iteration"]
+    lines.append(f"  iteration: {it if it is not None else '-'} / {st['target']}   last checkpoint: "
+                 f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"
+                 + (f"   tokens/s: {st['tokens_per_s']:.0f}" + (" (run average)" if st.get("tokens_per_s_over") == "run"
+                                                             else "") if st["tokens_per_s"] else "")
+                 + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
+    if st.get("goodput") is not None:
+        mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
+        eta = f"   ETA: {_duration(st['eta_s'])} of training" if st.get("eta_s") else ""
+        lines.append(f"  goodput so far: {st['goodput']:.1%} of {st['wall_h']:.2f} h allocated "
+                     f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
+                     f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
+    lines.append(f"  triggers pending: {', '.join(st['pending_triggers']) or 'none'}   consumed: {st['consumed_triggers']}")
+    for r in st.get("refused_triggers") or []:
+        lines.append(f"  refused trigger '{r['name']}' planted by {r['planted_by']}: {r['why']} (ignored)")
+    g = st["last_guard"]
+    if g:
+        lines.append(f"  last guard decision: {g['decision']} ({g['failures']}/{g['budget']} segments without "
+                     "a new checkpoint)")
+    if st["slurm_error"]:
+        lines.append(f"  slurm: {st['slurm_error']}")
+    for line in st.get("nodes") or []:
+        lines.append(f"  nodes: {line}")
+    for line in st.get("restarts") or []:
+        lines.append(f"  in-job restart: {line}")
+    for line in st.get("health") or []:
+        lines.append(f"  health check: {line}")
+    for line in st.get("stragglers") or []:
+        lines.append(f"  stragglers: {line}")
+    for line in st.get("stop_signal") or []:
+        lines.append(f"  stop signal: {line}")
+    lines += format_usage(st.get("storage"))
+    lines += format_resume(st.get("resume"))
+    lines.append("  segments:")
+    for r in st["segments"]:
+        span = ""
+        if r["start_iteration"] is not None or r["end_iteration"] is not None:
+            span = f"  iter {r['start_iteration'] if r['start_iteration'] is not None else 0} -> {r['end_iteration'] if r['end_iteration'] is not None else '...'}"
+        lines.append(f"    {r['segment']:>3}  {r['job_id']:<12} {r['state']:<10}{span}"
+                     + (f"  ({r['reason']})" if r["reason"] else ""))
+    if st.get("next"):
+        lines.append(f"  next: {st['next']}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 86400:
+        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 60} min {seconds % 60} s"
