@@ -108,6 +108,12 @@ class Session:
         self.checkpoints.after_save(iteration, self.observe.save_blocking_s(iteration))
         self.observe.save_written(iteration)
 
+    def save_waited(self, iteration: int, begin: float, end: float) -> None:
+        """The segment waited for the asynchronous save of `iteration` to complete (before a stop save,
+        leaving, at the end of Megatron's loop): save time, on the timeline and in the outcome."""
+        self.checkpoints.save_waited(end - begin)
+        self.observe.save_waited(iteration, begin, end)
+
     def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
         self.observe.on_log(iteration, loss, lr, grad_norm)
 

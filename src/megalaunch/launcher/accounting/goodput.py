@@ -13,9 +13,11 @@ always add up to the wall time:
   health_check     the health check at segment start (runtime/health/health.py), carved out of the part it fell in
   training         -> the last iteration or save; split into
       productive       iterations whose result a checkpoint kept
-      checkpoint_save  blocking time of every save
+      checkpoint_save  blocking time of every save, from the decision to save; a stop or final save's up to
+                       its complete checkpoint (also when asynchronous), and every wait for an asynchronous
+                       save to complete (the timeline's `saves`)
       lost_work        iterations after the last checkpoint this segment wrote (redone later)
-  exit             -> the outcome is written (the save on the signal is in checkpoint_save)
+  exit             -> the outcome is written: only what follows the last iteration or save
   teardown         -> job end (process-group teardown, interpreter exit, srun, the chain's bookkeeping)
   failed           a segment that failed, hung or was killed: from its last sign of life to job end
   restart          an in-job restart (launcher/chain/restart.py): the failed step from its last sign of life to
@@ -143,7 +145,8 @@ def segment_time(job_id: str, started: dict[str, Any], ended: dict[str, Any] | N
                       train_start)
     window = train_end - train_start
     blocking = sum(max(0.0, min(float(e), train_end) - max(float(b), train_start)) for _, b, e in saves)
-    # lost work: iterations after the last save this segment made (or after its start, if none)
+    # lost work: iterations after the last save this segment made (or after its start, if none); its
+    # first interval (max keeps the first of equals): a later one is a wait for it to complete
     last_save = max(saves, key=lambda s: s[0]) if saves else None
     seg.last_checkpoint = int(last_save[0]) if last_save else None
     last_iter_end = clamp(ph.get("last_iteration_end"), train_start)
@@ -265,17 +268,27 @@ def mfu(tflops_per_gpu: float | None, gpu: str | None, override: float | None = 
     return tflops_per_gpu / peak
 
 
+def checkpoint_saves(saves: list[Any]) -> dict[int, tuple[float, float]]:
+    """A segment's `saves` by checkpoint: its blocking seconds (its intervals summed: a wait for an
+    asynchronous save to complete may be an interval of its own) and when the last of them ended."""
+    out: dict[int, tuple[float, float]] = {}
+    for it, begin, end in saves:
+        seconds, ended = out.get(int(it), (0.0, float(end)))
+        out[int(it)] = (seconds + float(end) - float(begin), max(ended, float(end)))
+    return out
+
+
 def checkpoint_interval_hint(chain: dict[str, Any], step_s: float | None) -> dict[str, Any]:
     """Young/Daly: the checkpoint interval that minimises expected loss, sqrt(2 x MTBF x save time),
     from the measured blocking save time and the chain's observed failure rate."""
     segs = chain["segments"]
-    saves = [float(e) - float(b) for s in segs for _, b, e in s["saves"]]
+    saves = [seconds for s in segs for seconds, _ in checkpoint_saves(s["saves"]).values()]
     save_s = _median(saves)
     # a configuration error or a full disk is not a failure rate of the machines: not in the MTBF
     failures = sum(1 for s in segs if s["outcome"] in FAILED_OUTCOMES - {"config_error", "storage_full"})
     wall = chain["wall"]
-    out: dict[str, Any] = {"save_s": save_s, "failures": failures, "wall_s": wall, "interval_s": None,
-                           "interval_iters": None, "mtbf_s": None}
+    out: dict[str, Any] = {"save_s": save_s, "saves": len(saves), "failures": failures, "wall_s": wall,
+                           "interval_s": None, "interval_iters": None, "mtbf_s": None}
     if save_s is None or wall <= 0:
         return out
     mtbf = wall / failures if failures else None

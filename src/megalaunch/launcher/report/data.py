@@ -18,6 +18,7 @@ from megalaunch.launcher.accounting.goodput import (
     STARTUP,
     chain_goodput,
     checkpoint_interval_hint,
+    checkpoint_saves,
     mfu,
     peak_tflops,
 )
@@ -78,9 +79,9 @@ def checkpoints(paths: RunPaths, chain: dict[str, Any], events: list[dict[str, A
     """Every checkpoint a segment saved or that is on disk: iteration, size, blocking save time, state."""
     rows: dict[tuple[int, str], dict[str, Any]] = {}
     for seg in chain["segments"]:
-        for it, begin, end in seg["saves"]:
-            rows[(int(it), "")] = {"iteration": int(it), "job_id": seg["job_id"], "save_s": float(end) - float(begin),
-                                   "saved_at": float(end), "size": None, "state": "deleted (retention)"}
+        for it, (save_s, saved_at) in checkpoint_saves(seg["saves"]).items():
+            rows[(it, "")] = {"iteration": it, "job_id": seg["job_id"], "save_s": save_s,
+                              "saved_at": saved_at, "size": None, "state": "deleted (retention)"}
     deleted = {int(e["iteration"]) for e in events if e.get("event") == "checkpoint_deleted"
                and isinstance(e.get("iteration"), int)}
     tracker = paths.read_tracker()

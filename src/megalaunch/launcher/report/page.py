@@ -185,7 +185,7 @@ def _checkpoint_table(data: dict[str, Any]) -> str:
 
 def _hint_html(data: dict[str, Any]) -> str:
     h = data["hint"]
-    facts = (f"measured save time (median of {sum(len(s['saves']) for s in data['chain']['segments'])} blocking saves): "
+    facts = (f"measured save time (median of {h['saves']} blocking saves): "
              f"<b>{_e(duration(h['save_s']))}</b>; failures observed: <b>{h['failures']}</b> in "
              f"{_e(duration(h['wall_s']))} of wall time")
     if h["save_s"] is None:

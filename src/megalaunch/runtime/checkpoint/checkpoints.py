@@ -10,7 +10,8 @@ deletes) are runtime/checkpoint/resume.py's; this room applies them at the loop'
   periodic or trigger save that does not fit is skipped (False; ledger `save_skipped`); for a stop or
   final save retention keeps only the newest complete checkpoint next (ledger `retention_squeezed`),
   and one that still does not fit raises SaveDoesNotFit (the segment ends `storage_full`).
-- `save_finished` / `after_save`: the blocking time of each save; on rank 0 progress moved up to the
+- `save_finished` / `after_save`: the blocking time of each save (`save_waited`: and of every wait for an
+  asynchronous one to complete); on rank 0 progress moved up to the
   checkpoint, the eval queued, and retention (runtime/retention.keep: the last `keep_last`, plus
   milestones and checkpoints an eval still needs; the one this segment resumed from only until a newer
   one is complete).
@@ -126,6 +127,7 @@ class Checkpoints:
         are not called); a stop or final save that does not fit raises SaveDoesNotFit."""
         from megalaunch.runtime.rank.collectives import broadcast_from_zero
 
+        started = time.monotonic(), time.time()
         verdict = broadcast_from_zero(self._check_space(iteration, kind) if self.ctx.is_zero else _SAVE)
         if verdict == _FULL:
             raise SaveDoesNotFit(self.no_room or f"no room for the {kind} save at iteration {iteration} "
@@ -134,8 +136,7 @@ class Checkpoints:
             if not self.ctx.is_zero:
                 self.ctx.log(f"{kind} save at iteration {iteration} skipped: not enough free space (rank 0's check)")
             return False
-        self._save_started = time.monotonic()
-        self._save_started_at = time.time()
+        self._save_started, self._save_started_at = started  # the space check and retention are the save's
         return True
 
     def _check_space(self, iteration: int, kind: SaveKind) -> int:
@@ -179,6 +180,10 @@ class Checkpoints:
         elapsed = time.monotonic() - self._save_started
         self.save_times.append(elapsed)
         return elapsed
+
+    def save_waited(self, seconds: float) -> None:
+        """A wait for an asynchronous save to complete: blocking save time too (the outcome's save_times_s)."""
+        self.save_times.append(seconds)
 
     def after_save(self, iteration: int, elapsed: float) -> None:
         """Rank 0: progress up to the checkpoint, the eval queued, retention."""

@@ -14,10 +14,15 @@ Seams (megatron-core 0.19.2, `megatron.training`):
   seen one iteration later and cost a second save. So after any save at a boundary we decide again at
   once (every rank does: the save was collective) and a stop leaves with the checkpoint just written.
 - `training.save_checkpoint_and_time` -> hooks before/after every save (watchdog, retention); the hook
-  before may skip the save.
+  before may skip the save. A save the segment leaves with (stop, final, at train_iters) returns only
+  when its checkpoint is complete: an asynchronous one is finalized inside it, so its interval runs
+  from the decision to the complete checkpoint (docs/goodput.md: `checkpoint_save`, not `exit`).
 - `checkpointing.schedule_async_save` -> an asynchronous save is complete only when Megatron finalizes
   it (every rank, at a later iteration or before leaving its loop): `save_complete` runs as its last
   finalize step, after Megatron's tracker update; a synchronous save is complete when it returns.
+- `training.maybe_finalize_async_save` -> every wait for an asynchronous save to complete (before a
+  stop save, when a stop leaves with the save just scheduled, at the end of the loop) is save time:
+  `save_waited`.
 - `training.training_log` -> the reduced loss of each iteration (progress, W&B).
 - `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
   back to an older one if loading fails.
@@ -27,6 +32,7 @@ Seams (megatron-core 0.19.2, `megatron.training`):
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 from megalaunch.runtime.loop.megatron_patches import (
@@ -37,6 +43,7 @@ from megalaunch.runtime.loop.megatron_patches import (
     skip_helper_compilation,
     skip_unused_fusion_warmup,
 )
+from megalaunch.runtime.rank.fault_hooks import cpu_async_saves, slow_writer
 from megalaunch.runtime.rank.hooks import LoopHooks, SaveKind
 
 
@@ -44,6 +51,7 @@ def install(hooks: LoopHooks) -> None:
     """Install every seam for this process (call once, before `pretrain`)."""
     import_megatron()
     check_version()
+    cpu_async_saves()  # test hook (MEGALAUNCH_TEST_CPU_ASYNC_SAVE), off unless set
     skip_helper_compilation()
     skip_unused_fusion_warmup()
     _mark_init_phases(hooks)
@@ -53,6 +61,7 @@ def install(hooks: LoopHooks) -> None:
     _wrap_checkpoint_and_decide_exit(hooks)
     _wrap_save(hooks)
     _wrap_async_schedule(hooks)
+    _wrap_async_finalize(hooks)
     _wrap_training_log(hooks)
     _wrap_load_checkpoint(hooks)
 
@@ -94,6 +103,8 @@ class _CollectiveSignalHandler:
         self.saved_at: int | None = None  # the iteration of the last save that went ahead (not skipped)
         self.saving: int | None = None  # the iteration being saved right now (inside save_checkpoint_and_time)
         self.scheduled_async = False  # the save in progress was handed to the asynchronous writer
+        self.leaving = False  # the save in progress is one the segment leaves with: complete before it returns
+        self.unfinished: list[int] = []  # iterations of asynchronous saves not finalized yet, oldest first
 
     def signals_received(self) -> list[bool]:
         return [self.exit_requested]
@@ -169,46 +180,60 @@ def _after_boundary_save(hooks: LoopHooks, iteration: int) -> bool:
     again = Decision(hooks.decide(iteration, force=True))
     if again == Decision.CONTINUE:
         return False
+    if again >= Decision.SIGNAL:  # leaving with it: its write, if asynchronous, is waited for now
+        _finish_async_saves(hooks)
     hooks.acted(again, iteration, after_save=True)
     return again >= Decision.SIGNAL
 
 
 def _wrap_save(hooks: LoopHooks) -> None:
+    from megatron.training import async_utils, get_args
     from megatron.training import training as mtraining
 
     original = mtraining.save_checkpoint_and_time
 
     @functools.wraps(original)
     def save_checkpoint_and_time(iteration: int, *args: Any, **kwargs: Any) -> Any:
-        if _HANDLER.save_kind in ("stop", "final"):
-            _finish_async_saves()  # its space is known and retention may delete what it supersedes
-        if not hooks.before_save(iteration, _HANDLER.save_kind):
+        kind = _HANDLER.save_kind
+        leaving = kind in ("stop", "final") or iteration >= (get_args().train_iters or iteration + 1)
+        if leaving:
+            _finish_async_saves(hooks)  # its space is known and retention may delete what it supersedes
+        if not hooks.before_save(iteration, kind):
             return None
-        _HANDLER.saving, _HANDLER.scheduled_async = iteration, False
+        _HANDLER.saving, _HANDLER.scheduled_async, _HANDLER.leaving = iteration, False, leaving
         try:
             result = original(iteration, *args, **kwargs)
+            if leaving and _HANDLER.scheduled_async:  # the segment leaves with it: complete it now, inside
+                async_utils.maybe_finalize_async_save(blocking=True)  # its interval (every rank)
         finally:
-            _HANDLER.saving = None
+            _HANDLER.saving, _HANDLER.leaving = None, False
         _HANDLER.saved_at = iteration
-        hooks.after_save(iteration, complete=not _HANDLER.scheduled_async)
+        hooks.after_save(iteration, complete=leaving or not _HANDLER.scheduled_async)
         return result
 
     mtraining.save_checkpoint_and_time = save_checkpoint_and_time
 
 
-def _finish_async_saves() -> None:
-    """Every rank, before a save the run cannot do without: an asynchronous save still writing is
-    finished first (it must finish before the process exits anyway). Then the space check sees it
-    complete, and retention may delete the checkpoint it supersedes to make room for this one."""
+def _finish_async_saves(hooks: LoopHooks) -> None:
+    """Every rank, before a save the run cannot do without or when leaving: an asynchronous save still
+    writing is finished first (it must finish before the process exits anyway). Then the space check
+    sees it complete, and retention may delete the checkpoint it supersedes to make room for this one.
+    The wait is save time (hooks.save_waited), for the newest save it waited for."""
     from megatron.training import async_utils
 
-    if not async_utils.is_empty_async_queue():
-        async_utils.maybe_finalize_async_save(blocking=True)
+    if async_utils.is_empty_async_queue():
+        return
+    waited_for = _HANDLER.unfinished[-1] if _HANDLER.unfinished else None
+    begin = time.time()
+    async_utils.maybe_finalize_async_save(blocking=True)
+    if waited_for is not None:
+        hooks.save_waited(waited_for, begin, time.time())
 
 
 def _wrap_async_schedule(hooks: LoopHooks) -> None:
     """An asynchronous save's own last finalize step tells the hooks it is complete (every rank runs
-    the finalize steps at the same point: Megatron agrees on completion with an all-reduce first)."""
+    the finalize steps at the same point: Megatron agrees on completion with an all-reduce first); a
+    save the segment leaves with is finalized inside it, and after_save says it is complete."""
     from megatron.training import checkpointing as mcheckpointing
 
     original = mcheckpointing.schedule_async_save
@@ -218,10 +243,35 @@ def _wrap_async_schedule(hooks: LoopHooks) -> None:
         iteration = _HANDLER.saving
         if iteration is not None:
             _HANDLER.scheduled_async = True
-            async_request.add_finalize_fn(functools.partial(hooks.save_complete, iteration))
+            async_request = slow_writer(async_request, _HANDLER.save_kind)  # test hook, off unless set
+            if not _HANDLER.leaving:
+                _HANDLER.unfinished.append(iteration)
+                async_request.add_finalize_fn(functools.partial(_completed, hooks, iteration))
         return original(async_request)
 
     mcheckpointing.schedule_async_save = schedule_async_save
+
+
+def _completed(hooks: LoopHooks, iteration: int) -> None:
+    if iteration in _HANDLER.unfinished:
+        _HANDLER.unfinished.remove(iteration)
+    hooks.save_complete(iteration)
+
+
+def _wrap_async_finalize(hooks: LoopHooks) -> None:
+    """Megatron's own waits at the end of its loop (an abort after an asynchronous save, the last
+    iteration's) are save time too; its per-iteration checks (not blocking) pass through."""
+    from megatron.training import training as mtraining
+
+    original = mtraining.maybe_finalize_async_save
+
+    @functools.wraps(original)
+    def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> Any:
+        if blocking:
+            _finish_async_saves(hooks)
+        return original(blocking=blocking, terminate=terminate)
+
+    mtraining.maybe_finalize_async_save = maybe_finalize_async_save
 
 
 def _wrap_training_log(hooks: LoopHooks) -> None:

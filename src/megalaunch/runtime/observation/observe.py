@@ -226,6 +226,12 @@ class Observer:
         if begun is not None:
             self.timeline.write(iteration, begun, time.time())
 
+    def save_waited(self, iteration: int, begin: float, end: float) -> None:
+        """The segment waited for the asynchronous save of `iteration` to complete: save time."""
+        self._saving_in_window += end - begin
+        self.timeline.save_waited(iteration, begin, end)
+        self.beat(f"waited for the save at iteration {iteration}")
+
     def save_recorded(self, iteration: int, span: tuple[float, float]) -> None:
         """After retention: the save's interval on the timeline; the step-time spread (every rank
         saves at the same iteration)."""

@@ -17,9 +17,13 @@ Phases, in the order a segment reaches them (absolute times, seconds since the e
   last_iteration_end (updated every iteration; written every log interval and at exit)
   signal_received    the stop signal arrived (and `decision`: when a stop was acted on)
   exit               the outcome is written
-plus `saves`: [iteration, begin, end] of every blocking save, and `writes`: [iteration, begin, complete]
-of every checkpoint, until it was complete on disk (the same as its save when synchronous; an
-asynchronous one's write goes on after its blocking part): the chain's measure for the signal lead.
+plus `saves`: [iteration, begin, end] of every blocking save (from the decision to save, space check
+and retention included; one the segment leaves with, a stop or final save, ends when its checkpoint is
+complete, also when asynchronous) and of every wait for an asynchronous save to complete (`save_waited`:
+one more interval for that checkpoint, or its own grown when nothing ran since); and `writes`:
+[iteration, begin, complete] of every checkpoint, until it was complete on disk (the same as its save
+when synchronous; an asynchronous one's write goes on after its blocking part): the chain's measure
+for the signal lead.
 
 Detail phases split the start-up further (reported by bench/goodput.py; the goodput cuts above do not
 use them): torch_imported, megatron_imported (inside `imports`); distributed_ready (process groups
@@ -99,6 +103,19 @@ class Timeline:
 
     def save(self, iteration: int, begin: float, end: float) -> None:
         self.data["saves"].append([iteration, begin, end])
+        self.flush()
+        self.heartbeat.beat("save_end", iteration=iteration)
+
+    def save_waited(self, iteration: int, begin: float, end: float) -> None:
+        """The segment waited for the checkpoint of `iteration` (an asynchronous save) to be complete:
+        save time. Right after that save (no iteration since) its interval grows to the wait's end, so
+        it runs from the decision to the complete checkpoint; later (before a stop save, at the loop's
+        end) the wait is an interval of its own for the same checkpoint."""
+        saves = self.data["saves"]
+        if saves and saves[-1][0] == iteration and saves[-1][2] >= self.data["phases"].get("last_iteration_end", 0.0):
+            saves[-1][2] = max(saves[-1][2], end)
+        else:
+            saves.append([iteration, begin, end])
         self.flush()
         self.heartbeat.beat("save_end", iteration=iteration)
 
