@@ -11,8 +11,10 @@ Slurm's 30 s signal granularity, Megatron on the CPU) and many short ones, on 2 
   shortest unit, so nothing long waits behind another long test;
 * the long tests (>= 10 s) that keep cores busy share a CPU budget, MEGALAUNCH_TEST_CPUS (default:
   the machine's cores): each counts its measured CPU load (CPU seconds / wall seconds, from
-  tests/durations.json; a test without a CPU figure counts one core outside tests/slurm, none inside,
-  where the work runs under slurmd and the test mostly waits), and a worker waits rather than start one that would overrun the budget, unless no long test
+  tests/durations.json; a test without a CPU figure counts one core outside tests/slurm; inside, where
+  the work runs under slurmd and no test process can measure it, half a core for a module that runs the
+  real trainer (its `megatron` marker: paced chains and Slurm's clock keep it below one) and none for
+  the stand-in workloads), and a worker waits rather than start one that would overrun the budget, unless no long test
   runs. More would only slow each other down, and many of them time things (signal leads, hang
   timers) that a starved CPU stretches. A long test that mostly waits (on Slurm's clock, a paced
   chain, the local backend's timer) costs little of the budget, so it runs beside two busy ones;
@@ -24,6 +26,7 @@ Group membership and the tests' own isolation decide correctness; this only deci
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -54,8 +57,19 @@ def load_cpu_loads() -> dict[str, float]:
     return {k: float(v[1]) / max(float(v[0]), 0.1) for k, v in _entries().items() if isinstance(v, list)}
 
 
+@functools.cache
+def _runs_the_trainer(module: str) -> bool:
+    try:
+        return "pytest.mark.megatron" in (DURATIONS.parent.parent / module).read_text()
+    except OSError:
+        return False
+
+
 def default_load(nodeid: str) -> float:
-    return 0.0 if nodeid.startswith("tests/slurm/") else 1.0
+    module = nodeid.split("::")[0]
+    if module.startswith("tests/slurm/"):
+        return 0.5 if _runs_the_trainer(module) else 0.0
+    return 1.0
 
 
 def base_nodeid(nodeid: str) -> str:

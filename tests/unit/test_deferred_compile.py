@@ -1,4 +1,4 @@
-"""runtime/loop/megatron_patches: Megatron's import-time `torch.compile` decorations compile on first call
+"""runtime/model/megatron_import: Megatron's import-time `torch.compile` decorations compile on first call
 instead of importing TorchDynamo/Inductor at import, and wandb stays out of that import unless Megatron's
 own W&B writer is set up (docs/goodput.md, start-up)."""
 
@@ -13,12 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megalaunch.runtime.loop.megatron_patches import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
+from megalaunch.runtime.model.megatron_import import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
 
 PROBE = r"""
 import json, os, sys, tempfile, types, torch
-from megalaunch.runtime.loop import megatron_patches
-megatron_patches.import_megatron()
+from megalaunch.runtime.model import megatron_import
+megatron_import.import_megatron()
 import megatron.core.jit as jit
 from megatron.core import timers
 from megatron.core.fusions import fused_bias_gelu
@@ -91,7 +91,8 @@ def test_modules_are_compiled_at_once() -> None:
 NULL_TOKENIZER = r"""
 import argparse, json, sys
 from megalaunch.runtime.loop import megatron_patches
-megatron_patches.import_megatron()
+from megalaunch.runtime.model import megatron_import
+megatron_import.import_megatron()
 megatron_patches.null_tokenizer_without_transformers()
 from megatron.training import global_vars
 class Args(argparse.Namespace):  # Megatron's other tokenizer arguments at their defaults (None)

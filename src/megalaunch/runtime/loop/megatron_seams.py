@@ -38,11 +38,11 @@ from typing import Any
 from megalaunch.runtime.loop.megatron_patches import (
     check_version,
     fix_optimizer_step,
-    import_megatron,
     null_tokenizer_without_transformers,
     skip_helper_compilation,
     skip_unused_fusion_warmup,
 )
+from megalaunch.runtime.model.megatron_import import import_megatron
 from megalaunch.runtime.rank.fault_hooks import cpu_async_saves, slow_writer
 from megalaunch.runtime.rank.hooks import LoopHooks, SaveKind
 

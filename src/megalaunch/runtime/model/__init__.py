@@ -2,7 +2,8 @@
 implementations (`attention`: SDPA, flash-attn), megalaunch's norms in a spec (`norms`: the
 sequence-parallel torch norm), which library computes each op (`kernels`: Megatron's or liger-kernel's,
 `liger_layers`), the weight gradient accumulated in fp32 without apex (`wgrad_fusion`), a one-process
-parallel state for building the model outside the loop (`standalone`), and everything that lets it run
-on a machine without a GPU (`cpu_compat`).
+parallel state for building the model outside the loop (`standalone`), Megatron imported without what
+training does not need (`megatron_import`: compilation deferred, wandb kept out), and everything that
+lets it run on a machine without a GPU (`cpu_compat`).
 
 May use: runtime.rank."""

@@ -34,8 +34,11 @@ def enable() -> None:
     # torch): it is process-wide floating-point state, and this function also runs inside other
     # processes (conversion, tests), where flushing would change their arithmetic (hypothesis's
     # smallest float became 0.0 in a test process that had called this).
-    import megatron.core  # noqa: F401  (import Megatron before torch.cuda changes under it)
     import torch
+
+    from megalaunch.runtime.model.megatron_import import import_megatron
+
+    import_megatron()  # before torch.cuda changes under it; compilation deferred, wandb kept out
 
     _patch_torch_cuda(torch)
     _patch_tensor_methods(torch)
