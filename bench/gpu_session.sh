@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh storage            # the 1B chain on the disk: peak, saves, bandwidth (~8 min)
 #   bash bench/gpu_session.sh profile            # where a save's time goes, beside dd (~4 min)
 #   bash bench/gpu_session.sh load               # where a resumed segment's load goes (~3 min)
+#   bash bench/gpu_session.sh staging            # async saves: Megatron's staging vs the pinned arena, threaded load (~5 min)
 #   bash bench/gpu_session.sh kernels            # liger-kernel vs Megatron: ops, 1B end to end, tests (~8 min)
 #   bash bench/gpu_session.sh mfu8b              # llama3-8b on all GPUs, planner's first layout, profiled (~5 min)
 #   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
@@ -165,6 +166,15 @@ stage_load() {  # issue 25: where a resumed segment's checkpoint load goes (allo
   rm -rf "$WORK/load"
 }
 
+stage_staging() {  # issue 35: the first save's blocking part and the load, before/after megalaunch's levers
+  rm -rf "$WORK/staging"
+  timeout 170 "$PY" bench/staging_check.py --dir "$WORK/staging" --mode megatron --saves 2 --no-load --dd \
+    --json "$OUT/staging_megatron.json" 2>&1 | grep -vE "warn|Warn" | tee "$OUT/staging.txt"
+  timeout 170 "$PY" bench/staging_check.py --dir "$WORK/staging" --mode arena --saves 3 \
+    --json "$OUT/staging_arena.json" 2>&1 | grep -vE "warn|Warn" | tee -a "$OUT/staging.txt"
+  rm -rf "$WORK/staging"
+}
+
 stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoint) beside pre-training
   rm -rf "$WORK/sft"
   # shellcheck disable=SC2086
@@ -178,9 +188,9 @@ stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoi
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|kernels|mfu8b|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, kernels, mfu8b, sft, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,65 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+SAVED_LINE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] successfully saved checkpoint from iteration\s+(\d+)")
+SAVE_LINE = re.compile(r"\[megalaunch\] (save at iteration \d+: .*|writer: .*|rank \d+: pinned staging .*)")
+
+
+def segment_table(paths: Any, nbytes: int | None) -> list[dict[str, Any]]:
+    """Each segment as `megalaunch report` / goodput cut it (launcher/accounting/goodput.py), and from its
+    timeline: start-up (job begin to the end of the first iteration) and its parts, the load's bandwidth,
+    every save's blocking interval; the last save of a segment that ended `saved` is its stop save."""
+    import time as _time
+
+    from megalaunch.launcher.accounting.goodput import chain_goodput
+    from megalaunch.rundir.files import read_json
+
+    rows = []
+    for seg in chain_goodput(paths, _time.time())["segments"]:
+        tl = read_json(paths.timeline(seg["job_id"])) or {}
+        ph, start = tl.get("phases") or {}, seg["start"]
+
+        def at(phase: str, ph: dict[str, Any] = ph, start: float = start) -> float | None:
+            return round(ph[phase] - start, 2) if phase in ph else None
+
+        def span(a: str, b: str, ph: dict[str, Any] = ph) -> float | None:
+            return round(ph[b] - ph[a], 2) if a in ph and b in ph else None
+
+        saves = [[it, round(end - begin, 2)] for it, begin, end in tl.get("saves", [])]
+        stop = saves[-1] if saves and seg["outcome"] in ("saved", "finished") else None
+        load = span("load_start", "load_end") if tl.get("start_iteration") else None
+        text = "".join(log.read_text(errors="replace") for log in sorted(paths.logs.glob(f"*-{seg['job_id']}.out")))
+        lines = SAVE_LINE.findall(text)
+        saved = {int(it): datetime.strptime(when, "%Y-%m-%d %H:%M:%S.%f").timestamp()  # Megatron's local time
+                 for when, it in SAVED_LINE.findall(text)}
+        to_saved = round(saved[stop[0]] - tl["saves"][-1][1], 2) if stop and stop[0] in saved else None
+        rows.append({
+            "job_id": seg["job_id"], "outcome": seg["outcome"], "wall_s": round(seg["wall"], 1),
+            "parts_s": {k: round(v, 2) for k, v in seg["parts"].items() if v}, "goodput_startup_s": round(seg["startup"], 2),
+            "startup_to_first_iteration_s": at("first_iteration_end"),
+            "phases_s": {k: at(k) for k in ("process_start", "torch_imported", "megatron_imported", "setup_done",
+                                            "distributed_ready", "health_check_start", "health_check_end",
+                                            "first_collective", "model_build_start", "model_build_end", "load_start",
+                                            "load_end", "data_end", "first_iteration_end") if k in ph},
+            "load_s": load, "load_gbps": round(nbytes / load / 1e9, 2) if nbytes and load else None,
+            "first_step_s": span("data_end", "first_iteration_end"), "saves_s": saves,
+            "stop_save_s": stop[1] if stop else None,
+            "stop_save_gbps": round(nbytes / stop[1] / 1e9, 2) if stop and nbytes else None,
+            # from the decision to Megatron's "successfully saved" (the interval above adds retention after it)
+            "stop_save_to_saved_s": to_saved,
+            "stop_save_to_saved_gbps": round(nbytes / to_saved / 1e9, 2) if to_saved and nbytes else None,
+            "save_log": lines,
+        })
+    return rows
+
+
+def _safe_table(paths: Any, nbytes: int | None) -> Any:
+    try:
+        return segment_table(paths, nbytes)
+    except Exception as e:  # the figures above still come back
+        return f"per-segment table failed: {e!r}"
+
+
 def summarize(paths: Any, sampler: Sampler, wall: float, keep_last: int, gbs: int) -> dict[str, Any]:
     from megalaunch.rundir.files import read_json
     from megalaunch.rundir.ledger import Ledger
@@ -125,7 +185,7 @@ def summarize(paths: Any, sampler: Sampler, wall: float, keep_last: int, gbs: in
         # bytes over the median blocking save (an async save blocks for less than it writes) and load
         "save_gbps_blocking": round(nbytes / statistics.median(saves) / 1e9, 3) if nbytes and saves else None,
         "load_gbps": round(nbytes / statistics.median(loads) / 1e9, 3) if nbytes and loads else None,
-        "consumed_samples_exact": exact, "last_checkpoint": last,
+        "consumed_samples_exact": exact, "last_checkpoint": last, "per_segment": _safe_table(paths, nbytes),
         "samples": [[round(t, 1), n] for t, n in sampler.samples],
     }
 
@@ -139,6 +199,7 @@ def main() -> int:
     ap.add_argument("--train-iters", type=int, default=100)
     ap.add_argument("--trigger-save-at", type=int, default=40)
     ap.add_argument("--dd-gib", type=float, default=8.0)
+    ap.add_argument("--dd-streams", type=int, default=8, help="also dd with this many streams at once (1: not)")
     ap.add_argument("--smoke", action="store_true", help="the tiny recipe on the CPU (checks the script)")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     args = ap.parse_args()
@@ -154,6 +215,15 @@ def main() -> int:
             f"training.train_iters={args.train_iters}", f"run.root={args.root}", *args.sets]
     disk = dd_bandwidth(args.root, 0.25 if args.smoke else args.dd_gib)
     print(f"disk: write {disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s (dd on {args.root})", flush=True)
+    if args.dd_streams > 1:  # the aggregate: as many fsync'd streams as the checkpoint's writer threads
+        sys.path.append(str(Path(__file__).resolve().parent))
+        from save_profile import dd_bandwidth as dd_streams
+
+        disk["streams"] = args.dd_streams
+        agg = dd_streams(args.root, (0.25 if args.smoke else args.dd_gib) * 2**30, args.dd_streams)
+        disk["write_gbps_n"], disk["read_gbps_n"] = agg["write_gbps"], agg["read_gbps"]
+        print(f"disk, {args.dd_streams} dd streams: write {agg['write_gbps']:.2f} GB/s, read {agg['read_gbps']:.2f} GB/s",
+              flush=True)
     prepared = prepare_run(load_recipe(recipe_ref, sets, cluster="local"))
     paths = write_run(prepared)
     sampler = Sampler(paths.checkpoints, 2.0)

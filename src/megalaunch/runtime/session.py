@@ -118,6 +118,9 @@ class Session:
         self.observe.on_log(iteration, loss, lr, grad_norm)
 
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
+        from megalaunch.runtime.loop import save_staging
+
+        save_staging.release()  # after the first iteration: the checkpoint writer pins its staging memory
         self.observe.iteration_ended(iteration)
         self.faults.pace()  # test hook: a slow step, before the watchdog's beat and the decision
         self.observe.report(iteration, flops_so_far)

@@ -156,6 +156,10 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     from megalaunch.runtime.loop import megatron_seams
 
     megatron_seams.install(session)
+    from megalaunch.runtime.loop import parallel_load, save_staging
+
+    ctx.log(f"checkpoint staging: {save_staging.install(settings.checkpoint_bytes, ctx.world, settings.tasks_per_node)}"
+            f"; checkpoint load: {parallel_load.install()}")
     observe.phase("megatron_imported")
     if ctx.is_zero and settings.wandb_project:
         observe.open_wandb()

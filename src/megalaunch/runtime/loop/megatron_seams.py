@@ -35,6 +35,7 @@ import functools
 import time
 from typing import Any
 
+from megalaunch.runtime.loop import save_staging
 from megalaunch.runtime.loop.megatron_patches import (
     check_version,
     fix_optimizer_step,
@@ -201,6 +202,7 @@ def _wrap_save(hooks: LoopHooks) -> None:
         if not hooks.before_save(iteration, kind):
             return None
         _HANDLER.saving, _HANDLER.scheduled_async, _HANDLER.leaving = iteration, False, leaving
+        save_staging.save_begun()
         try:
             result = original(iteration, *args, **kwargs)
             if leaving and _HANDLER.scheduled_async:  # the segment leaves with it: complete it now, inside
@@ -244,10 +246,15 @@ def _wrap_async_schedule(hooks: LoopHooks) -> None:
         if iteration is not None:
             _HANDLER.scheduled_async = True
             async_request = slow_writer(async_request, _HANDLER.save_kind)  # test hook, off unless set
+            async_request = save_staging.staged(async_request)  # the pinned arena; the write timed
             if not _HANDLER.leaving:
                 _HANDLER.unfinished.append(iteration)
                 async_request.add_finalize_fn(functools.partial(_completed, hooks, iteration))
-        return original(async_request)
+        begin = time.monotonic()
+        result = original(async_request)  # the hand-off: returns once the writer has staged the state
+        if iteration is not None:
+            save_staging.handed_over(iteration, begin)
+        return result
 
     mcheckpointing.schedule_async_save = schedule_async_save
 
