@@ -21,21 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from megalaunch.runtime.rank.dist_env import available_memory
+
 READAHEAD_ENV = "MEGALAUNCH_READAHEAD"
 THREADS = 4
 CHUNK = 8 << 20
 MEMORY_SHARE = 0.5
-
-
-def available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 class ReadAhead:

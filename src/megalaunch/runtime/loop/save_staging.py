@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any
 
+from megalaunch.runtime.rank.dist_env import available_memory
+
 STAGING_ENV = "MEGALAUNCH_PINNED_STAGING"
 MEMORY_SHARE = 0.5  # of MemAvailable at start-up, for all ranks of the node together
 ALIGN = 4096
@@ -76,18 +78,6 @@ def memory_check(need: int | None, local_ranks: int, available: int | None) -> t
     if available is None or node > MEMORY_SHARE * available:
         return False, f"{figures}: more than {MEMORY_SHARE:.0%} of it; Megatron's own staging"
     return True, figures
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo, in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _get_process(cls: Any, rank: int, mp_mode: str = "spawn", cpu_priority: int = 10,

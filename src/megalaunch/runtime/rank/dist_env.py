@@ -53,3 +53,16 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is none): what this host can still give
+    to page cache (the checkpoint read-ahead) or pinned buffers (the save staging)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
