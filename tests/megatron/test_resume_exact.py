@@ -31,6 +31,9 @@ def _segment(paths, job_id: str, loss_log: Path, stop_after: int | None) -> Trai
                  trainer=t)
         t.signal()
     assert t.wait() == [0], t.log()[-3000:]
+    # a synchronous save writes from this process's threads: no queue server was spawned (it imported
+    # torch and outlived the trainer, runtime/loop/megatron_patches.in_process_write_results)
+    assert "left-over process" not in t.log(), t.log()[-2000:]
     return t
 
 

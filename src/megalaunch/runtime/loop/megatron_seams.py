@@ -39,6 +39,7 @@ from megalaunch.runtime.loop import save_staging
 from megalaunch.runtime.loop.megatron_patches import (
     check_version,
     fix_optimizer_step,
+    in_process_write_results,
     null_tokenizer_without_transformers,
     skip_helper_compilation,
     skip_unused_fusion_warmup,
@@ -58,6 +59,7 @@ def install(hooks: LoopHooks) -> None:
     _mark_init_phases(hooks)
     null_tokenizer_without_transformers()
     fix_optimizer_step()
+    in_process_write_results()
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
     _wrap_save(hooks)
