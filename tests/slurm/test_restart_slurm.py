@@ -139,7 +139,7 @@ def test_a_node_failing_its_health_check_is_replaced_by_the_spare_inside_the_job
         megalaunch(None, "cancel", str(run))
     assert show_job(first).get("NumNodes") in (None, "2"), show_job(first)  # 1 + the spare
     steps = _events(run, "step_started", first)
-    assert [s["nodes"] for s in steps] == [["node1"], ["node2"]], steps
+    assert [s["nodes"] for s in steps] == ["node1", "node2"], steps
     assert steps[0]["left_out"] == {"node2": "spare"} and steps[1]["left_out"] == {"node1": "failed in this segment"}
     (restart,) = _events(run, "restart", first)
     assert restart["after"] == "unhealthy_node" and restart["exclude"] == ["node1"], restart

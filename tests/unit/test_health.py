@@ -43,6 +43,26 @@ def test_a_failing_rank_is_unhealthy_and_does_not_drag_the_median() -> None:
     assert summary["ranks"][1]["error"] == "RuntimeError: CUDA error" and summary["unhealthy_nodes"] == ["node2"]
 
 
+def test_a_check_of_thousands_of_ranks_is_one_small_record_that_keeps_what_tells() -> None:
+    import json as _json
+
+    from megalaunch.launcher.status_history import health_lines
+
+    figures = [fig(r, f"snode{r // 8 + 1}", 100.0 + (r % 7)) for r in range(8000)]
+    figures[4321] = fig(4321, "snode541", 20.0)  # one slow GPU
+    v = judge(figures, margin=0.2)
+    s = v.summary()
+    assert v.unhealthy_nodes == ["snode541"] and s["rank_count"] == 8000 and s["nodes"] == "snode[1-1000]"
+    kept = {r["rank"] for r in s["ranks"]}
+    assert set(range(4320, 4328)) <= kept and len(kept) <= 8 + 5, sorted(kept)  # snode541's 8 ranks + extremes
+    assert s["min_tflops"] == 20.0 and s["max_tflops"] == 106.0
+    assert len(_json.dumps(s)) < 4000
+    (line,) = health_lines([{"event": "health_check", "job_id": "9", **s}])
+    assert "UNHEALTHY snode541" in line and "8000 ranks on snode[1-1000]" in line, line
+    # a small job keeps every rank
+    assert len(judge(figures[:16], margin=0.2).summary()["ranks"]) == 16
+
+
 def test_one_rank_is_judged_against_the_recorded_figure_only() -> None:
     assert judge([fig(0, "node2", 10.0)], margin=0.2).healthy  # nothing to compare with
     v = judge([fig(0, "node2", 10.0)], margin=0.2, baseline=100.0)

@@ -19,13 +19,13 @@ from megalaunch.launcher.accounting.nodes import (
     NodeHealth,
     Suspect,
     attribute,
-    expand_hostlist,
     plan_exclusion,
 )
 from megalaunch.launcher.chain.chain import Chain
 from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import append_jsonl
+from megalaunch.rundir.hostlist import expand_hostlist
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
 

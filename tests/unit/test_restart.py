@@ -68,6 +68,23 @@ def test_a_failed_step_restarts_and_its_evidence_moves_aside(tmp_path: Path, env
     assert step_nodes(chain, "7", 1) == ["node2"]
 
 
+def test_a_failed_node_without_a_spare_is_used_again_and_the_records_say_so(
+        tmp_path: Path, env: pytest.MonkeyPatch) -> None:
+    env.setenv("SLURM_JOB_NODELIST", "node1")  # the only node of the allocation
+    paths, chain = _chain(tmp_path)
+    chain.begin("7")
+    assert step_nodes(chain, "7", 0) == ["node1"]
+    _fail(paths)
+    paths.tasks("7").mkdir(parents=True)
+    (paths.tasks("7") / "rank-00000.json").write_text('{"rank": 0, "signal": "SIGKILL", "node": "node1"}')
+    assert step_end(chain, "7", 0, 137).restart
+    (restart,) = [e for e in chain.ledger.events() if e["event"] == "restart"]
+    assert restart["exclude"] == [] and "no spare node" in restart["kept"]["node1"], restart
+    assert step_nodes(chain, "7", 1) == ["node1"]
+    text = format_run_status(run_status(paths))
+    assert "kept off" not in text and "node1 used again (no spare node" in text, text
+
+
 @pytest.mark.parametrize("status", ["config_error", "storage_full", "exited", "aborted", "finished", "saved"])
 def test_what_no_restart_fixes_is_never_restarted(tmp_path: Path, env: pytest.MonkeyPatch, status: str) -> None:
     paths, chain = _chain(tmp_path)

@@ -35,7 +35,8 @@ def restart_lines(events: list[dict[str, Any]]) -> list[str]:
     out = []
     for e in events:
         if e.get("event") == "restart":
-            off = f"; kept off {', '.join(e['exclude'])}" if e.get("exclude") else ""
+            off = (f"; kept off {', '.join(e['exclude'])}" if e.get("exclude") else "") + "".join(
+                f"; {n} used again ({why})" for n, why in sorted((e.get("kept") or {}).items()))
             out.append(f"job {e.get('job_id')} started step {e.get('step')} after {e.get('after')} "
                        f"({e.get('reason')}), from checkpoint {e.get('checkpoint_iteration')}{off}")
         elif e.get("event") == "restart_refused":
@@ -56,6 +57,8 @@ def health_lines(events: list[dict[str, Any]]) -> list[str]:
     return [f"job {e.get('job_id')}: " + ("healthy" if e.get("healthy") else
                                           f"UNHEALTHY {', '.join(e.get('unhealthy_nodes') or [])}")
             + f", matmul TFLOP/s {', '.join(figs[:8])}" + (" ..." if len(figs) > 8 else "")
+            + (f" ({e['rank_count']} ranks on {e.get('nodes')}, {e.get('min_tflops')}-{e.get('max_tflops')})"
+               if (e.get("rank_count") or 0) > len(figs) else "")
             + (f" (reference {e['reference_tflops']:.3g})" if isinstance(e.get("reference_tflops"), (int, float)) else "")
             + (f", all-reduce {ar:.3g} GB/s" if isinstance(ar, (int, float)) else "")
             + (f", {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else "")]

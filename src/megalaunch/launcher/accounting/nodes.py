@@ -204,23 +204,6 @@ def current_plan(settings: Any, known_nodes: Any, warn: Any = print) -> Exclusio
     return plan_exclusion(suspects, known_nodes(settings.partition), settings.nodes)
 
 
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list (`node[1-3,5],gpu7`) as names."""
-    out: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text.strip()):
-        m = re.fullmatch(r"(?P<pre>[^\[]*)\[(?P<ranges>[^\]]*)\](?P<post>.*)", part)
-        if not m:
-            if part:
-                out.append(part)
-            continue
-        for r in m["ranges"].split(","):
-            lo, _, hi = r.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{m['pre']}{i:0{width}d}{m['post']}")
-    return out
-
-
 def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"

@@ -122,7 +122,7 @@ class SlurmClient:
     def node_names(self, partition: str | None = None) -> list[str]:
         """Every node Slurm lists (in `partition`, if given), down or drained ones included."""
         argv = ["sinfo", "-h", "-o", "%N", *(["-p", partition] if partition else [])]
-        from megalaunch.launcher.accounting.nodes import expand_hostlist
+        from megalaunch.rundir.hostlist import expand_hostlist
 
         names: list[str] = []
         for line in self._run(argv).stdout.split():

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.launcher.accounting.evidence import abnormal_ends
-from megalaunch.launcher.accounting.nodes import expand_hostlist
 from megalaunch.launcher.chain.backend import JobControl
 from megalaunch.launcher.chain.first_stage import convert_from_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
 from megalaunch.launcher.chain.segment_end import advanced, remove_failed_saves, what_ended, write_goodput
 from megalaunch.launcher.chain.successor import Successor
 from megalaunch.launcher.chain.suspects import Suspects
+from megalaunch.rundir.hostlist import expand_hostlist
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.resume_request import requested_iteration

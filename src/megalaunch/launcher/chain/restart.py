@@ -34,10 +34,11 @@ from typing import Any
 
 from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.accounting.evidence import RESTART_MARKER, abnormal_ends
-from megalaunch.launcher.accounting.nodes import NodeHealth, expand_hostlist
+from megalaunch.launcher.accounting.nodes import NodeHealth
 from megalaunch.launcher.chain.chain import Chain, log
 from megalaunch.launcher.chain.segment_end import remove_failed_saves, what_ended, write_goodput
 from megalaunch.rundir.files import read_json
+from megalaunch.rundir.hostlist import compress_hostlist, expand_hostlist, node_names
 from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import TriggerBox
@@ -70,10 +71,10 @@ def step_nodes(chain: Chain, job_id: str, step: int, env: dict[str, str] | None 
               + [n for n in allocated if n in failed])[:need]
     left_out = {n: ("failed in this segment" if n in failed else "suspect" if n in suspect else "spare")
                 for n in allocated if n not in chosen}
-    chain.ledger.append("step_started", job_id=job_id, step=step, nodes=chosen, left_out=left_out,
-                        checkpoint_iteration=chain.paths.read_tracker())
+    chain.ledger.append("step_started", job_id=job_id, step=step, nodes=compress_hostlist(chosen),
+                        node_count=len(chosen), left_out=left_out, checkpoint_iteration=chain.paths.read_tracker())
     if step or left_out:
-        log(f"step {step} of segment {job_id} on {','.join(chosen)}"
+        log(f"step {step} of segment {job_id} on {compress_hostlist(chosen)}"
             + (f"; not used: {', '.join(f'{n} ({why})' for n, why in left_out.items())}" if left_out else ""))
     return chosen
 
@@ -109,7 +110,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     if status not in RESTARTABLE:
         return StepEnd(False, status, "not a failure a restart fixes")
     started = _step_started(chain, job_id) or {}
-    nodes = [str(n) for n in started.get("nodes") or []]
+    nodes = node_names(started.get("nodes"))
     culprits = _culprits(status, outcome or {}, ends, nodes)
     now_ckpt = paths.read_tracker()
     progressed = now_ckpt is not None and now_ckpt > (started.get("checkpoint_iteration") or -1)
@@ -124,12 +125,15 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
         chain.suspects.after_health_check(job_id, outcome or {})
     remove_failed_saves(paths, job_id, log)
     archive_step(paths, job_id, step)
+    exclude, kept = keep_off(chain, job_id, culprits)
     chain.ledger.append("restart", job_id=job_id, step=step + 1, after=status, reason=str(reason or status),
                         exit_code=exit_code, first_failure=ends[0].__dict__ if ends else None,
-                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=sorted(culprits))
+                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=exclude, kept=kept)
     print(f"{RESTART_MARKER} step {step + 1} of segment {job_id} after {status}: {reason or status}",
           flush=True)
-    log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}")
+    log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}"
+        + (f"; kept off {', '.join(exclude)}" if exclude else "")
+        + "".join(f"; {n} used again ({why})" for n, why in sorted(kept.items())))
     write_goodput(paths, log)
     chain.notifier.restarted(job_id, step + 1, status, str(reason or status))
     return StepEnd(True, status, str(reason or status))
@@ -166,6 +170,20 @@ def why_not(chain: Chain, job_id: str, status: str, culprits: set[str], progress
             return (f"{left:.0f} s left in the allocation, a restart needs {need:.0f} s (start-up, "
                     f"chain.min_train_time_s and the stop signal's lead)")
     return None
+
+
+def keep_off(chain: Chain, job_id: str, culprits: set[str]) -> tuple[list[str], dict[str, str]]:
+    """Which of a failed step's culprit nodes the next steps of this segment keep off (`exclude`), and
+    which they must use again (`kept`, with why): never fewer than `cluster.nodes` usable nodes left."""
+    allocated = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    if not allocated:
+        return sorted(culprits), {}
+    already = failed_in_job(chain, job_id)
+    room = len([n for n in allocated if n not in already]) - max(1, chain.settings.nodes)
+    ordered = [n for n in allocated if n in culprits and n not in already]
+    exclude = sorted(ordered[:max(0, room)])
+    kept = {n: "no spare node left in the allocation (cluster.spare_nodes)" for n in ordered if n not in exclude}
+    return exclude, kept
 
 
 def _culprits(status: str, outcome: dict[str, Any], ends: list[Any], nodes: list[str]) -> set[str]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
+from megalaunch.rundir.hostlist import compress_hostlist
 
 SLOW_NODE_ENV = "MEGALAUNCH_TEST_SLOW_NODE"
 FAIL_NODE_ENV = "MEGALAUNCH_TEST_HEALTH_FAIL"
@@ -43,6 +44,7 @@ CPU_SHAPE = (256, 0.3, 4 * 2**20, 5)
 ATTEMPTS = 3  # measurements of a check that finds slow ranks (run_check)
 MATMUL_BUDGET_S = 10.0  # a very slow device stops after its first batch past this
 ALLREDUCE_BUDGET_S = 10.0
+RANKS_KEPT = 16  # a check of more ranks records only the ranks that tell something (RankFigures.kept)
 
 
 class UnhealthyNode(Exception):
@@ -76,13 +78,29 @@ class HealthVerdict:
 
     def summary(self) -> dict[str, Any]:
         """The figures as the ledger, the timeline and the outcome keep them."""
+        tf = [f.tflops for f in self.figures if f.error is None and f.tflops is not None]
         return {"healthy": self.healthy, "unhealthy_nodes": self.unhealthy_nodes,
                 "median_tflops": _round(self.median_tflops), "reference_tflops": _round(self.reference_tflops),
                 "baseline_tflops": _round(self.baseline_tflops),
                 "allreduce_gbps": _round(_median([f.allreduce_gbps for f in self.figures])),
                 "seconds": _round(max((f.seconds for f in self.figures), default=0.0)),
+                "rank_count": len(self.figures), "nodes": compress_hostlist(dict.fromkeys(f.node for f in self.figures)),
+                "min_tflops": _round(min(tf, default=None)), "max_tflops": _round(max(tf, default=None)),
                 "ranks": [{k: _round(v) if isinstance(v, float) else v for k, v in asdict(f).items()}
-                          for f in self.figures]}
+                          for f in telling(self.figures, self.unhealthy_nodes)]}
+
+
+def telling(figures: list[RankFigures], unhealthy: list[str]) -> list[RankFigures]:
+    """The ranks a record keeps: all of a small job's; of a large one (over RANKS_KEPT), every rank that
+    failed or sits on an unhealthy node, the four slowest and the fastest. One record per check, a few
+    kilobytes at 8,000 ranks (the ledger, the timeline and the outcome each keep it)."""
+    if len(figures) <= RANKS_KEPT:
+        return figures
+    bad = set(unhealthy)
+    keep = {f.rank for f in figures if f.error is not None or f.node in bad}
+    timed = sorted((f for f in figures if f.error is None and f.tflops is not None), key=lambda f: (f.tflops, f.rank))
+    keep |= {f.rank for f in timed[:4]} | {f.rank for f in timed[-1:]}
+    return [f for f in figures if f.rank in keep]
 
 
 def _round(v: float | None) -> float | None:
