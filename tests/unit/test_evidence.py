@@ -100,3 +100,29 @@ def test_a_hardware_signature_before_the_last_in_job_restart_is_not_held_against
     assert set(attribute(ends, log, ["node1", "node3"]).suspects) == {"node1"}
     log.write_text(xid + "srun: error: node1: task 0: Killed\n")  # one step: the Xid counts
     assert set(attribute(abnormal_ends(RunPaths(tmp_path), "5", log), log, ["node1", "node3"]).suspects) == {"node1", "node3"}
+
+
+def test_a_node_that_died_is_the_cause_not_the_ranks_that_lost_it(tmp_path: Path) -> None:
+    """Seen on the scale cluster (a node's slurmd, slurmstepd and tasks SIGKILLed): the survivors failed on
+    their collective with it and exited 1 first; srun then said `Node failure on snode4`. The dead node's
+    ranks left no record at all."""
+    from megalaunch.launcher.accounting.evidence import NODE_LOST, RESTART_MARKER, failure_reason
+    from megalaunch.launcher.accounting.nodes import attribute
+
+    paths = RunPaths(tmp_path)
+    _record(paths, "9", 0, "snode1", 100.0, code=1)
+    _record(paths, "9", 1, "snode2", 100.1, code=1)
+    _error(paths, "9", 0, "PeerLost: connection closed by peer: rank 3 on snode4", 99.9)
+    _error(paths, "9", 1, "PeerLost: connection closed by peer: rank 0 on snode1", 99.95)
+    log = tmp_path / "seg.out"
+    log.write_text("srun: error: snode1: task 0: Exited with exit code 1\n"
+                   "srun: error: snode2: task 1: Exited with exit code 1\nsrun: error: Node failure on snode4\n")
+    ends = abnormal_ends(paths, "9", log)
+    assert (ends[0].rank, ends[0].node) == (NODE_LOST, "snode4") and [e.rank for e in ends[1:]] == [0, 1]
+    assert ends[0].describe() == "snode4 was lost (Slurm: node failure)"
+    assert failure_reason(ends[0], "failed", 1).startswith("snode4 was lost (Slurm: node failure) first")
+    assert set(attribute(ends, log, ["snode1", "snode2", "snode4"]).suspects) == {"snode4"}
+    # a node failure of an earlier step was judged at its restart
+    log.write_text(f"srun: error: Node failure on snode4\n{RESTART_MARKER} step 1\n"
+                   "srun: error: snode1: task 0: Exited with exit code 1\n")
+    assert [e.node for e in abnormal_ends(paths, "9", log)][0] != "snode4"

@@ -17,10 +17,10 @@ and adds what the chain needs (docs/training.md) through a `Session` (runtime/se
 This module does the rest: the data-blend check, the set-up before Megatron starts, the hang watchdog
 (runtime/health/watchdog.py), and state/outcome.json at exit, whatever happens.
 
-Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_LOSS_LOG (runtime/observation/observe.py),
-MEGALAUNCH_TEST_HANG, MEGALAUNCH_TEST_STEP_SLEEP_S, MEGALAUNCH_TEST_SLOW_FORWARD,
-MEGALAUNCH_TEST_RENDEZVOUS_HANG (runtime/rank/fault_hooks.py), MEGALAUNCH_TEST_SLOW_NODE and
-MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health/health.py)."""
+Test hooks (environment; docs/training.md, "Tests"): MEGALAUNCH_TEST_STAND_IN=1 (runtime/standin.py: a
+stand-in without torch or Megatron, for many-node tests), MEGALAUNCH_LOSS_LOG (runtime/observation/observe.py),
+MEGALAUNCH_TEST_HANG, MEGALAUNCH_TEST_STEP_SLEEP_S, MEGALAUNCH_TEST_SLOW_FORWARD, MEGALAUNCH_TEST_RENDEZVOUS_HANG
+(runtime/rank/fault_hooks.py), MEGALAUNCH_TEST_SLOW_NODE and MEGALAUNCH_TEST_HEALTH_FAIL (runtime/health/health.py)."""
 
 from __future__ import annotations
 
@@ -58,9 +58,13 @@ from megalaunch.runtime.session import Session
 from megalaunch.runtime.stop.signals import SignalFlag, resolve_signal
 
 FAST_EXIT_ENV = "MEGALAUNCH_FAST_EXIT"
+STAND_IN_ENV = "MEGALAUNCH_TEST_STAND_IN"
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get(STAND_IN_ENV) == "1":  # test hook, first: nothing heavy is imported yet (runtime/standin.py)
+        from megalaunch.runtime.standin import main as stand_in
+        return stand_in(argv)
     parser = argparse.ArgumentParser(prog="python -m megalaunch.runtime.train",
                                      description="Train with Megatron's loop inside a megalaunch run directory.")
     parser.add_argument("run_dir", nargs="?", default=os.environ.get("MEGALAUNCH_RUN_DIR"))

@@ -16,6 +16,9 @@ from megalaunch.rundir.paths import RunPaths
 # `job step-end` prints this before an in-job restart (launcher/chain/restart.py): a step's srun lines follow
 # the last one (the steps before it were judged at their own end)
 RESTART_MARKER = "megalaunch: in-job restart:"
+# srun: error: Node failure on snode4 (Slurm declared a node of the step dead: its ranks left no record)
+NODE_FAILURE_LINE = re.compile(r"^srun: error: Node failure on (?P<node>[^\s]+)", re.M)
+NODE_LOST = -1  # TaskEnd.rank of a whole node that died (its ranks' supervisors died with them)
 SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$", re.M)
 
 
@@ -27,7 +30,7 @@ class TaskEnd:
     time: float | None = None  # None: from the log, order only
 
     def describe(self) -> str:
-        return f"rank {self.rank} on {self.node} {self.how}"
+        return f"{self.node} {self.how}" if self.rank == NODE_LOST else f"rank {self.rank} on {self.node} {self.how}"
 
 
 def task_records(paths: RunPaths, job_id: str) -> list[dict[str, object]]:
@@ -69,11 +72,14 @@ def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list
     _peer_first(ends, {int(str(r["rank"])) for r in rank_errors(paths, job_id)
                        if PEER_LOST.search(str(r.get("reason") or ""))})
     known = {e.rank for e in ends}
-    for rank, node, what in _srun_lines(log):
+    text = _step_text(log)
+    for rank, node, what in _srun_lines(text):
         if rank not in known and what.lower() != "exited with exit code 0":
             known.add(rank)
             ends.append(TaskEnd(rank=rank, node=node, how=_slurm_words(what)))
-    return ends
+    # a node that died: the cause; the ranks that failed on a collective with it are consequences
+    lost = list(dict.fromkeys(m.group("node") for m in NODE_FAILURE_LINE.finditer(text)))
+    return [TaskEnd(rank=NODE_LOST, node=n, how="was lost (Slurm: node failure)") for n in lost] + ends
 
 
 # A collective that failed because its peer vanished: the rank that ends with this error a moment
@@ -101,15 +107,18 @@ def current_step(text: str) -> str:
     return text if at < 0 else text[at:]
 
 
-def _srun_lines(log: Path | None) -> list[tuple[int, str, str]]:
+def _step_text(log: Path | None) -> str:
     if log is None:
-        return []
+        return ""
     try:
-        text = log.read_text(errors="replace")
+        return current_step(log.read_text(errors="replace"))
     except OSError:
-        return []
+        return ""
+
+
+def _srun_lines(text: str) -> list[tuple[int, str, str]]:
     out = []
-    for m in SRUN_TASK_LINE.finditer(current_step(text)):
+    for m in SRUN_TASK_LINE.finditer(text):
         for rank in _expand(m.group("tasks")):
             out.append((rank, m.group("node"), m.group("what").strip()))
     return out

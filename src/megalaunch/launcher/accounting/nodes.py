@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megalaunch.launcher.accounting.evidence import TaskEnd, current_step
+from megalaunch.launcher.accounting.evidence import NODE_LOST, TaskEnd, current_step
 from megalaunch.rundir.files import append_team_jsonl, read_team_jsonl
 
 LEDGER_FILE = "suspects.jsonl"
@@ -120,7 +120,8 @@ def attribute(ends: list[TaskEnd], log: Path | None, nodes: list[str]) -> Attrib
     att = Attribution()
     if ends:
         first = ends[0]
-        att.suspects[first.node] = [f"rank {e.rank} {e.how}" for e in ends if e.node == first.node]
+        att.suspects[first.node] = [e.how if e.rank == NODE_LOST else f"rank {e.rank} {e.how}"
+                                    for e in ends if e.node == first.node]
         att.reason = f"first to fail: {first.describe()}"
     known = set(nodes) | {e.node for e in ends}
     for node, label, line in _signatures(log, known):

@@ -123,6 +123,8 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
         chain.suspects.after_failure(job_id, ends, nodes)
     elif status == "unhealthy_node":
         chain.suspects.after_health_check(job_id, outcome or {})
+    # the successor queued at `job begin` stays off them too, now: the segment may train for hours yet
+    chain.suspects.exclude_from(chain.pending_successors(job_id))
     remove_failed_saves(paths, job_id, log)
     archive_step(paths, job_id, step)
     exclude, kept = keep_off(chain, job_id, culprits)
