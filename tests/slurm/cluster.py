@@ -190,8 +190,15 @@ def sbatch(
 SLURM_STATE = Path(os.environ.get("MEGALAUNCH_SLURM_STATE", "/var/lib/megalaunch-ci-slurm"))
 #: The other clusters of .ci/slurm-up, for tests that stop the controller ("ctld") or take whole nodes
 #: away ("nodes"): the `private_cluster` marker, tests/slurm/conftest.py. Same node names and layout,
-#: daemons of their own.
-PRIVATE_CONFS = {"ctld": Path("/etc/slurm-iso/slurm.conf"), "nodes": Path("/etc/slurm-iso2/slurm.conf")}
+#: daemons of their own. "scale": the many-node cluster (snode[1-N], `.ci/slurm-up scale`, booted on
+#: demand by the fixture) whose nodes tests kill (tests/slurm/scale.py).
+PRIVATE_CONFS = {
+    "ctld": Path("/etc/slurm-iso/slurm.conf"),
+    "nodes": Path("/etc/slurm-iso2/slurm.conf"),
+    "scale": Path("/etc/slurm-scale/slurm.conf"),
+}
+#: Private clusters that .ci/slurm-up starts only when asked (`.ci/slurm-up NAME`): the fixture boots them.
+ON_DEMAND = {"scale": "scale"}
 
 
 def slurm_conf() -> Path:

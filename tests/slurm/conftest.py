@@ -9,6 +9,10 @@ take whole nodes away), which would break or starve every other test's jobs. The
 .ci/slurm-up's other clusters (SLURM_CONF=/etc/slurm-iso/... or /etc/slurm-iso2/..., the same node
 names and layout), one test at a time per cluster: a lock on the host (other checkouts' runs too),
 and one xdist group per cluster so that one worker runs them in turn (tests/conftest.py).
+``private_cluster("scale")`` runs on the many-node cluster (SLURM_CONF=/etc/slurm-scale/slurm.conf,
+nodes snode[1-N], tests/slurm/scale.py), which .ci/slurm-up starts only when asked: when it does not
+answer and this is root, the first such test boots it (``.ci/slurm-up scale``, a few seconds; a file
+lock keeps xdist workers from booting it twice).
 """
 
 from __future__ import annotations
@@ -17,26 +21,30 @@ import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import PRIVATE_CONFS, SLURM_STATE, cluster_available
+from cluster import ON_DEMAND, PRIVATE_CONFS, SLURM_STATE, cluster_available
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 #: Base for run directories that other users (mlalice, mlbob, mleve) must reach: pytest's own
 #: tmp_path (/tmp/pytest-of-root, mode 0700) is not traversable by them.
 SLURM_TMP_BASE = Path(os.environ.get("MEGALAUNCH_SLURM_TMP", "/tmp/megalaunch-slurm-tests"))
 
 _REQUIRE = os.environ.get("MEGALAUNCH_REQUIRE_SLURM") == "1"
 _available: dict[str | None, bool] = {}
+_boot_failed: dict[str, str] = {}  # on-demand cluster -> why booting it failed (for the skip message)
 PRIVATE_LOCK_WAIT_S = 1800
+BOOT_TIMEOUT_S = 300
 
 
 def private_cluster(item: pytest.Item) -> str | None:
-    """The private cluster a test asks for ("ctld", "nodes"), None for the main one."""
+    """The private cluster a test asks for ("ctld", "nodes", "scale"), None for the main one."""
     mark = item.get_closest_marker("private_cluster")
     if mark is None:
         return None
@@ -47,22 +55,57 @@ def private_cluster(item: pytest.Item) -> str | None:
 
 def _private_lock(name: str) -> Path:
     """Held while a test runs on private cluster `name`: it serves one test at a time."""
-    return SLURM_STATE / PRIVATE_CONFS[name].parent.name.removeprefix("slurm-") / ".test.lock"
+    path = SLURM_STATE / PRIVATE_CONFS[name].parent.name.removeprefix("slurm-") / ".test.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _private_answers(name: str) -> bool:
+    conf = PRIVATE_CONFS[name]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        return conf.is_file() and cluster_available()
+    finally:
+        if old is None:
+            del os.environ["SLURM_CONF"]
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _boot_on_demand(name: str) -> bool:
+    """`.ci/slurm-up NAME` for a cluster it starts only when asked, as root and with Slurm installed
+    (slurm-up would otherwise install the packages). Under a file lock: of several xdist workers, the
+    first boots it and the others find it up. True when it answers afterwards."""
+    if os.geteuid() != 0 or shutil.which("slurmd") is None:
+        _boot_failed[name] = "not root, or Slurm not installed: not booted"
+        return False
+    SLURM_STATE.mkdir(parents=True, exist_ok=True)
+    with open(SLURM_STATE / f".{name}-boot.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the boot takes seconds; a worker that waited finds it up
+        if _private_answers(name):
+            return True
+        try:
+            res = subprocess.run([str(REPO / ".ci" / "slurm-up"), ON_DEMAND[name]], capture_output=True,
+                                 text=True, timeout=BOOT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            _boot_failed[name] = f".ci/slurm-up {ON_DEMAND[name]} ran longer than {BOOT_TIMEOUT_S} s"
+            return False
+        print(res.stderr.strip(), res.stdout.strip(), sep="\n")  # what it did; its summary: the boot time
+        if res.returncode != 0:
+            _boot_failed[name] = f".ci/slurm-up {ON_DEMAND[name]} failed (rc {res.returncode}): " + \
+                " | ".join(res.stderr.strip().splitlines()[-5:])
+            return False
+        return _private_answers(name)
 
 
 def _cluster_up(private: str | None = None) -> bool:
     if private not in _available:
         if private:
-            conf = PRIVATE_CONFS[private]
-            old = os.environ.get("SLURM_CONF")
-            os.environ["SLURM_CONF"] = str(conf)
-            try:
-                _available[private] = conf.is_file() and cluster_available()
-            finally:
-                if old is None:
-                    del os.environ["SLURM_CONF"]
-                else:
-                    os.environ["SLURM_CONF"] = old
+            up = _private_answers(private)
+            if not up and private in ON_DEMAND:
+                up = _boot_on_demand(private)
+            _available[private] = up
         else:
             _available[private] = cluster_available()
     return _available[private]
@@ -90,14 +133,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Fails without the cluster (CI); for a private_cluster test, points every Slurm client (this
     process's, run_as's, the jobs': sbatch exports the environment) at the second cluster and holds
-    its lock for the test's whole life (autouse: set up before, torn down after slurm_tmp)."""
+    its lock for the test's whole life (autouse: set up before, torn down after slurm_tmp). The scale
+    cluster is booted first when it does not answer (_boot_on_demand)."""
     private = private_cluster(request.node)
     if not _cluster_up(private):
         which = f"the private cluster {PRIVATE_CONFS[private]}" if private else "no local Slurm cluster"
+        up = f"sudo .ci/slurm-up {ON_DEMAND[private]}" if private in ON_DEMAND else "sudo .ci/slurm-up"
+        why = f" ({_boot_failed[private]})" if private in _boot_failed else ""
         if _REQUIRE:
             pytest.fail(f"MEGALAUNCH_REQUIRE_SLURM=1 but {which} answers (sinfo shows no usable node "
-                        "within 5 s): run `sudo .ci/slurm-up`", pytrace=False)
-        pytest.skip(f"{which} answers: run `sudo .ci/slurm-up`")
+                        f"within 5 s){why}: run `{up}`", pytrace=False)
+        pytest.skip(f"{which} answers{why}: run `{up}`")
     if not private:
         yield
         return

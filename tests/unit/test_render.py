@@ -75,6 +75,18 @@ def test_signal_lead_and_chain_directives() -> None:
     assert "#SBATCH --gpus-per-node=8\n" in script and "#SBATCH --ntasks-per-node=8\n" in script
 
 
+def test_spare_nodes_keep_the_job_alive_when_a_node_dies() -> None:
+    """With spares, a node that dies must not end the job (Slurm's default on node failure): --no-kill
+    keeps it on the others, where the step loop restarts on a spare (docs/scale.md); a restarted step
+    overlaps the dead step Slurm keeps RUNNING."""
+    assert "--no-kill" not in render_combo("llama3-8b", "slurm")
+    loaded = load_recipe("llama3-8b", ["cluster.spare_nodes=2"], cluster="slurm")
+    script = prepare_run(loaded, chain_name="x-00000000", created="2026-01-01T00:00:00", root=Path("/runs")).files[
+        "job.sbatch"]
+    assert "#SBATCH --no-kill\n" in script and f"#SBATCH --nodes={loaded.recipe.cluster.nodes + 2}\n" in script
+    assert 'srun --kill-on-bad-exit=1 "${step_args[@]}" ' in script and "  step_args=(--overlap)\n" in script
+
+
 def test_header_explains_no_requeue_next_to_auto_requeue() -> None:
     """The recipe says chain.auto_requeue: true and the script says --no-requeue: the header, above the
     #SBATCH lines, says why (issue 15)."""

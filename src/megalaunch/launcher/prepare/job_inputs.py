@@ -78,7 +78,7 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
     cl = recipe.cluster
     job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), log_from="run.root", time=cl.time, cpus_per_task=cl.cpus_per_task,
                     nodes=cl.nodes + cl.spare_nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
-                    options=cluster_options(cl), exclusive=cl.exclusive,
+                    options=cluster_options(cl), exclusive=cl.exclusive, no_kill=cl.spare_nodes > 0,
                     signal=f"{recipe.chain.stop_signal.removeprefix('SIG')}@{signal_lead_s(recipe)}", append=True,
                     mail_user=cl.mail_user, mail_type=cl.mail_type)
     return {
