@@ -1,31 +1,25 @@
 """What `megalaunch status` shows: read from the run directory, plus one batched query of the backend;
 for one run (`run_status`) or for all of a user's runs, one line each (`all_runs_status`). The ledger's
-history lines are status_history.py's, the pace launcher/accounting/pace.py's, the text status_format.py's."""
+history lines are status_history.py's, the pace launcher/accounting/pace.py's, the text status_format.py's.
+
+Both read each run's ledger once. A listing of many runs reads of each only what its line shows: the
+segments and stops of its ledger (`LISTED_EVENTS`), its backend and target from runtime.json (the recipe's
+slice the job reads), its progress and tracker; the recipe itself only for `status RUN`."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from megalaunch.config.loader import load_run_recipe
-from megalaunch.launcher.accounting.pace import efficiency, tokens_per_s
-from megalaunch.launcher.accounting.storage import checkpoint_usage
 from megalaunch.launcher.backends.registry import backend_for
 from megalaunch.launcher.chain.backend import Live, unfinished
-from megalaunch.launcher.prepare.signal_lead import stop_lines
-from megalaunch.launcher.status_history import (
-    health_lines,
-    node_decisions,
-    restart_lines,
-    resume_summary,
-    straggler_lines,
-)
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
-from megalaunch.rundir.triggers import TriggerBox
 
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
+# What a listing's line needs of a run's ledger: its unfinished segments, and whether and why its chain stopped.
+LISTED_EVENTS = frozenset({"submitted", "started", "ended", "skipped", "chain_stopped", "chain_resumed"})
 
 
 def _row_state(s: Segment, live: Live | None, cancelled: dict[str, str], error: str | None) -> tuple[str, str | None]:
@@ -57,15 +51,38 @@ def _cancelled(events: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _chain_state(rows: list[dict[str, Any]], stopped: dict[str, Any] | None) -> str:
+    active = [r for r in rows if r["state"] in LIVE_STATES]
+    if active:
+        return "running" if any(r["state"] == "RUNNING" for r in active) else "queued"
+    if any(r["state"] == "UNKNOWN" for r in rows):
+        return "unknown"
+    return "stopped" if stopped else "idle"
+
+
 def run_status(paths: RunPaths) -> dict[str, Any]:
+    from megalaunch.config.loader import load_run_recipe
+    from megalaunch.launcher.accounting.pace import efficiency, tokens_per_s
+    from megalaunch.launcher.accounting.storage import checkpoint_usage
+    from megalaunch.launcher.prepare.signal_lead import stop_lines
+    from megalaunch.launcher.status_history import (
+        health_lines,
+        node_decisions,
+        restart_lines,
+        resume_summary,
+        straggler_lines,
+    )
+    from megalaunch.rundir.files import read_jsonl
+    from megalaunch.rundir.triggers import TriggerBox
+
     recipe = load_run_recipe(paths)
     ledger = Ledger(paths)
-    events = ledger.events()
+    events = ledger.events()  # once: every line below is derived from these
     segments = ledger.segments(events)
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
-    rows = []
     numbers = segment_numbers(segments)  # the numbers `logs --segment` and `report` use
+    rows = []
     for s in segments:
         state, reason = _row_state(s, live.get(s.job_id), cancelled, slurm_error)
         rows.append({"segment": numbers[s.job_id], "job_id": s.job_id, "state": state, "reason": reason,
@@ -73,22 +90,12 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}
     checkpoint = paths.read_tracker()
-    stopped = ledger.stopped()
-    guard = ledger.last("guard")
-    active = [r for r in rows if r["state"] in LIVE_STATES]
-    if active:
-        chain_state = "running" if any(r["state"] == "RUNNING" for r in active) else "queued"
-    elif any(r["state"] == "UNKNOWN" for r in rows):
-        chain_state = "unknown"
-    elif stopped:
-        chain_state = "stopped"
-    else:
-        chain_state = "idle"
-    from megalaunch.rundir.files import read_jsonl
-
+    stopped = ledger.stopped(events)
+    chain_state = _chain_state(rows, stopped)
     metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
     figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics)
     rate = tokens_per_s(metrics, running=chain_state == "running")
+    box = TriggerBox(paths)
     return {
         **figures,
         "run_dir": str(paths.root), "name": recipe.name, "chain_name": paths.root.name,
@@ -100,19 +107,19 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "tokens_per_s": rate if rate is not None else progress.get("tokens_per_s"),
         "tokens_per_s_over": "recent" if chain_state == "running" else "run",
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
-        "pending_triggers": TriggerBox(paths).pending(),
-        "consumed_triggers": len(TriggerBox(paths).consumed()),
+        "pending_triggers": box.pending(), "consumed_triggers": len(box.consumed()),
         "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
                              for e in events if e.get("event") == "trigger_refused"],
-        "last_guard": guard, "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
-        "nodes": node_decisions(events), "restarts": restart_lines(events),
-        "health": health_lines(events),
-        "stragglers": straggler_lines(events),
-        "stop_signal": stop_lines(events),
-        "resume": resume_summary(paths, events),
-        "storage": checkpoint_usage(paths, recipe, events),
+        "last_guard": _last(events, "guard"), "last_outcome": read_outcome(paths), "segments": rows,
+        "slurm_error": slurm_error, "nodes": node_decisions(events), "restarts": restart_lines(events),
+        "health": health_lines(events), "stragglers": straggler_lines(events), "stop_signal": stop_lines(events),
+        "resume": resume_summary(paths, events), "storage": checkpoint_usage(paths, recipe, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
+
+
+def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((e for e in reversed(events) if e["event"] == kind), None)
 
 
 def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
@@ -131,24 +138,26 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
     loaded = []
     for paths in runs:
         try:
-            loaded.append((paths, load_run_recipe(paths), Ledger(paths)))
+            backend, target = _listed_settings(paths)
+            ledger = Ledger(paths)
+            events = ledger.events(LISTED_EVENTS.__contains__)  # the rest of its lines is not parsed
         except Exception:
             continue  # unreadable or half-written: not listed
-    segments = {paths.root: ledger.segments() for paths, _, ledger in loaded}
+        loaded.append((paths, backend, target, ledger.segments(events), ledger.stopped(events)))
     by_backend: dict[str, list[Segment]] = {}
-    for paths, recipe, _ in loaded:
-        by_backend.setdefault(recipe.cluster.backend, []).extend(segments[paths.root])
+    for _, backend, _, segments, _ in loaded:
+        by_backend.setdefault(backend, []).extend(segments)
     live: dict[str, Live] = {}
     errors: dict[str, str | None] = {}
     for name, group in by_backend.items():
         found, errors[name] = backend_for(name).live(group)
         live.update(found)
+    owners: dict[int, str] = {}
     out = []
-    for paths, recipe, ledger in loaded:
-        error = errors[recipe.cluster.backend]
-        waiting = unfinished(segments[paths.root])
+    for paths, backend, target, segments, stopped in loaded:
+        error = errors[backend]
+        waiting = unfinished(segments)
         jobs = [s.job_id for s in waiting if s.job_id in live]
-        stopped = ledger.stopped()
         if any(live[j].state == "RUNNING" for j in jobs):
             state = "running"
         elif jobs:
@@ -160,15 +169,37 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
         progress = read_progress(paths) or {}
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
                     "jobs": jobs, "iteration": shown_iteration(progress, paths.read_tracker()),
-                    "target": recipe.training.train_iters, "stop_reason": stopped.get("reason") if stopped else None,
-                    "owner": _owner(paths), "slurm_error": error})
+                    "target": target, "stop_reason": stopped.get("reason") if stopped else None,
+                    "owner": _owner(paths, owners), "slurm_error": error})
     return out
 
 
-def _owner(paths: RunPaths) -> str:
+def _listed_settings(paths: RunPaths) -> tuple[str, int]:
+    """The run's backend and `training.train_iters`: from runtime.json, which the job reads and every
+    render writes with run.yaml (submit, `resume --set`); from the recipe where it lacks them."""
+    from megalaunch.rundir.files import read_json
+
+    if not paths.run_yaml.is_file():
+        raise FileNotFoundError(paths.run_yaml)
+    data = read_json(paths.runtime_json)
+    if isinstance(data, dict) and isinstance(data.get("backend"), str) and type(data.get("train_iters")) is int:
+        return data["backend"], data["train_iters"]
+    from megalaunch.config.loader import load_run_recipe
+
+    recipe = load_run_recipe(paths)
+    return recipe.cluster.backend, recipe.training.train_iters
+
+
+def _owner(paths: RunPaths, known: dict[int, str]) -> str:
     import pwd
 
     try:
-        return pwd.getpwuid(paths.root.stat().st_uid).pw_name
-    except (KeyError, OSError):
+        uid = paths.root.stat().st_uid
+    except OSError:
         return "?"
+    if uid not in known:
+        try:
+            known[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            known[uid] = "?"
+    return known[uid]

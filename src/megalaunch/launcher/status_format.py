@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.launcher.accounting.storage import format_usage
-from megalaunch.launcher.status_history import format_resume
-
 
 def format_run_status(st: dict[str, Any]) -> str:
+    from megalaunch.launcher.accounting.storage import format_usage  # not imported for a listing of runs
+    from megalaunch.launcher.status_history import format_resume
+
     lines = [f"run {st['chain_name']}  ({st['backend']})  {st['run_dir']}",
              f"  chain: {st['chain_state']}" + (f" - {st['stop_reason']}" if st["stop_reason"] else "")]
     if st.get("stop_fix"):

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import getpass
+import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,8 @@ from megalaunch.rundir.paths import RunPaths
 
 # Outcomes after which a segment made no progress unless a new checkpoint appeared.
 ENDING_OUTCOMES = {"finished", "exited", "aborted"}
+_EVENT_KEY = '"event"'
+_EVENT_PREFIX = '"event": "'  # json.dumps's separator: a line written otherwise is parsed to tell
 
 
 @dataclass
@@ -54,12 +58,23 @@ class Ledger:
         append_jsonl(self.paths.ledger, record)
         return record
 
-    def events(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.paths.ledger)
+    def events(self, only: Callable[[str | None], bool] | None = None) -> list[dict[str, Any]]:
+        """Every event, oldest first; with `only`, the events whose kind it accepts, and the other lines are
+        not parsed (a run of thousands of segments holds megabytes of records that a listing never shows)."""
+        if only is None:
+            return read_jsonl(self.paths.ledger)
+        kept = [line for line in _lines(self.paths) if (name := event_name(line)) is None or only(name)]
+        try:  # one parse of the lines kept: a few times faster than one per line
+            records = json.loads("[" + ",".join(kept) + "]")
+        except json.JSONDecodeError:
+            records = None
+        if not isinstance(records, list) or len(records) != len(kept):  # a torn or damaged line: line by line
+            records = [_record(line) for line in kept]
+        return [r for r in records if isinstance(r, dict) and only(r.get("event"))]
 
-    def current_epoch(self) -> list[dict[str, Any]]:
+    def current_epoch(self, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Events since the chain was last (re)started with `megalaunch resume`."""
-        events = self.events()
+        events = self.events() if events is None else events
         for i in range(len(events) - 1, -1, -1):
             if events[i]["event"] == "chain_resumed":
                 return events[i:]
@@ -91,9 +106,9 @@ class Ledger:
                 seg.skipped = True
         return list(by_id.values())
 
-    def stopped(self) -> dict[str, Any] | None:
-        """The chain_stopped event of the current epoch, if any."""
-        for e in reversed(self.current_epoch()):
+    def stopped(self, events: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+        """The chain_stopped event of the current epoch, if any (`events`: the ledger's, read already)."""
+        for e in reversed(self.current_epoch(events)):
             if e["event"] == "chain_stopped":
                 return e
         return None
@@ -128,6 +143,37 @@ class Ledger:
             if e["event"] == event:
                 return e
         return None
+
+
+def event_name(line: str) -> str | None:
+    """The kind of the event on one ledger line without parsing it, or None when the text alone does not
+    tell (then the line is parsed). Exact for what json.dumps writes: inside a string a quote is escaped,
+    so `"event"` between quotes is a key, and a line with one such key has it at its top level."""
+    start = line.find(_EVENT_PREFIX)
+    if start < 0 or line.count(_EVENT_KEY) != 1:
+        return None
+    start += len(_EVENT_PREFIX)
+    end = line.find('"', start)
+    name = line[start:end]
+    return name if end > start and "\\" not in name else None
+
+
+def _lines(paths: RunPaths) -> list[str]:
+    """The ledger's lines that hold something (read_jsonl skips blank ones too)."""
+    try:
+        with open(paths.ledger) as f:
+            return [line for line in f.read().splitlines() if line and not line.isspace()]
+    except FileNotFoundError:
+        return []
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """One line as `read_jsonl` takes it: a JSON object, else nothing (a torn last line)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def segment_numbers(segments: list[Segment]) -> dict[str, int]:
