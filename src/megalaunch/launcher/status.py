@@ -93,7 +93,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     stopped = ledger.stopped(events)
     chain_state = _chain_state(rows, stopped)
     metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
-    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics)
+    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events)
     rate = tokens_per_s(metrics, running=chain_state == "running")
     box = TriggerBox(paths)
     return {

@@ -32,12 +32,13 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
     return sum(n for _, n, _ in intervals) / sum(n / rate for _, n, rate in intervals)
 
 
-def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]],
+               events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
     from megalaunch.launcher.accounting.goodput import STARTUP, chain_goodput, mfu
 
     try:
-        chain = chain_goodput(paths, time.time(), metrics)
+        chain = chain_goodput(paths, time.time(), metrics, events)
     except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
         return {"goodput": None}
     wall = chain["wall"]
