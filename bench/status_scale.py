@@ -301,6 +301,9 @@ def build_big(root: Path, args: argparse.Namespace, now: float) -> Path:
             w.chain("chain_resumed")
             w.submit_first("megalaunch resume")
     w.write(running=True, outcome="saved", last_at=now - 60)  # its newest record a minute old: it is running
+    from megalaunch.launcher.accounting.goodput import write_chain_goodput
+
+    write_chain_goodput(paths)  # what the last `job end` wrote (state/goodput.json, with its segments' cut)
     return run
 
 

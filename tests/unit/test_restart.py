@@ -198,3 +198,31 @@ def test_a_restart_is_told_with_on_every_segment_and_only_then(tmp_path: Path, e
         assert msg["reason"].startswith("step 1 started in the same job after failed"), msg
     finally:
         hook.close()
+
+
+def test_status_reuses_the_segments_the_last_job_end_cut(tmp_path: Path, env: pytest.MonkeyPatch) -> None:
+    """A chain of thousands of segments: `status` takes an ended segment's cut from state/goodput.json
+    (written at every `job end`) instead of re-reading its timeline; a segment whose end changed since,
+    or a cut of another version, is cut again."""
+    from megalaunch.launcher.accounting.goodput import write_chain_goodput
+
+    paths, chain = _chain(tmp_path)
+    paths.timeline("7").parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time() - 1000
+    for i, jid in enumerate(["7", "8"]):
+        start = t0 + 300 * i
+        chain.ledger.append("started", job_id=jid, checkpoint_iteration=None, time=start)
+        atomic_write_json(paths.timeline(jid), {"phases": {"process_start": start + 1, "first_iteration_end": start + 20,
+                                                           "last_iteration_end": start + 200, "exit": start + 210}})
+        chain.ledger.append("ended", job_id=jid, outcome="saved", time=start + 211)
+    write_chain_goodput(paths)
+    before = chain_goodput(paths, time.time())
+    for jid in ("7", "8"):
+        paths.timeline(jid).unlink()  # not read again
+    after = chain_goodput(paths, time.time())
+    assert after["segments"] == before["segments"] and after["totals"] == before["totals"]
+    assert before["totals"]["productive"] > 2 * 180  # training between the first and last iteration, at least
+    # an older cut's version: recomputed (no timeline now: the whole segment is untracked)
+    data = json.loads(paths.goodput.read_text())
+    atomic_write_json(paths.goodput, {**data, "cut_version": 0})
+    assert chain_goodput(paths, time.time())["totals"]["productive"] == 0

@@ -91,6 +91,10 @@ class SegmentTime:
         return sum(self.parts.get(k, 0.0) for k in STARTUP)
 
 
+SEGMENT_FIELDS = tuple(SegmentTime.__dataclass_fields__)
+CUT_VERSION = 1  # raise it when a segment is cut differently: older cuts are then recomputed
+
+
 def _median(values: list[float]) -> float | None:
     values = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
     if not values:
@@ -209,19 +213,16 @@ def restarted_segment_time(paths: RunPaths, job_id: str, started: dict[str, Any]
     return seg
 
 
-def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | None = None,
-                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Every segment's time and the chain's totals (goodput, badput by cause, wait). `metrics` (the
-    lines of state/metrics.jsonl) and `events` (the ledger's): when the caller has read them already."""
-    events = Ledger(paths).events() if events is None else events
-    metrics = read_jsonl(paths.metrics) if metrics is None else metrics
-    by_job: dict[str, list[dict[str, Any]]] = {}  # one pass: a 5,000-segment chain has 5,000 segments to cut
-    for m in metrics:
-        by_job.setdefault(str(m.get("job_id")), []).append(m)
+Events = dict[str, dict[str, Any]]
+
+
+def _index(events: list[dict[str, Any]]) -> tuple[dict[str, float], Events, Events, dict[str, list[dict[str, Any]]]]:
+    """The ledger's segments by job id: submitted (time), started and ended (first event each, started in
+    order), and in-job restarts."""
     submitted: dict[str, float] = {}
-    started: dict[str, dict[str, Any]] = {}
-    ended: dict[str, dict[str, Any]] = {}
-    order: list[str] = []
+    started: Events = {}
+    ended: Events = {}
+    restarts: dict[str, list[dict[str, Any]]] = {}
     for e in events:
         jid = e.get("job_id")
         if jid is None:
@@ -231,16 +232,35 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
             submitted.setdefault(jid, float(e["time"]))
         elif e["event"] == "started" and jid not in started:
             started[jid] = e
-            order.append(jid)
         elif e["event"] == "ended" and jid not in ended:
             ended[jid] = e
-    restarts: dict[str, list[dict[str, Any]]] = {}
-    for e in events:
-        if e["event"] == "restart":
-            restarts.setdefault(str(e.get("job_id")), []).append(e)
+        elif e["event"] == "restart":
+            restarts.setdefault(jid, []).append(e)
+    return submitted, started, ended, restarts
+
+
+def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | None = None,
+                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every segment's time and the chain's totals (goodput, badput by cause, wait). `metrics` (the
+    lines of state/metrics.jsonl) and `events` (the ledger's): when the caller has read them already."""
+    events = Ledger(paths).events() if events is None else events
+    metrics = read_jsonl(paths.metrics) if metrics is None else metrics
+    by_job: dict[str, list[dict[str, Any]]] = {}  # one pass: a 5,000-segment chain has 5,000 segments to cut
+    for m in metrics:
+        by_job.setdefault(str(m.get("job_id")), []).append(m)
+    submitted, started, ended, restarts = _index(events)
+    order = list(started)
     segments: list[SegmentTime] = []
     previous_end: float | None = None
+    known = _cut_before(paths)
     for jid in order:
+        done = ended.get(jid)
+        if done is not None and (k := known.get(jid)) and k.get("ended_at") == done["time"] \
+                and k.get("restarts") == len(restarts.get(jid, [])):  # as cut at an earlier `job end`
+            seg = SegmentTime(**{f: k[f] for f in SEGMENT_FIELDS if f in k})
+            segments.append(seg)
+            previous_end = seg.end if seg.end is not None else now
+            continue
         tl = read_json(paths.timeline(jid))
         mine = by_job.get(jid, [])
         if jid in restarts:
@@ -257,7 +277,8 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
     numbers = segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
     gpus = [s.world for s in segments if s.world]
     return {
-        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id)}
+        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id),
+                      "ended_at": (ended.get(s.job_id) or {}).get("time"), "restarts": len(restarts.get(s.job_id, []))}
                      for s in segments],
         "totals": totals, "wall": wall, "wait": sum(s.wait or 0.0 for s in segments),
         "goodput": (totals["productive"] / wall) if wall > 0 else None,
@@ -314,5 +335,16 @@ def write_chain_goodput(paths: RunPaths) -> None:
     from megalaunch.rundir.files import atomic_write_json
 
     g = chain_goodput(paths, time.time())
+    cut = [s for s in g["segments"] if s["ended_at"] is not None]  # reused by the next call (_cut_before)
     atomic_write_json(paths.goodput, {"time": time.time(), "goodput": g["goodput"], "wall_s": g["wall"],
-                                      "wait_s": g["wait"], "segments": len(g["segments"]), "totals_s": g["totals"]})
+                                      "wait_s": g["wait"], "segments": len(g["segments"]), "totals_s": g["totals"],
+                                      "cut": cut, "cut_version": CUT_VERSION})
+
+
+def _cut_before(paths: RunPaths) -> dict[str, dict[str, Any]]:
+    """The ended segments as the last `job end` cut them (state/goodput.json), by job id: a segment's
+    cut never changes once its `ended` event is written, and a chain of 5,000 segments would otherwise
+    re-read 5,000 timelines for every `status` (docs/scale.md)."""
+    data = read_json(paths.goodput)
+    cut = data.get("cut") if isinstance(data, dict) and data.get("cut_version") == CUT_VERSION else None
+    return {str(s["job_id"]): s for s in cut if isinstance(s, dict) and "job_id" in s} if isinstance(cut, list) else {}
