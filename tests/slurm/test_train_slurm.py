@@ -185,7 +185,11 @@ def test_tiny_chain_with_periodic_saves_stops_on_time_limit_signal_and_resumes_e
     saves = [d for d in decisions if d["decision"] == "save"]
     decisions = [d for d in decisions if d["decision"] != "save"]
     assert [(d["job_id"], d["triggers"]) for d in saves] == [(jobs[1], ["save"])], saves
-    assert [d["job_id"] for d in decisions] == jobs[:-1]  # one stop decision per stopped segment, none in the last
+    # one stop decision per stopped segment; in the last, only a time-limit signal that came while it was
+    # already finishing (its final save at TRAIN_ITERS: seen in CI when the third segment ended just then)
+    in_last = [d for d in decisions if d["job_id"] == jobs[-1]]
+    assert all(d["iteration"] == TRAIN_ITERS and d["decision"] == "signal" for d in in_last), in_last
+    assert [d["job_id"] for d in decisions if d not in in_last] == jobs[:-1], decisions
 
     skipped: dict[str, set[int]] = {}
     for e in _events(run, "save_skipped"):
@@ -259,7 +263,8 @@ def test_tiny_chain_with_periodic_saves_stops_on_time_limit_signal_and_resumes_e
                   f"USR2 acted on ~{lead:.0f} s before the limit")
             stops.append(stop)
         else:
-            assert _decisions(log) == {}, job
+            # none, or the time-limit signal that came during its final save (see the decisions above)
+            assert _decisions(log) in ({}, {r: [("signal", TRAIN_ITERS)] for r in (0, 1)}), (job, _decisions(log))
             assert [int(m.group(1)) for m in SAVED_LINE.finditer(log)] == [*own_saves, TRAIN_ITERS], job
             print(f"segment {job}: iterations {previous_end + 1}..{stop} ({stop - previous_end}), finished")
         previous_end, previous_samples, previous_loss = stop, its[-1][1], its[-1][2]
