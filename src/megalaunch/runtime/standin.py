@@ -38,7 +38,7 @@ from megalaunch.runtime.checkpoint import resume
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
 from megalaunch.runtime.health.watchdog import EXIT_HUNG, Watchdog, backstop_after_s
 from megalaunch.runtime.rank.dist_env import export_rank_env
-from megalaunch.runtime.rank.failures import ConfigFailure, Failure, classify
+from megalaunch.runtime.rank.failures import ConfigFailure, classify, record_rank_error
 from megalaunch.runtime.rank.fault_hooks import STEP_SLEEP_ENV, maybe_skip_rendezvous
 from megalaunch.runtime.rank.hooks import SaveKind
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -128,22 +128,9 @@ class StandIn:
         if not isinstance(error, ConfigFailure):
             traceback.print_exc()
         failure = classify(error, started=self.session.observe.steps > 0)
-        self._record_error(failure)
+        record_rank_error(self.ctx, failure, iteration=self.session.iteration, steps=self.session.observe.steps)
         return ("config_error" if failure.config else "storage_full" if failure.storage else "failed",
                 failure.reason, failure.fix)
-
-    def _record_error(self, failure: Failure) -> None:
-        ctx = self.ctx
-        if ctx.job_id is None:
-            return
-        try:
-            path = ctx.paths.task_error(ctx.job_id, ctx.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, {"rank": ctx.rank, "config": failure.config, "reason": failure.reason,
-                                     "fix": failure.fix, "iteration": self.session.iteration,
-                                     "steps": self.session.observe.steps, "time": time.time()})
-        except OSError as e:
-            ctx.log(f"could not record this rank's error: {e}")
 
     def _start(self) -> None:
         """The trainer's set-up, Megatron's initialisation: blend check, rendezvous, health check."""

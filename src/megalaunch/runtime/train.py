@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from megalaunch.runtime.rank.failures import (
     classify,
     exit_failure,
     recipe_field_fix,
+    record_rank_error,
     resolve_attention,
 )
 from megalaunch.runtime.rank.fault_hooks import maybe_skip_rendezvous
@@ -243,7 +243,7 @@ def _judge(session: Session, end: Ending) -> Ending:
         if failure.config and end.fix is None:
             end.fix = _fix_from_recipe(session.ctx.paths, failure.reason)
             failure = end.failure = Failure(True, failure.reason, end.fix)
-        _record_rank_error(session, failure)
+        record_rank_error(session.ctx, failure, iteration=session.iteration, steps=session.observe.steps)
     if end.status == "failed" and end.code == 0:
         end.code = 1
     if end.status == "failed" and (hang := session.observe.watchdog.hang_reported()):
@@ -313,24 +313,6 @@ def _fix_from_recipe(paths: RunPaths, reason: str) -> str | None:
     except (OSError, yaml.YAMLError):
         return None
     return recipe_field_fix(reason, recipe) if isinstance(recipe, dict) else None
-
-
-def _record_rank_error(session: Session, failure: Failure) -> None:
-    """Every failing rank leaves its error next to its task record: when another rank's exit gets
-    this one killed (srun --kill-on-bad-exit), rank 0's outcome may never be written."""
-    from megalaunch.rundir.files import atomic_write_json
-
-    ctx = session.ctx
-    if ctx.job_id is None:
-        return
-    try:
-        path = ctx.paths.task_error(ctx.job_id, ctx.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"rank": ctx.rank, "config": failure.config, "reason": failure.reason,
-                                 "fix": failure.fix, "iteration": session.iteration,
-                                 "steps": session.observe.steps, "time": time.time()})
-    except OSError as e:
-        ctx.log(f"could not record this rank's error: {e}")
 
 
 def _shutdown() -> None:

@@ -21,6 +21,7 @@ import re
 import traceback
 from dataclasses import dataclass
 
+from megalaunch.runtime.rank.context import RankContext
 from megalaunch.runtime.rank.storage import STORAGE_FIX, SaveDoesNotFit, storage_error
 
 STORAGE_PREFIX = "storage full: "
@@ -221,3 +222,22 @@ def flag_value(argv: list[str], flag: str) -> str | None:
         if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def record_rank_error(ctx: RankContext, failure: Failure, *, iteration: int, steps: int) -> None:
+    """Every failing rank leaves its error next to its task record (RUN/state/tasks/<job>/error-rank-N.json):
+    when another rank's exit gets this one killed (srun --kill-on-bad-exit), rank 0's outcome may never be
+    written. The trainer's and the stand-in's (runtime/standin.py)."""
+    import time
+
+    from megalaunch.rundir.files import atomic_write_json
+
+    if ctx.job_id is None:
+        return
+    try:
+        path = ctx.paths.task_error(ctx.job_id, ctx.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"rank": ctx.rank, "config": failure.config, "reason": failure.reason,
+                                 "fix": failure.fix, "iteration": iteration, "steps": steps, "time": time.time()})
+    except OSError as e:
+        ctx.log(f"could not record this rank's error: {e}")
