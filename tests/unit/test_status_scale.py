@@ -143,3 +143,32 @@ def test_event_name() -> None:
     assert event_name(json.dumps({"event": 'a"b'})) is None
     assert event_name(json.dumps({"note": 'x "event": "ended"'})) is None  # no key, a quoted value
     assert event_name('{"event": "ended') is None  # torn
+
+
+def test_parse_jsonl_takes_what_a_line_by_line_parse_takes() -> None:
+    """The one-array parse falls back line by line wherever the lines do not make exactly one value each."""
+    import json
+
+    from megalaunch.rundir.files import parse_jsonl
+
+    def by_line(lines: list[str]) -> list[Any]:
+        out = []
+        for line in lines:
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                out.append(value)
+        return out
+
+    cases = [
+        ['{"event": "a"}', "", "  ", '{"event": "b", "x": [1, 2]}'],
+        ['{"event": "a", "x": [1', '2]}', '{"event": "c"}'],  # a torn line and its remains
+        ['{"event": "a"}', "[1, 2]", "3", '"s"', '{"event": "b"}'],  # values that are not objects
+        ['{"event": "a"}', '{"event": "b"', '{"event": "c"}'],  # a torn last-but-one line
+        ['1, 2', '{"event": "a"}'],  # a line of two values
+        [],
+    ]
+    for lines in cases:
+        assert parse_jsonl(lines) == by_line([line.strip() for line in lines if line.strip()]), lines

@@ -114,31 +114,35 @@ def read_team_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     found = open_member_file(path, MAX_TEAM_LEDGER_BYTES)
     if not isinstance(found, MemberFile):
         return []
-    return _parse_jsonl(found.data.decode("utf-8", errors="replace").splitlines())
+    return parse_jsonl(found.data.decode("utf-8", errors="replace").splitlines())
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All complete records; a torn last line (crash mid-write) is ignored."""
     try:
         with open(path) as f:
-            return _parse_jsonl(f)
+            return parse_jsonl(f)
     except FileNotFoundError:
         return []
 
 
-def _parse_jsonl(lines: Iterable[str]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+def parse_jsonl(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON objects among `lines` (blank lines, a torn line and non-objects skipped). One parse of
+    them all as an array first (a ledger of thousands of segments: several times faster than one parse
+    per line); where a line is damaged, line by line."""
+    kept = [line for line in (raw.strip() for raw in lines) if line]
+    try:
+        records = json.loads("[" + ",".join(kept) + "]")
+    except json.JSONDecodeError:
+        records = None
+    if not isinstance(records, list) or len(records) != len(kept):
+        records = []
+        for line in kept:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return [r for r in records if isinstance(r, dict)]
 
 
 def args_file_text(args: list[str]) -> str:

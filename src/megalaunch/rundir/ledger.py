@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import getpass
-import json
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalaunch.rundir.files import append_jsonl, read_jsonl
+from megalaunch.rundir.files import append_jsonl, parse_jsonl, read_jsonl
 from megalaunch.rundir.paths import RunPaths
 
 # Outcomes after which a segment made no progress unless a new checkpoint appeared.
@@ -64,13 +63,7 @@ class Ledger:
         if only is None:
             return read_jsonl(self.paths.ledger)
         kept = [line for line in _lines(self.paths) if (name := event_name(line)) is None or only(name)]
-        try:  # one parse of the lines kept: a few times faster than one per line
-            records = json.loads("[" + ",".join(kept) + "]")
-        except json.JSONDecodeError:
-            records = None
-        if not isinstance(records, list) or len(records) != len(kept):  # a torn or damaged line: line by line
-            records = [_record(line) for line in kept]
-        return [r for r in records if isinstance(r, dict) and only(r.get("event"))]
+        return [r for r in parse_jsonl(kept) if only(r.get("event"))]
 
     def current_epoch(self, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Events since the chain was last (re)started with `megalaunch resume`."""
@@ -165,15 +158,6 @@ def _lines(paths: RunPaths) -> list[str]:
             return [line for line in f.read().splitlines() if line and not line.isspace()]
     except FileNotFoundError:
         return []
-
-
-def _record(line: str) -> dict[str, Any] | None:
-    """One line as `read_jsonl` takes it: a JSON object, else nothing (a torn last line)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def segment_numbers(segments: list[Segment]) -> dict[str, int]:
