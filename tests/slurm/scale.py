@@ -1,6 +1,6 @@
 """The many-node ``megalaunch-scale`` cluster (``sudo .ci/slurm-up scale``) and nodes that die.
 
-Standard library only; import it as ``from scale import ...`` (tests/slurm is on ``sys.path``, like
+Standard library and megalaunch's host lists only; import it as ``from scale import ...`` (tests/slurm is on ``sys.path``, like
 cluster.py). Every node of the scale cluster is a ``slurmd -N snodeK`` on this host, so "a node" is a
 set of processes: :func:`kill_node` SIGKILLs all of them at once, as a machine that loses power would
 vanish (no step-complete message, no goodbye to slurmctld), and :func:`revive_node` starts the node's
@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megalaunch.rundir.hostlist import expand_hostlist  # standard library only, like this module
+
 SCALE_CONF = Path("/etc/slurm-scale/slurm.conf")
 
 
@@ -34,23 +36,6 @@ def conf_values(conf: Path = SCALE_CONF) -> dict[str, str]:
             key, value = line.split("=", 1)
             values[key.strip()] = value.strip()
     return values
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """``snode[1-3,7]`` -> ``['snode1', 'snode2', 'snode3', 'snode7']`` (one bracket group, as .ci/slurm-up
-    writes them; zero-padded ranges keep their width)."""
-    names: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", expr):
-        m = re.fullmatch(r"(.*)\[([^\]]*)\](.*)", part)
-        if not m:
-            names.append(part)
-            continue
-        head, ranges, tail = m.groups()
-        for rng in ranges.split(","):
-            lo, _, hi = rng.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                names.append(f"{head}{str(i).zfill(len(lo))}{tail}")
-    return names
 
 
 def scale_nodes(conf: Path = SCALE_CONF) -> list[str]:
