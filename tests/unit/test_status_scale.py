@@ -104,13 +104,18 @@ def test_status_of_a_run_reads_its_ledger_once(tmp_path: Path, monkeypatch) -> N
     # the goodput (launcher/accounting/goodput.chain_goodput) still reads the ledger on its own: not counted
     monkeypatch.setattr("megalaunch.launcher.accounting.pace.efficiency", lambda *a, **k: {"goodput": None})
     reads: list[str] = []
-    read_jsonl = ledger_module.read_jsonl
+    read_jsonl, lines = ledger_module.read_jsonl, ledger_module._lines
 
     def counted(path: Any) -> list[dict[str, Any]]:
         reads.append(str(path))
         return read_jsonl(path)
 
+    def counted_lines(p: RunPaths) -> list[str]:
+        reads.append(str(p.ledger))
+        return lines(p)
+
     monkeypatch.setattr(ledger_module, "read_jsonl", counted)
+    monkeypatch.setattr(ledger_module, "_lines", counted_lines)
     st = run_status(paths)
     assert reads == [str(paths.ledger)]
     assert st["chain_state"] == "running" and [r["state"] for r in st["segments"]] == ["RUNNING", "GONE"]
@@ -129,9 +134,18 @@ def test_the_selective_read_is_the_full_read_filtered(tmp_path: Path, only: Any)
         f.write('{"event":"ended","job_id":"1","time":1}\n')  # not json.dumps's separators
         f.write('\n   \n[1, 2]\n"started"\n{"time": 2}\n')  # blank lines, not an object, no event
         f.write('{"event": "chain_stopped", "reason": "x", "time": 3}\n')
+    ledger.append("health_check", job_id="2", ranks=[])
+    with open(paths.ledger, "a") as f:
+        f.write('{"time": 4,  "event":"health_check", "job_id": "3"}\n')  # the newest, named only once parsed
         f.write('{"event": "ended", "job_id": "2", "ti')  # torn last line
     full = ledger.events()
     assert ledger.events(only) == [e for e in full if only(e.get("event"))]
+    # of the kinds in latest_only, the newest event only; the rest as they were
+    newest = max(i for i, e in enumerate(full) if e.get("event") == "health_check")
+    assert ledger.events(latest_only=frozenset({"health_check"})) == [
+        e for i, e in enumerate(full) if e.get("event") != "health_check" or i == newest]
+    assert ledger.events(only, latest_only=frozenset({"health_check"})) == [
+        e for i, e in enumerate(full) if only(e.get("event")) and (e.get("event") != "health_check" or i == newest)]
     assert [e["event"] for e in ledger.events(LISTED_EVENTS.__contains__)] == [
         "submitted", "started", "ended", "chain_stopped"]
 

@@ -77,7 +77,9 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
 
     recipe = load_run_recipe(paths)
     ledger = Ledger(paths)
-    events = ledger.events()  # once: every line below is derived from these
+    # once: every line below is derived from these; of the health checks (the bulk of a long run's ledger:
+    # every rank's figures per segment) `status` shows the latest only
+    events = ledger.events(latest_only=frozenset({"health_check"}))
     segments = ledger.segments(events)
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)

@@ -57,13 +57,22 @@ class Ledger:
         append_jsonl(self.paths.ledger, record)
         return record
 
-    def events(self, only: Callable[[str | None], bool] | None = None) -> list[dict[str, Any]]:
-        """Every event, oldest first; with `only`, the events whose kind it accepts, and the other lines are
-        not parsed (a run of thousands of segments holds megabytes of records that a listing never shows)."""
-        if only is None:
+    def events(self, only: Callable[[str | None], bool] | None = None,
+               latest_only: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+        """Every event, oldest first; with `only`, the events whose kind it accepts; of the kinds in
+        `latest_only`, the newest event only. The other lines are not parsed (a run of thousands of
+        segments holds megabytes of records, health checks most of them, that `status` never shows)."""
+        if only is None and not latest_only:
             return read_jsonl(self.paths.ledger)
-        kept = [line for line in _lines(self.paths) if (name := event_name(line)) is None or only(name)]
-        return [r for r in parse_jsonl(kept) if only(r.get("event"))]
+        named = [(line, event_name(line)) for line in _lines(self.paths)]
+        newest = {name: i for i, (_, name) in enumerate(named) if name in latest_only}
+        kept = [line for i, (line, name) in enumerate(named)
+                if name is None or ((only is None or only(name)) and newest.get(name, i) == i)]
+        records = parse_jsonl(kept)
+        if latest_only:  # a line the text alone did not name was parsed: the rule holds for it too
+            last = {r.get("event"): i for i, r in enumerate(records) if r.get("event") in latest_only}
+            records = [r for i, r in enumerate(records) if last.get(r.get("event"), i) == i]
+        return [r for r in records if only is None or only(r.get("event"))]
 
     def current_epoch(self, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Events since the chain was last (re)started with `megalaunch resume`."""
