@@ -77,6 +77,7 @@ def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s:
                     "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(step_sleep_s), "OMP_NUM_THREADS": "1"}},
         "training": {"global_batch_size": GBS, "micro_batch_size": 1, "log_interval": 1},
+        "logging": {"rank_output": "all"},  # every rank's decision lines in the log (default: rank 0's)
         # only the stop/trigger saves and Megatron's final save: every checkpoint is one we caused
         "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
         # lead = save 10 + step 1 + Slurm's 30 s check period + margin 19 = 60 s

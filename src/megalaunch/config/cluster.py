@@ -63,6 +63,11 @@ class ClusterConfig:
     spare_nodes: int = doc("nodes allocated beyond `nodes` (Slurm): each training step runs on `nodes` healthy ones "
                            "(node-health ledger, health check at start) and an in-job restart swaps a spare in for "
                            "the node that failed (chain.restarts_per_segment)", 0)
+    min_nodes: int | None = doc("with no spare node left, an in-job restart after a lost or unhealthy node goes on "
+                                "with fewer nodes, down to this many: the data-parallel size shrinks to the largest "
+                                "the layout allows (global batch and consumed samples stay exact); the next segment "
+                                "asks Slurm for all `nodes` again. null: the segment ends and its successor asks for a "
+                                "replacement node", None)
     gpus_per_node: int = doc("GPUs per node (0: CPU-only)", 8)
     tasks_per_node: int | None = doc("tasks per node (default: gpus_per_node, or 1 on CPU)", None)
     cpus_per_task: int = doc("CPU cores per task", 8)
@@ -117,6 +122,13 @@ class ClusterConfig:
         if self.spare_nodes and self.backend != "slurm":
             raise ValueError("cluster.spare_nodes needs backend: slurm (the local backend runs on this machine only); "
                              "fix: --set cluster.spare_nodes=0")
+        if self.min_nodes is not None and not 1 <= self.min_nodes < self.nodes:
+            raise ValueError(f"cluster.min_nodes must be from 1 to cluster.nodes - 1 = {self.nodes - 1}, got "
+                             f"{self.min_nodes}; fix: --set cluster.min_nodes={max(1, self.nodes // 2)} (or null: "
+                             "never shrink)")
+        if self.min_nodes is not None and self.backend != "slurm":
+            raise ValueError("cluster.min_nodes needs backend: slurm (the local backend runs on this machine only); "
+                             "fix: --set cluster.min_nodes=null")
         if self.gpus_per_node < 0:
             raise ValueError("cluster.gpus_per_node must be >= 0")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:

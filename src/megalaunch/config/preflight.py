@@ -6,6 +6,7 @@ config/notify.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from megalaunch.config.notify import check_notify
 from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec, check_loads, resolve_tokenizer
-from megalaunch.config.topology import Topology, check_model_parallel, topology
+from megalaunch.config.topology import Topology, check_model_parallel, check_shrink, topology
 from megalaunch.config.values import check_no_secrets, check_sbatch_values, check_single_tokens
 from megalaunch.errors import PreflightError
 
@@ -169,6 +170,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     check_schedule(recipe)
     topo = topology(recipe)
     check_model_parallel(recipe, topo)
+    counts = check_shrink(recipe)
     check_files(recipe)
     spec = recipe_tokenizer(recipe)
     if frozen_blend is not None:
@@ -186,6 +188,15 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     from megalaunch.config.planner.fit import check_memory
 
     check_memory(recipe, topo.dp, topo.num_microbatches, tokenizer_vocab_size(recipe, spec))
+    if len(counts) > 1:  # the smallest step a shrink may run: fewer DP ranks hold more optimizer state each
+        smallest = dataclasses.replace(recipe, cluster=dataclasses.replace(recipe.cluster, nodes=counts[-1], min_nodes=None))
+        small = topology(smallest)
+        try:
+            check_memory(smallest, small.dp, small.num_microbatches, tokenizer_vocab_size(recipe, spec))
+        except PreflightError as e:
+            raise PreflightError(f"shrunk to {counts[-1]} nodes (DP {small.dp}): {e.message}", field="cluster.min_nodes",
+                                 valid="a cluster.min_nodes whose smallest step fits in GPU memory",
+                                 fix="raise cluster.min_nodes") from e
     return topo, blend
 
 

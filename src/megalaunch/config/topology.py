@@ -48,6 +48,36 @@ def topology(recipe: Recipe) -> Topology:
                     p.context_parallel_size, dp, t.global_batch_size // per_step)
 
 
+def node_counts(recipe: Recipe) -> list[int]:
+    """The node counts a training step may run on, largest first: `cluster.nodes`, then (with
+    `cluster.min_nodes`) each smaller count down to it whose data-parallel size the layout allows: the
+    world divides into TP x PP x CP, micro-batch x DP divides the global batch, EP divides DP x CP."""
+    p, t, cl = recipe.parallel, recipe.training, recipe.cluster
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    counts = [cl.nodes]
+    for n in range(cl.nodes - 1, (cl.min_nodes or cl.nodes) - 1, -1):
+        world = n * cl.ntasks_per_node
+        dp = world // mp
+        if (world % mp == 0 and t.global_batch_size % (t.micro_batch_size * dp) == 0
+                and (dp * p.context_parallel_size) % p.expert_model_parallel_size == 0):
+            counts.append(n)
+    return counts
+
+
+def check_shrink(recipe: Recipe) -> list[int]:
+    """`cluster.min_nodes` must leave at least one smaller count to shrink to; returns `node_counts`."""
+    counts = node_counts(recipe)
+    cl, t = recipe.cluster, recipe.training
+    if cl.min_nodes is not None and len(counts) == 1:
+        raise PreflightError(
+            f"no node count from {cl.min_nodes} to {cl.nodes - 1} gives a data-parallel size that divides the "
+            f"global batch {t.global_batch_size} (micro-batch {t.micro_batch_size}) and the model-parallel layout",
+            field="cluster.min_nodes", valid="a count whose DP x micro_batch_size divides training.global_batch_size",
+            fix="lower cluster.min_nodes, or choose a global_batch_size with more divisors (e.g. a multiple of "
+                f"{cl.nodes * (cl.nodes - 1) * t.micro_batch_size})")
+    return counts
+
+
 def _require(ok: bool, field: str, message: str, valid: str, fix: str) -> None:
     if not ok:
         raise PreflightError(message, field=field, valid=valid, fix=fix)

@@ -36,7 +36,8 @@ def restart_lines(events: list[dict[str, Any]]) -> list[str]:
     for e in events:
         if e.get("event") == "restart":
             off = (f"; kept off {', '.join(e['exclude'])}" if e.get("exclude") else "") + "".join(
-                f"; {n} used again ({why})" for n, why in sorted((e.get("kept") or {}).items()))
+                f"; {n} used again ({why})" for n, why in sorted((e.get("kept") or {}).items())) + (
+                f"; went on with {e['shrink_to']} nodes (no spare left, cluster.min_nodes)" if e.get("shrink_to") else "")
             out.append(f"job {e.get('job_id')} started step {e.get('step')} after {e.get('after')} "
                        f"({e.get('reason')}), from checkpoint {e.get('checkpoint_iteration')}{off}")
         elif e.get("event") == "restart_refused":

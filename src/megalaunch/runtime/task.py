@@ -29,7 +29,6 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.health.heartbeat import task_start_beat
 from megalaunch.runtime.health.procs import proc_stats
+from megalaunch.runtime.observation.rank_output import start as rank_output_start
 from megalaunch.runtime.stop.signals import block, resolve_signal
 
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # c10's CPU allocator: madvise(MADV_HUGEPAGE) on large blocks
@@ -184,7 +184,7 @@ def _leave_like(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def run(command: list[str], stop_signal: signal.Signals) -> int:
+def run(command: list[str], stop_signal: signal.Signals, rank_output: str = "all") -> int:
     block(stop_signal)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -197,8 +197,10 @@ def run(command: list[str], stop_signal: signal.Signals) -> int:
     # pages made llama3-1b's 17.3 GB load 16.2 s on an H100, 9.8 s with 2 MB pages
     # (bench/load_profile.py; docs/results.md). THP_MEM_ALLOC_ENABLE=0 in cluster.env turns it off.
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
-    try:
-        child = subprocess.Popen(command, preexec_fn=_die_with_parent)  # preexec_fn is safe: no threads here
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    try:  # preexec_fn is safe: no threads yet (the output reader starts after the fork)
+        child, held = rank_output_start(command, hold=rank_output == "failing" and rank != 0, rank=rank,
+                                        preexec_fn=_die_with_parent)
     except OSError as e:
         print(f"[megalaunch task] cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         return 127
@@ -206,6 +208,9 @@ def run(command: list[str], stop_signal: signal.Signals) -> int:
     child.returncode = 0  # reaped by os.wait above; keep Popen from waiting again
     leftovers = kill_leftovers()
     record = _record(started, child.pid, status, leftovers)
+    if held is not None:
+        held.finish(f"killed by {record['signal']}" if record["signal"]
+                    else f"exited with {record['exit_code']}" if record["exit_code"] else None)
     _write_record(record)
     if record["signal"] or record["exit_code"] or leftovers:
         print(f"[megalaunch task] rank {record['rank']} on {record['node']}: command "
@@ -218,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megalaunch.runtime.task",
                                      description="Run one task of a megalaunch job step (see the module docstring).")
     parser.add_argument("--signal", default="SIGUSR2", help="the chain's stop signal (blocked for the command)")
+    parser.add_argument("--rank-output", choices=("all", "failing"), default="all",
+                        help="failing: hold the output of ranks other than 0 until they fail or are slow "
+                             "(runtime/observation/rank_output.py)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG ...]")
     opts = parser.parse_args(argv)
     command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not command:
         parser.error("give the command after --")
-    return run(command, resolve_signal(opts.signal))
+    return run(command, resolve_signal(opts.signal), opts.rank_output)
 
 
 if __name__ == "__main__":

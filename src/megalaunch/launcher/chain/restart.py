@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.accounting.evidence import RESTART_MARKER, abnormal_ends
+from megalaunch.launcher.accounting.evidence import NODE_LOST, RESTART_MARKER, abnormal_ends
 from megalaunch.launcher.accounting.nodes import NodeHealth
 from megalaunch.launcher.chain.chain import Chain, log
 from megalaunch.launcher.chain.segment_end import remove_failed_saves, what_ended, write_goodput
@@ -63,20 +63,31 @@ def step_nodes(chain: Chain, job_id: str, step: int, env: dict[str, str] | None 
     allocated = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
     if not allocated:  # the job script falls back to the allocation's first nodes (scontrol)
         raise MegalaunchError("no SLURM_JOB_NODELIST in the environment", fix="`job step-nodes` runs inside a job")
-    need = max(1, chain.settings.nodes)
+    full = max(1, chain.settings.nodes)
     failed = failed_in_job(chain, job_id)
     suspect = _suspects(chain)
-    healthy = [n for n in allocated if n not in failed and n not in suspect]
-    chosen = (healthy + [n for n in allocated if n in suspect and n not in failed]
-              + [n for n in allocated if n in failed])[:need]
+    usable = ([n for n in allocated if n not in failed and n not in suspect]
+              + [n for n in allocated if n in suspect and n not in failed])
+    need = step_size(chain, len(usable)) or full
+    chosen = (usable + [n for n in allocated if n in failed])[:need]
     left_out = {n: ("failed in this segment" if n in failed else "suspect" if n in suspect else "spare")
                 for n in allocated if n not in chosen}
+    shrunk = {"shrunk_from": full} if len(chosen) < full else {}
     chain.ledger.append("step_started", job_id=job_id, step=step, nodes=compress_hostlist(chosen),
-                        node_count=len(chosen), left_out=left_out, checkpoint_iteration=chain.paths.read_tracker())
-    if step or left_out:
+                        node_count=len(chosen), left_out=left_out, checkpoint_iteration=chain.paths.read_tracker(),
+                        **shrunk)
+    if step or left_out or shrunk:
         log(f"step {step} of segment {job_id} on {compress_hostlist(chosen)}"
+            + (f": {len(chosen)} of {full} nodes (cluster.min_nodes), a smaller data-parallel size" if shrunk else "")
             + (f"; not used: {', '.join(f'{n} ({why})' for n, why in left_out.items())}" if left_out else ""))
     return chosen
+
+
+def step_size(chain: Chain, usable: int) -> int | None:
+    """How many of `usable` nodes a step runs on: `cluster.nodes`, else, with `cluster.min_nodes`, the largest
+    smaller count the layout allows (RuntimeSettings.node_counts); None: too few."""
+    counts = chain.settings.node_counts or [max(1, chain.settings.nodes)]
+    return next((n for n in counts if n <= usable), None)
 
 
 def failed_in_job(chain: Chain, job_id: str) -> set[str]:
@@ -112,9 +123,10 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     started = _step_started(chain, job_id) or {}
     nodes = node_names(started.get("nodes"))
     culprits = _culprits(status, outcome or {}, ends, nodes)
+    must_go = culprits if status == "unhealthy_node" else {e.node for e in ends if e.rank == NODE_LOST} & set(nodes)
     now_ckpt = paths.read_tracker()
     progressed = now_ckpt is not None and now_ckpt > (started.get("checkpoint_iteration") or -1)
-    refused = why_not(chain, job_id, status, culprits, progressed)
+    refused = why_not(chain, job_id, status, must_go, progressed)
     if refused:
         chain.ledger.append("restart_refused", job_id=job_id, step=step, after=status, reason=refused)
         log(f"no in-job restart after step {step} ({status}): {refused}")
@@ -127,21 +139,31 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     chain.suspects.exclude_from(chain.pending_successors(job_id))
     remove_failed_saves(paths, job_id, log)
     archive_step(paths, job_id, step)
-    exclude, kept = keep_off(chain, job_id, culprits)
+    exclude, kept = keep_off(chain, job_id, culprits | must_go, must_go)
+    allocated = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    left = len([n for n in allocated if n not in failed_in_job(chain, job_id) | set(exclude)]) or len(nodes)
+    size = step_size(chain, left) or s_nodes(chain)
+    shrink = {"shrink_to": size} if size < s_nodes(chain) else {}
     chain.ledger.append("restart", job_id=job_id, step=step + 1, after=status, reason=str(reason or status),
                         exit_code=exit_code, first_failure=ends[0].__dict__ if ends else None,
-                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=exclude, kept=kept)
+                        checkpoint_iteration=now_ckpt, new_checkpoint=progressed, exclude=exclude, kept=kept,
+                        **shrink)
     print(f"{RESTART_MARKER} step {step + 1} of segment {job_id} after {status}: {reason or status}",
           flush=True)
     log(f"in-job restart {step + 1}: {status} ({reason}); resuming from checkpoint iteration {now_ckpt}"
         + (f"; kept off {', '.join(exclude)}" if exclude else "")
-        + "".join(f"; {n} used again ({why})" for n, why in sorted(kept.items())))
+        + "".join(f"; {n} used again ({why})" for n, why in sorted(kept.items()))
+        + (f"; goes on with {size} of {s_nodes(chain)} nodes (no spare left, cluster.min_nodes)" if shrink else ""))
     write_goodput(paths, log)
     chain.notifier.restarted(job_id, step + 1, status, str(reason or status))
     return StepEnd(True, status, str(reason or status))
 
 
-def why_not(chain: Chain, job_id: str, status: str, culprits: set[str], progressed: bool) -> str | None:
+def s_nodes(chain: Chain) -> int:
+    return max(1, chain.settings.nodes)
+
+
+def why_not(chain: Chain, job_id: str, status: str, must_go: set[str], progressed: bool) -> str | None:
     """Why this restartable failure is not restarted in this allocation, or None: restart."""
     s = chain.settings
     if s.restarts_per_segment <= 0:
@@ -159,9 +181,13 @@ def why_not(chain: Chain, job_id: str, status: str, culprits: set[str], progress
         return (f"{failures} consecutive failures without a new checkpoint: the crash-loop guard "
                 f"(chain.max_segments_without_progress: {s.max_segments_without_progress}) decides")
     allocated = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
-    usable = [n for n in allocated if n not in culprits | failed_in_job(chain, job_id)]
-    if status == "unhealthy_node" and len(usable) < max(1, s.nodes):
-        return "no healthy node left in the allocation to replace the unhealthy one (cluster.spare_nodes)"
+    usable = [n for n in allocated if n not in must_go | failed_in_job(chain, job_id)]
+    if must_go and allocated and step_size(chain, len(usable)) is None:
+        what = ("the unhealthy one" if status == "unhealthy_node" else f"{', '.join(sorted(must_go))} (lost)")
+        shrink = (f"; {len(usable)} usable, below cluster.min_nodes" if s.node_counts
+                  else "; cluster.min_nodes would go on with fewer")
+        return (f"no healthy node left in the allocation to replace {what} (cluster.spare_nodes){shrink}: the "
+                "successor asks for a replacement")
     from megalaunch.runtime.stop.stop_window import find_deadline
 
     deadline = find_deadline()
@@ -174,16 +200,20 @@ def why_not(chain: Chain, job_id: str, status: str, culprits: set[str], progress
     return None
 
 
-def keep_off(chain: Chain, job_id: str, culprits: set[str]) -> tuple[list[str], dict[str, str]]:
+def keep_off(chain: Chain, job_id: str, culprits: set[str],
+             must_go: frozenset[str] | set[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
     """Which of a failed step's culprit nodes the next steps of this segment keep off (`exclude`), and
-    which they must use again (`kept`, with why): never fewer than `cluster.nodes` usable nodes left."""
+    which they must use again (`kept`, with why). A lost or unhealthy node (`must_go`) is always kept off
+    (why_not refused the restart when too few would be left); a node where a rank failed only while a
+    spare is left: a smaller step is not worth a failure that may not be the node's."""
     allocated = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
     if not allocated:
         return sorted(culprits), {}
     already = failed_in_job(chain, job_id)
-    room = len([n for n in allocated if n not in already]) - max(1, chain.settings.nodes)
-    ordered = [n for n in allocated if n in culprits and n not in already]
-    exclude = sorted(ordered[:max(0, room)])
+    gone = [n for n in allocated if n in must_go and n not in already]
+    room = len([n for n in allocated if n not in already and n not in gone]) - s_nodes(chain)
+    ordered = [n for n in allocated if n in culprits and n not in must_go and n not in already]
+    exclude = sorted(gone + ordered[:max(0, room)])
     kept = {n: "no spare node left in the allocation (cluster.spare_nodes)" for n in ordered if n not in exclude}
     return exclude, kept
 

@@ -13,6 +13,7 @@ from megalaunch.config.planner.checkpoint_size import recipe_checkpoint_bytes
 from megalaunch.config.preflight import check_period_s, eval_interval, signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec
+from megalaunch.config.topology import node_counts
 from megalaunch.launcher.prepare.sbatch import JobHeader, cluster_options, environment_context, home
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -28,7 +29,8 @@ def job_command(recipe: Recipe, paths: RunPaths) -> list[str]:
 def task_supervisor(recipe: Recipe) -> list[str]:
     """The per-task supervisor every rank starts under (runtime/task.py): it keeps the stop signal
     from the trainer's child processes, kills what a dying rank leaves behind, records each rank's exit."""
-    return [home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal, "--"]
+    return [home(recipe.cluster.python), "-m", "megalaunch.runtime.task", "--signal", recipe.chain.stop_signal,
+            "--rank-output", recipe.logging.rank_output, "--"]
 
 
 def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: TokenizerSpec | None = None) -> RuntimeSettings:
@@ -57,7 +59,8 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         step_time_estimate_s=recipe.chain.step_time_estimate_s, signal_margin_s=recipe.chain.signal_margin_s,
         max_signal_lead_s=recipe.cluster.time_limit_s - check_period_s(recipe) - recipe.chain.min_train_time_s,
         notify=recipe.chain.notify.job_slice(), restarts_per_segment=recipe.chain.restarts_per_segment,
-        spare_nodes=recipe.cluster.spare_nodes, tasks_per_node=recipe.cluster.ntasks_per_node,
+        spare_nodes=recipe.cluster.spare_nodes,
+        node_counts=node_counts(recipe) if recipe.cluster.min_nodes is not None else None, tasks_per_node=recipe.cluster.ntasks_per_node,
         min_train_time_s=recipe.chain.min_train_time_s, data_format=recipe.data.format,
         flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf)
 
@@ -78,7 +81,7 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
     cl = recipe.cluster
     job = JobHeader(name=chain_name, log=str(paths.logs / "%x-%j.out"), log_from="run.root", time=cl.time, cpus_per_task=cl.cpus_per_task,
                     nodes=cl.nodes + cl.spare_nodes, ntasks_per_node=cl.ntasks_per_node, gpus_per_node=cl.gpus_per_node, mem=cl.mem,
-                    options=cluster_options(cl), exclusive=cl.exclusive, no_kill=cl.spare_nodes > 0,
+                    options=cluster_options(cl), exclusive=cl.exclusive, no_kill=cl.spare_nodes > 0 or cl.min_nodes is not None,
                     signal=f"{recipe.chain.stop_signal.removeprefix('SIG')}@{signal_lead_s(recipe)}", append=True,
                     mail_user=cl.mail_user, mail_type=cl.mail_type)
     return {

@@ -31,7 +31,7 @@ class JobHeader:
     mem: str | None = None
     options: list[dict[str, str]] = field(default_factory=list)
     exclusive: bool = False
-    no_kill: bool = False  # --no-kill: a node that dies leaves the job running on the others (spare nodes)
+    no_kill: bool = False  # --no-kill: a node that dies leaves the job running on the others (spares, min_nodes)
     signal: str | None = None  # e.g. USR2@61
     append: bool = False  # --open-mode=append (every segment of a chain appends to its own log)
     log_from: str = "the run directory"  # what the user set that the log path derives from (for errors)

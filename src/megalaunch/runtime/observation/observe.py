@@ -22,6 +22,7 @@ from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.state import write_progress
 from megalaunch.runtime.checkpoint.resume import one_line
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
+from megalaunch.runtime.observation.rank_output import SLOW_MARK
 from megalaunch.runtime.observation.timeline import Timeline
 from megalaunch.runtime.rank.context import RankContext
 
@@ -76,6 +77,7 @@ class Observer:
         self.step_timer: Any = None  # stragglers.StepTimer, made when torch is imported
         self.health: dict[str, Any] | None = None  # the health check's figures (runtime/health/health.py)
         self.stragglers: dict[str, Any] | None = None  # the latest step-time spread summary
+        self._said_slow = False  # this rank printed SLOW_MARK (its held output goes to the log from then on)
         self._forward_section: Any = None
         self._window: tuple[float, int, float] | None = None  # (time, consumed samples, flops)
         self._save_begun: dict[int, float] = {}  # iteration -> wall-clock start of its save, until complete
@@ -185,6 +187,12 @@ class Observer:
         if summary is None:
             return
         self.stragglers = summary
+        mine, median = self.step_timer.stats().get("mean_s"), summary.get("median_step_s")
+        if (not self.ctx.is_zero and not self._said_slow and isinstance(mine, (int, float)) and median
+                and (mine - median) / median > self.config.straggler_threshold):
+            self._said_slow = True  # the task supervisor passes this rank's output to the log from here on
+            print(f"{SLOW_MARK} rank {self.ctx.rank} on {node_name()}: {mine:.3g} s forward/step, "
+                  f"{(mine - median) / median:.0%} above the median {median:.3g} s", flush=True)
         if self.ctx.is_zero:
             self.ctx.ledger("stragglers", at=at, iteration=self.iteration, **summary)
             if summary["straggling"]:

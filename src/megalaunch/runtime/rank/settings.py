@@ -61,6 +61,7 @@ class RuntimeSettings:
     # in-job restarts (launcher/chain/restart.py; issue 25): 0 in runs made before they existed
     restarts_per_segment: int = 0
     spare_nodes: int = 0
+    node_counts: list[int] | None = None  # the counts a step may shrink to, largest first (config/topology.node_counts); None: `nodes` only
     tasks_per_node: int = 1
     min_train_time_s: float = 60.0
     # data.format (runtime/loop/step.py): "tokens" (GPTDataset) or "chat" (tokenization/chat/dataset.py)
