@@ -261,3 +261,21 @@ def test_slurm_down_at_both_ends_pauses_the_chain_and_says_how_to_resume(tmp_pat
     assert sched.submitted == [] and sched.down == 10 - 1 - 3  # begin's try, then end's try and 2 retries
     ended = [e for e in events(paths, "ended") if e["job_id"] == "51"]
     assert ended[0]["outcome"] == "saved"  # the segment itself is not counted as failed
+
+
+def test_a_suspect_that_passes_the_health_check_is_cleared_and_one_that_fails_it_stays(tmp_path, monkeypatch) -> None:
+    """A node that died and came back stays suspect (its successors exclude it) until it is cleared or, used
+    again where the job could not do without it, passes the segment's health check."""
+    paths, _sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
+    health = NodeHealth(RuntimeSettings.load(paths).node_health_dir or "")
+    for node in ("node1", "node2", "node3"):
+        health.suspect(node, reason="test", evidence=[], run="other", job_id="1", ttl_s=3600)
+    assert chain.begin("31").proceed
+    check = {"healthy": False, "unhealthy_nodes": ["node2"], "nodes": "node[1-2]",
+             "ranks": [{"rank": 0, "node": "node1", "tflops": 1.0}, {"rank": 1, "node": "node2", "tflops": 0.1}]}
+    _outcome(monkeypatch, paths, "31", "unhealthy_node", health_check=check)
+    chain.end("31", 0)
+    assert set(health.active()) == {"node2", "node3"}  # node3 was not checked
+    (cleared,) = events(paths, "node_cleared")
+    assert cleared["node"] == "node1" and cleared["reason"] == "passed the health check of job 31"
+    assert [e["reason"] for e in health.events() if e["event"] == "cleared"] == ["passed the health check of job 31"]

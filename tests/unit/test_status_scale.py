@@ -144,6 +144,9 @@ def test_the_selective_read_is_the_full_read_filtered(tmp_path: Path, only: Any)
     newest = max(i for i, e in enumerate(full) if e.get("event") == "health_check")
     assert ledger.events(latest_only=frozenset({"health_check"})) == [
         e for i, e in enumerate(full) if e.get("event") != "health_check" or i == newest]
+    assert ledger.events(skip=frozenset({"started", "ended"}), latest_only=frozenset({"health_check"})) == [
+        e for i, e in enumerate(full)
+        if e.get("event") not in ("started", "ended") and (e.get("event") != "health_check" or i == newest)]
     assert ledger.events(only, latest_only=frozenset({"health_check"})) == [
         e for i, e in enumerate(full) if only(e.get("event")) and (e.get("event") != "health_check" or i == newest)]
     assert [e["event"] for e in ledger.events(LISTED_EVENTS.__contains__)] == [

@@ -20,6 +20,9 @@ from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
 LIVE_STATES = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 # What a listing's line needs of a run's ledger: its unfinished segments, and whether and why its chain stopped.
 LISTED_EVENTS = frozenset({"submitted", "started", "ended", "skipped", "chain_stopped", "chain_resumed"})
+# What `status RUN` never reads of a ledger (a long run holds megabytes of them): the trainer's records of its
+# set-up and acts, and the steps' node lists (the restarts' records say what status shows)
+NOT_SHOWN = frozenset({"attention", "kernels", "decision", "checkpoint_deleted", "step_started", "readahead"})
 
 
 def _row_state(s: Segment, live: Live | None, cancelled: dict[str, str], error: str | None) -> tuple[str, str | None]:
@@ -79,7 +82,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     ledger = Ledger(paths)
     # once: every line below is derived from these; of the health checks (the bulk of a long run's ledger:
     # every rank's figures per segment) `status` shows the latest only
-    events = ledger.events(latest_only=frozenset({"health_check"}))
+    events = ledger.events(skip=NOT_SHOWN, latest_only=frozenset({"health_check"}))
     segments = ledger.segments(events)
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
@@ -95,7 +98,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     stopped = ledger.stopped(events)
     chain_state = _chain_state(rows, stopped)
     metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
-    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events)
+    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events, numbers)
     rate = tokens_per_s(metrics, running=chain_state == "running")
     box = TriggerBox(paths)
     return {

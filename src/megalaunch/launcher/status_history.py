@@ -23,6 +23,8 @@ def node_decisions(events: list[dict[str, Any]]) -> list[str]:
                        + (f" [{evidence}]" if evidence else "")
                        + (f", until {time.strftime('%Y-%m-%d %H:%M', time.localtime(e['expires']))}"
                           if e.get("expires") else ""))
+        elif e.get("event") == "node_cleared":
+            out.append(f"cleared {e.get('node')} after job {e.get('job_id')}: {e.get('reason')}")
         elif e.get("event") == "exclusion":
             parts = ([f"excludes {', '.join(e['excluded'])}"] if e.get("excluded") else []) + [
                 f"keeps {n} ({why})" for n, why in sorted((e.get("kept") or {}).items())]

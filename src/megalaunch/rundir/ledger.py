@@ -17,6 +17,7 @@ from megalaunch.rundir.paths import RunPaths
 ENDING_OUTCOMES = {"finished", "exited", "aborted"}
 _EVENT_KEY = '"event"'
 _EVENT_PREFIX = '"event": "'  # json.dumps's separator: a line written otherwise is parsed to tell
+_EVENT_FIRST = "{" + _EVENT_PREFIX
 
 
 @dataclass
@@ -57,22 +58,23 @@ class Ledger:
         append_jsonl(self.paths.ledger, record)
         return record
 
-    def events(self, only: Callable[[str | None], bool] | None = None,
+    def events(self, only: Callable[[str | None], bool] | None = None, *, skip: frozenset[str] = frozenset(),
                latest_only: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-        """Every event, oldest first; with `only`, the events whose kind it accepts; of the kinds in
-        `latest_only`, the newest event only. The other lines are not parsed (a run of thousands of
-        segments holds megabytes of records, health checks most of them, that `status` never shows)."""
-        if only is None and not latest_only:
+        """Every event, oldest first; with `only`, the events whose kind it accepts; none of the kinds in
+        `skip`; of the kinds in `latest_only`, the newest event only. The other lines are not parsed (a run
+        of thousands of segments holds megabytes of records, health checks most of them, that `status`
+        never shows)."""
+        if only is None and not skip and not latest_only:
             return read_jsonl(self.paths.ledger)
         named = [(line, event_name(line)) for line in _lines(self.paths)]
         newest = {name: i for i, (_, name) in enumerate(named) if name in latest_only}
-        kept = [line for i, (line, name) in enumerate(named)
-                if name is None or ((only is None or only(name)) and newest.get(name, i) == i)]
+        kept = [line for i, (line, name) in enumerate(named) if name is None or (
+            (only is None or only(name)) and name not in skip and newest.get(name, i) == i)]
         records = parse_jsonl(kept)
         if latest_only:  # a line the text alone did not name was parsed: the rule holds for it too
             last = {r.get("event"): i for i, r in enumerate(records) if r.get("event") in latest_only}
             records = [r for i, r in enumerate(records) if last.get(r.get("event"), i) == i]
-        return [r for r in records if only is None or only(r.get("event"))]
+        return [r for r in records if (only is None or only(r.get("event"))) and r.get("event") not in skip]
 
     def current_epoch(self, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Events since the chain was last (re)started with `megalaunch resume`."""
@@ -151,6 +153,11 @@ def event_name(line: str) -> str | None:
     """The kind of the event on one ledger line without parsing it, or None when the text alone does not
     tell (then the line is parsed). Exact for what json.dumps writes: inside a string a quote is escaped,
     so `"event"` between quotes is a key, and a line with one such key has it at its top level."""
+    if line.startswith(_EVENT_FIRST):  # Ledger.append writes `event` first: at the start it is the top-level key
+        end = line.find('"', len(_EVENT_FIRST))
+        name = line[len(_EVENT_FIRST):end]
+        if end > 0 and "\\" not in name:
+            return name
     start = line.find(_EVENT_PREFIX)
     if start < 0 or line.count(_EVENT_KEY) != 1:
         return None

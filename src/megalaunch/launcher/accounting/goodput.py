@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from megalaunch.config.planner.gpus import GPUS
@@ -240,7 +240,7 @@ def _index(events: list[dict[str, Any]]) -> tuple[dict[str, float], Events, Even
 
 
 def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | None = None,
-                  events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  events: list[dict[str, Any]] | None = None, numbers: dict[str, int] | None = None) -> dict[str, Any]:
     """Every segment's time and the chain's totals (goodput, badput by cause, wait). `metrics` (the
     lines of state/metrics.jsonl) and `events` (the ledger's): when the caller has read them already."""
     events = Ledger(paths).events() if events is None else events
@@ -274,10 +274,10 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
         segments.append(seg)
     totals = {k: sum(s.parts.get(k, 0.0) for s in segments) for k in COMPONENTS}
     wall = sum(totals.values())
-    numbers = segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
+    numbers = numbers or segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
     gpus = [s.world for s in segments if s.world]
     return {
-        "segments": [{**asdict(s), "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id),
+        "segments": [{**vars(s), "parts": dict(s.parts), "saves": [list(v) for v in s.saves], "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id),
                       "ended_at": (ended.get(s.job_id) or {}).get("time"), "restarts": len(restarts.get(s.job_id, []))}
                      for s in segments],
         "totals": totals, "wall": wall, "wait": sum(s.wait or 0.0 for s in segments),

@@ -88,9 +88,9 @@ class NodeHealth:
         self._append({"event": "suspect", **s.__dict__})
         return s
 
-    def clear(self, node: str, *, now: float | None = None) -> None:
+    def clear(self, node: str, *, now: float | None = None, reason: str | None = None) -> None:
         self._append({"event": "cleared", "node": node, "user": getpass.getuser(),
-                      "time": time.time() if now is None else now})
+                      "time": time.time() if now is None else now, **({"reason": reason} if reason else {})})
 
     # --- reading ------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:

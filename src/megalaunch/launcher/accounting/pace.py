@@ -33,12 +33,12 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
 
 
 def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]],
-               events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               events: list[dict[str, Any]] | None = None, numbers: dict[str, int] | None = None) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, and the training time left at the recent pace."""
     from megalaunch.launcher.accounting.goodput import STARTUP, chain_goodput, mfu
 
     try:
-        chain = chain_goodput(paths, time.time(), metrics, events)
+        chain = chain_goodput(paths, time.time(), metrics, events, numbers)
     except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
         return {"goodput": None}
     wall = chain["wall"]

@@ -156,6 +156,7 @@ class Chain:
             self.suspects.after_failure(job_id, ends, expand_hostlist(str((started or {}).get("nodes") or "")))
         elif status == "unhealthy_node":
             self.suspects.after_health_check(job_id, outcome or {})
+        self.suspects.after_passed_check(job_id, outcome or {})
         remove_failed_saves(self.paths, job_id, log)
         if status == "storage_full":  # the figures after the unfinished save was removed
             full = figures.pop("_full")

@@ -15,6 +15,7 @@ from megalaunch.launcher.accounting.nodes import (
     health_evidence,
 )
 from megalaunch.launcher.chain.backend import Echo, JobControl
+from megalaunch.rundir.hostlist import expand_hostlist
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -53,6 +54,29 @@ class Suspects:
             evidence = [health_evidence(r, check) for r in check.get("ranks") or [] if r.get("node") == node]
             suspects.append((str(node), "health check: " + "; ".join(evidence[:4]), evidence))
         self._record(health, job_id, suspects)
+
+    def after_passed_check(self, job_id: str, outcome: dict[str, object]) -> None:
+        """A suspect node that passed this segment's health check is one again: cleared from the node-health
+        ledger (a node that died and came back is excluded until then, or until `megalaunch nodes clear`)."""
+        health, check = self._node_health(), outcome.get("health_check")
+        if health is None or not isinstance(check, dict):
+            return
+        ranks = [r for r in check.get("ranks") or [] if isinstance(r, dict)]
+        checked = set(expand_hostlist(str(check.get("nodes") or ""))) | {str(r.get("node")) for r in ranks}
+        passed = checked - {str(n) for n in check.get("unhealthy_nodes") or []}
+        try:
+            suspect = health.active()
+        except OSError:
+            return
+        for node in sorted(passed & set(suspect)):
+            reason = f"passed the health check of job {job_id}"
+            try:
+                health.clear(node, reason=reason)
+            except OSError as e:
+                self.log(f"could not clear node {node} in {health.file}: {e}")
+                continue
+            self.ledger.append("node_cleared", job_id=job_id, node=node, reason=reason)
+            self.log(f"node {node} is no longer suspect: {reason}")
 
     def _record(self, health: NodeHealth, job_id: str, suspects: list[tuple[str, str, list[str]]]) -> None:
         """(node, reason, evidence) each into the node-health ledger and the run's ledger."""
