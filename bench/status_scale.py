@@ -231,8 +231,9 @@ class RunWriter:
                     row[1] += off
                     row[2] += off
         p = self.paths
-        p.ledger.write_text("".join(json.dumps(e, sort_keys=True) + "\n" for e in self.events))
-        p.metrics.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics))
+        # as rundir/files.append_jsonl writes them: keys in the writer's order, a ledger line's `event` first
+        p.ledger.write_text("".join(json.dumps({"event": e["event"], **e}) + "\n" for e in self.events))
+        p.metrics.write_text("".join(json.dumps(m) + "\n" for m in self.metrics))
         tl_dir = p.state / "timeline"
         tl_dir.mkdir(exist_ok=True)
         for name, data in self.timelines.items():
@@ -395,6 +396,7 @@ def main() -> int:
     exe = shutil.which("megalaunch") or str(Path(sys.executable).with_name("megalaunch"))
     tmp = Path(tempfile.mkdtemp(prefix="ml-status-scale-"))
     os.environ["XDG_STATE_HOME"] = str(tmp / "state")  # the private registry (also for the commands below)
+    os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")  # the user's parse cache (rundir/appended.py), empty at first
     os.environ.pop("MEGALAUNCH_RUN_ROOTS", None)
     try:
         big, built_s = build(tmp, args)
@@ -408,8 +410,9 @@ def main() -> int:
         commands = {"megalaunch status (all runs)": [exe, "status"],
                     f"megalaunch status RUN ({args.segments} seg.)": [exe, "status", str(big)],
                     "megalaunch status --json RUN": [exe, "status", "--json", str(big)]}
-        print(f"{'command':<36} {'median':>7} {'min':>7} {'max':>7} {'cpu':>6}  {'slurm calls':>11}   "
-              f"(wall s, n={args.repeat}; cpu: median user+sys s; target <= {TARGET_S} s and 1 call)")
+        print(f"{'command':<36} {'median':>7} {'min':>7} {'max':>7} {'first':>7} {'cpu':>6}  {'slurm calls':>11}   "
+              f"(wall s, n={args.repeat}; first: the first run, whose parse cache was empty; cpu: median "
+              f"user+sys s; target <= {TARGET_S} s and 1 call)")
         ok = True
         for label, argv in commands.items():
             times, cpus, queries, out = time_command(argv, env, log, args.repeat)
@@ -420,7 +423,7 @@ def main() -> int:
             calls = ",".join(str(q) for q in sorted(set(queries)))
             good = med <= TARGET_S and set(queries) == {1}
             ok = ok and good
-            print(f"{label:<36} {med:7.3f} {min(times):7.3f} {max(times):7.3f} {statistics.median(cpus):6.2f}  "
+            print(f"{label:<36} {med:7.3f} {min(times):7.3f} {max(times):7.3f} {times[0]:7.3f} {statistics.median(cpus):6.2f}  "
                   f"{calls:>11}   {'' if good else 'OVER'}")
         print("OK" if ok else "OVER TARGET")
         return 0 if ok else 1

@@ -17,6 +17,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(autouse=True)
 def _private_state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state-home")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))  # rundir/appended.py's cache
+    monkeypatch.setattr("megalaunch.rundir.appended.CACHE_JSON", False)  # `status` turns it on for its process
 
 
 @pytest.fixture(autouse=True)

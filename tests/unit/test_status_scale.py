@@ -17,6 +17,7 @@ from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
 from megalaunch.launcher.status import LISTED_EVENTS, all_runs_status, run_status
+from megalaunch.rundir import appended as appended_module
 from megalaunch.rundir import ledger as ledger_module
 from megalaunch.rundir.ledger import Ledger, event_name
 from megalaunch.rundir.paths import RunPaths
@@ -67,9 +68,9 @@ def test_a_listing_of_many_runs_asks_slurm_once_and_reads_no_recipe(tmp_path: Pa
     reads: list[Path] = []
     events = Ledger.events
 
-    def counted(self: Ledger, only: Any = None) -> list[dict[str, Any]]:
+    def counted(self: Ledger, only: Any = None, **kw: Any) -> list[dict[str, Any]]:
         reads.append(self.paths.ledger)
-        return events(self, only)
+        return events(self, only, **kw)
 
     monkeypatch.setattr(Ledger, "events", counted)
     rows = {r["chain_name"]: r for r in all_runs_status(runs)}
@@ -84,6 +85,13 @@ def test_a_listing_of_many_runs_asks_slurm_once_and_reads_no_recipe(tmp_path: Pa
     assert rows[runs[2].root.name]["state"] == "stopped"
     assert rows[runs[2].root.name]["stop_reason"] == "training reached its target"
     assert {r["target"] for r in rows.values()} == {json.loads(runs[0].runtime_json.read_text())["train_iters"]}
+    # the next listing reuses what it read of every run whose files did not change (the user's cache)
+    reads.clear()
+    Ledger(runs[2]).append("chain_resumed", by="test")
+    again = {r["chain_name"]: r for r in all_runs_status(runs)}
+    assert reads == [runs[2].ledger] and again[runs[2].root.name]["state"] == "idle"
+    assert {k: v for k, v in again.items() if k != runs[2].root.name} == {
+        k: v for k, v in rows.items() if k != runs[2].root.name}
 
 
 def test_a_run_whose_runtime_json_lacks_the_fields_is_listed_from_its_recipe(tmp_path: Path, monkeypatch) -> None:
@@ -114,8 +122,16 @@ def test_status_of_a_run_reads_its_ledger_once(tmp_path: Path, monkeypatch) -> N
         reads.append(str(p.ledger))
         return lines(p)
 
+    appended = appended_module.read_appended
+
+    def counted_appended(path: Any, *a: Any, **k: Any) -> list[dict[str, Any]]:
+        if str(path) == str(paths.ledger):
+            reads.append(str(path))
+        return appended(path, *a, **k)
+
     monkeypatch.setattr(ledger_module, "read_jsonl", counted)
     monkeypatch.setattr(ledger_module, "_lines", counted_lines)
+    monkeypatch.setattr(appended_module, "read_appended", counted_appended)
     st = run_status(paths)
     assert reads == [str(paths.ledger)]
     assert st["chain_state"] == "running" and [r["state"] for r in st["segments"]] == ["RUNNING", "GONE"]
@@ -140,17 +156,30 @@ def test_the_selective_read_is_the_full_read_filtered(tmp_path: Path, only: Any)
         f.write('{"event": "ended", "job_id": "2", "ti')  # torn last line
     full = ledger.events()
     assert ledger.events(only) == [e for e in full if only(e.get("event"))]
-    # of the kinds in latest_only, the newest event only; the rest as they were
+    # of the kinds `newest` names, the newest N events only; the rest as they were
     newest = max(i for i, e in enumerate(full) if e.get("event") == "health_check")
-    assert ledger.events(latest_only=frozenset({"health_check"})) == [
+    assert ledger.events(newest={"health_check": 1}) == [
         e for i, e in enumerate(full) if e.get("event") != "health_check" or i == newest]
-    assert ledger.events(skip=frozenset({"started", "ended"}), latest_only=frozenset({"health_check"})) == [
+    assert ledger.events(skip=frozenset({"started", "ended"}), newest={"health_check": 1}) == [
         e for i, e in enumerate(full)
         if e.get("event") not in ("started", "ended") and (e.get("event") != "health_check" or i == newest)]
-    assert ledger.events(only, latest_only=frozenset({"health_check"})) == [
+    assert ledger.events(only, newest={"health_check": 1}) == [
         e for i, e in enumerate(full) if only(e.get("event")) and (e.get("event") != "health_check" or i == newest)]
+    # cached (rundir/appended.py): the same selection, also after more lines were appended
+    sel = {"skip": frozenset({"started"}), "newest": {"health_check": 1}}
+    with open(paths.ledger, "a") as f:
+        f.write('\n')  # ends the torn line: it stays unparseable, the next ones are whole
+    assert ledger.events(**sel, cache_key="test") == ledger.events(**sel)
+    ledger.append("health_check", job_id="4", ranks=[])
+    ledger.append("started", job_id="4")
+    assert ledger.events(**sel, cache_key="test") == ledger.events(**sel)
+    assert ledger.events(**sel, cache_key="test")[-1]["job_id"] == "4"
+    full = ledger.events()
+    twos = [i for i, e in enumerate(full) if e.get("event") == "health_check"][-2:]
+    assert ledger.events(newest={"health_check": 2}) == [
+        e for i, e in enumerate(full) if e.get("event") != "health_check" or i in twos]
     assert [e["event"] for e in ledger.events(LISTED_EVENTS.__contains__)] == [
-        "submitted", "started", "ended", "chain_stopped"]
+        "submitted", "started", "ended", "chain_stopped", "started"]
 
 
 def test_event_name() -> None:

@@ -8,6 +8,7 @@ slice the job reads), its progress and tracker; the recipe itself only for `stat
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ LISTED_EVENTS = frozenset({"submitted", "started", "ended", "skipped", "chain_st
 # What `status RUN` never reads of a ledger (a long run holds megabytes of them): the trainer's records of its
 # set-up and acts, and the steps' node lists (the restarts' records say what status shows)
 NOT_SHOWN = frozenset({"attention", "kernels", "decision", "checkpoint_deleted", "step_started", "readahead"})
+STRAGGLER_RECORDS = 1000  # the newest `stragglers` records read: enough for the latest segments' last ones
 
 
 def _row_state(s: Segment, live: Live | None, cancelled: dict[str, str], error: str | None) -> tuple[str, str | None]:
@@ -75,14 +77,18 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         resume_summary,
         straggler_lines,
     )
-    from megalaunch.rundir.files import read_jsonl
+    from megalaunch.rundir import appended
+    from megalaunch.rundir.appended import read_appended
+    from megalaunch.rundir.files import parse_jsonl
     from megalaunch.rundir.triggers import TriggerBox
 
+    appended.CACHE_JSON = True  # this process only shows: state/goodput.json through the user's cache
     recipe = load_run_recipe(paths)
     ledger = Ledger(paths)
     # once: every line below is derived from these; of the health checks (the bulk of a long run's ledger:
-    # every rank's figures per segment) `status` shows the latest only
-    events = ledger.events(skip=NOT_SHOWN, latest_only=frozenset({"health_check"}))
+    # every rank's figures per segment) `status` shows the latest only, of the stragglers the latest segments'
+    events = ledger.events(skip=NOT_SHOWN, newest={"health_check": 1, "stragglers": STRAGGLER_RECORDS},
+                           cache_key="status")
     segments = ledger.segments(events)
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
@@ -97,7 +103,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     checkpoint = paths.read_tracker()
     stopped = ledger.stopped(events)
     chain_state = _chain_state(rows, stopped)
-    metrics = read_jsonl(paths.metrics)  # once, for the goodput, the pace and tokens/s
+    metrics = read_appended(paths.metrics, "metrics", parse_jsonl)  # once, for the goodput, the pace and tokens/s
     figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events, numbers)
     rate = tokens_per_s(metrics, running=chain_state == "running")
     box = TriggerBox(paths)
@@ -139,19 +145,25 @@ def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
 
 
 def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
-    """One line per run, from one query per backend for the unfinished segments of all of them."""
+    """One line per run, from one query per backend for the unfinished segments of all of them. What a line
+    shows of each run's files is kept in the user's cache while those files are unchanged (rundir/appended.py)."""
+    from megalaunch.rundir.appended import by_stamp, stamp
+
+    by_root = {str(p.root): p for p in runs}
+    files = [os.path.relpath(f, runs[0].root) for f in (runs[0].run_yaml, runs[0].runtime_json, runs[0].ledger,
+                                                         runs[0].progress, runs[0].tracker)] if runs else []
+    listed = by_stamp("listing", {root: stamp(root, *(os.path.join(root, f) for f in files)) for root in by_root},
+                      lambda root: _listed(by_root[root]))
     loaded = []
-    for paths in runs:
-        try:
-            backend, target = _listed_settings(paths)
-            ledger = Ledger(paths)
-            events = ledger.events(LISTED_EVENTS.__contains__)  # the rest of its lines is not parsed
-        except Exception:
+    for root, paths in by_root.items():
+        if root not in listed:
             continue  # unreadable or half-written: not listed
-        loaded.append((paths, backend, target, ledger.segments(events), ledger.stopped(events)))
+        row = listed[root]
+        ledger = Ledger(paths)
+        loaded.append((paths, row, ledger.segments(row["events"]), ledger.stopped(row["events"])))
     by_backend: dict[str, list[Segment]] = {}
-    for _, backend, _, segments, _ in loaded:
-        by_backend.setdefault(backend, []).extend(segments)
+    for _, row, segments, _ in loaded:
+        by_backend.setdefault(row["backend"], []).extend(segments)
     live: dict[str, Live] = {}
     errors: dict[str, str | None] = {}
     for name, group in by_backend.items():
@@ -159,8 +171,8 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
         live.update(found)
     owners: dict[int, str] = {}
     out = []
-    for paths, backend, target, segments, stopped in loaded:
-        error = errors[backend]
+    for paths, row, segments, stopped in loaded:
+        error = errors[row["backend"]]
         waiting = unfinished(segments)
         jobs = [s.job_id for s in waiting if s.job_id in live]
         if any(live[j].state == "RUNNING" for j in jobs):
@@ -171,12 +183,20 @@ def all_runs_status(runs: list[RunPaths]) -> list[dict[str, Any]]:
             state = "unknown"
         else:
             state = "stopped" if stopped else "idle"
-        progress = read_progress(paths) or {}
         out.append({"chain_name": paths.root.name, "run_dir": str(paths.root), "state": state,
-                    "jobs": jobs, "iteration": shown_iteration(progress, paths.read_tracker()),
-                    "target": target, "stop_reason": stopped.get("reason") if stopped else None,
-                    "owner": _owner(paths, owners), "slurm_error": error})
+                    "jobs": jobs, "iteration": shown_iteration(row["progress"], row["tracker"]),
+                    "target": row["target"], "stop_reason": stopped.get("reason") if stopped else None,
+                    "owner": _owner(row["uid"], owners), "slurm_error": error})
     return out
+
+
+def _listed(paths: RunPaths) -> dict[str, Any]:
+    """What a listing's line shows of one run's files: its segments and stops (LISTED_EVENTS of its ledger;
+    the rest of its lines is not parsed), its backend and target, progress, tracker and owner."""
+    backend, target = _listed_settings(paths)
+    events = Ledger(paths).events(LISTED_EVENTS.__contains__)
+    return {"backend": backend, "target": target, "events": events, "progress": read_progress(paths) or {},
+            "tracker": paths.read_tracker(), "uid": paths.root.stat().st_uid}
 
 
 def _listed_settings(paths: RunPaths) -> tuple[str, int]:
@@ -195,13 +215,9 @@ def _listed_settings(paths: RunPaths) -> tuple[str, int]:
     return recipe.cluster.backend, recipe.training.train_iters
 
 
-def _owner(paths: RunPaths, known: dict[int, str]) -> str:
+def _owner(uid: int, known: dict[int, str]) -> str:
     import pwd
 
-    try:
-        uid = paths.root.stat().st_uid
-    except OSError:
-        return "?"
     if uid not in known:
         try:
             known[uid] = pwd.getpwuid(uid).pw_name

@@ -67,8 +67,9 @@ def health_lines(events: list[dict[str, Any]]) -> list[str]:
             + (f", {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else "")]
 
 
-def straggler_lines(events: list[dict[str, Any]]) -> list[str]:
-    """Each segment's latest step-time spread (runtime/health/stragglers.py), when above the threshold."""
+def straggler_lines(events: list[dict[str, Any]], segments: int = 3) -> list[str]:
+    """The latest step-time spread (runtime/health/stragglers.py) of each of the last `segments` segments that
+    have one, when above the threshold (a run of thousands of segments: what a person can act on now)."""
     from megalaunch.runtime.health.stragglers import describe
 
     latest: dict[str, dict[str, Any]] = {}
@@ -76,7 +77,7 @@ def straggler_lines(events: list[dict[str, Any]]) -> list[str]:
         if e.get("event") == "stragglers":
             latest[str(e.get("job_id"))] = e
     out = []
-    for job, e in latest.items():
+    for job, e in list(latest.items())[-segments:]:
         try:
             if e.get("straggling"):
                 out.append(f"job {job}: {describe(e)}")

@@ -60,8 +60,9 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
 
 def append_jsonl(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Append one JSON line with a single write() on an O_APPEND descriptor (atomic for small lines);
-    a link in its place is never followed."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    a link in its place is never followed. Keys in the record's order: a ledger line starts with its
+    `event`, which rundir/ledger.event_name then reads without parsing the line."""
+    line = (json.dumps(record) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
     try:
         os.write(fd, line)

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megalaunch.config.planner.gpus import GPUS
-from megalaunch.rundir.files import read_json, read_jsonl
+from megalaunch.rundir.appended import read_json_cached
+from megalaunch.rundir.files import atomic_write_json, read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger, segment_numbers
 from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.runtime.observation.timeline import STARTUP_PHASES
@@ -332,8 +333,6 @@ def write_chain_goodput(paths: RunPaths) -> None:
     `status`, the report and the next segment's W&B run (`chain/*`)."""
     import time
 
-    from megalaunch.rundir.files import atomic_write_json
-
     g = chain_goodput(paths, time.time())
     cut = [s for s in g["segments"] if s["ended_at"] is not None]  # reused by the next call (_cut_before)
     atomic_write_json(paths.goodput, {"time": time.time(), "goodput": g["goodput"], "wall_s": g["wall"],
@@ -345,6 +344,6 @@ def _cut_before(paths: RunPaths) -> dict[str, dict[str, Any]]:
     """The ended segments as the last `job end` cut them (state/goodput.json), by job id: a segment's
     cut never changes once its `ended` event is written, and a chain of 5,000 segments would otherwise
     re-read 5,000 timelines for every `status` (docs/scale.md)."""
-    data = read_json(paths.goodput)
+    data = read_json_cached(paths.goodput)
     cut = data.get("cut") if isinstance(data, dict) and data.get("cut_version") == CUT_VERSION else None
     return {str(s["job_id"]): s for s in cut if isinstance(s, dict) and "job_id" in s} if isinstance(cut, list) else {}
