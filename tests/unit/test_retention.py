@@ -6,6 +6,7 @@ disk). The filesystem is a tmpfs mounted for the test; the checkpoints are real 
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -275,3 +276,46 @@ def test_the_stop_save_that_does_not_fit_and_a_disk_too_full_for_the_outcome(
     out = capsys.readouterr().out
     assert "no room for the stop save at iteration 40: filesystem tmpfs" in out
     assert "(the predicted checkpoint size; a 5% margin more is asked)" in out and "outcome not written: [Errno 28]" in out
+
+
+def test_retention_after_a_save_unlinks_in_the_background_and_the_next_check_waits_for_it(
+        fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention after a save renames the doomed checkpoint away at once and unlinks its files in a thread
+    (17 GB took ~7 s on an H100 machine's disk, inside the training loop); the next save's space check
+    waits for that thread, so the space it frees is measured free; a `.deleting-*` directory an ended
+    process left is swept."""
+    import shutil
+    import threading
+
+    paths = _run(fs)
+    for it in (10, 20):
+        _checkpoint(paths, it, 2 * MiB)
+    leftover = paths.checkpoints / ".deleting-iter_0000005-999999999"  # a pid that is not this process
+    leftover.mkdir()
+    (leftover / "shard").write_bytes(b"\1" * MiB)
+    release = threading.Event()
+    real_rmtree = shutil.rmtree
+    started: list[str] = []
+
+    def slow_rmtree(path: object, *a: object, **k: object) -> None:  # a slow disk: unlinking waits
+        started.append(Path(str(path)).name)
+        release.wait(30)
+        real_rmtree(path, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resume.shutil, "rmtree", slow_rmtree)
+    room = _room(paths, train_iters=100)
+    _checkpoint(paths, 30, 2 * MiB)
+    room.after_save(30, 0.1)  # keep_last 2: 10 goes, in the background
+    assert resume.checkpoint_iterations(paths) == [20, 30]  # renamed away at once
+    assert sorted(started) == sorted([f".deleting-iter_0000010-{os.getpid()}", leftover.name])
+    assert free_bytes(fs) < 16 * MiB - 7 * MiB  # 10's files and the leftover's still take their space
+    checked = threading.Thread(target=room.before_save, args=(40, "periodic"))
+    checked.start()
+    checked.join(0.5)
+    assert checked.is_alive()  # the space check waits for the deletions
+    release.set()
+    checked.join(30)
+    assert not checked.is_alive()
+    assert sorted(p.name for p in paths.checkpoints.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000020", "iter_0000030"]
+    assert not [p for p in paths.checkpoints.iterdir() if p.name.startswith(".deleting-")]

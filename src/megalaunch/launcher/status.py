@@ -85,10 +85,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     appended.CACHE_JSON = True  # this process only shows: state/goodput.json through the user's cache
     recipe = load_run_recipe(paths)
     ledger = Ledger(paths)
-    # once: every line below is derived from these; of the health checks (the bulk of a long run's ledger:
-    # every rank's figures per segment) `status` shows the latest only, of the stragglers the latest segments'
-    events = ledger.events(skip=NOT_SHOWN, newest={"health_check": 1, "stragglers": STRAGGLER_RECORDS},
-                           cache_key="status")
+    events = _shown_events(ledger)  # once: every line below is derived from these
     segments = ledger.segments(events)
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
     cancelled = _cancelled(events)
@@ -127,6 +124,14 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "resume": resume_summary(paths, events), "storage": checkpoint_usage(paths, recipe, events),
         "next": _next_command(paths, chain_state, recipe.training.train_iters),
     }
+
+
+def _shown_events(ledger: Ledger) -> list[dict[str, Any]]:
+    """The events `status RUN` shows: not NOT_SHOWN; of the health checks (the bulk of a long run's ledger:
+    every rank's figures per segment) the latest only, of the stragglers the latest segments'; parsed once
+    per user up to what was appended since (rundir/appended.py)."""
+    return ledger.events(skip=NOT_SHOWN, newest={"health_check": 1, "stragglers": STRAGGLER_RECORDS},
+                         cache_key="status")
 
 
 def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:

@@ -119,7 +119,7 @@ class Checkpoints:
         else:
             self.ctx.log("starting from scratch")
         if self.ctx.is_zero:  # every rank has loaded: retention at segment start, the loaded one kept
-            self._retain(protect={iteration} if iteration > 0 else set())
+            self._retain(protect={iteration} if iteration > 0 else set(), background=True)
 
     # --- save --------------------------------------------------------------------------------------------
     def before_save(self, iteration: int, kind: SaveKind) -> bool:
@@ -142,6 +142,7 @@ class Checkpoints:
     def _check_space(self, iteration: int, kind: SaveKind) -> int:
         """Rank 0: room for one checkpoint (retention first when short)? A failing measurement lets the save go."""
         paths = self.ctx.paths
+        resume.wait_for_deletions()  # space that retention's background deletions free is free before it is measured
         try:
             check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
                                           stop=self.needed(iteration, kind), make_room=self._retain,
@@ -197,15 +198,15 @@ class Checkpoints:
                 self.evals.after_save(iteration)
             except OSError as e:  # an eval never stops training
                 self.ctx.log(f"eval of iteration {iteration} not queued: {e}")
-        self._retain()
+        self._retain(background=True)  # unlinking a checkpoint's files (seconds) must not stop training
 
-    def _retain(self, protect: set[int] | None = None, keep_last: int | None = None) -> list[int]:
+    def _retain(self, protect: set[int] | None = None, keep_last: int | None = None, background: bool = False) -> list[int]:
         """Rank 0: retention (runtime/retention.keep); an eval still to run keeps its checkpoint.
         `keep_last` lower than the setting: a stop save short of room (`_squeeze`)."""
         deleted = retention.prune(self.ctx.paths, keep_last=self.config.keep_last if keep_last is None else keep_last,
                                   milestone_interval=self.config.milestone_interval,
                                   eval_pending=pending_iterations(self.ctx.paths), resumed_from=self.resumed_from,
-                                  protect=protect or set(), job_id=self.ctx.job_id)
+                                  protect=protect or set(), job_id=self.ctx.job_id, background=background)
         if deleted:
             self.ctx.log(f"retention: deleted checkpoints {deleted}")
         return deleted

@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -208,11 +209,50 @@ def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     return failed
 
 
-def delete_directory(directory: Path) -> None:
-    # Rename first, so a half-deleted directory never looks like a checkpoint.
+DELETING_RE = re.compile(r"^\.deleting-.+-(\d+)$")  # renamed by delete_directory, being (or left half) deleted
+_deleters: list[threading.Thread] = []
+
+
+def delete_directory(directory: Path, *, background: bool = False) -> None:
+    """Rename first, so a half-deleted directory never looks like a checkpoint; then delete, here or, with
+    `background`, in a thread (a 17 GB checkpoint takes ~7 s to unlink: retention after a save must not
+    stop training for it; wait_for_deletions before free space is measured). A deletion the process did
+    not finish is a `.deleting-*` directory that sweep_deletions removes later."""
     doomed = directory.with_name(f".deleting-{directory.name}-{os.getpid()}")
     os.replace(directory, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if not background:
+        shutil.rmtree(doomed, ignore_errors=True)
+        return
+    thread = threading.Thread(target=shutil.rmtree, args=(doomed,), kwargs={"ignore_errors": True},
+                              name=f"delete-{directory.name}", daemon=True)
+    thread.start()
+    _deleters.append(thread)
+
+
+def wait_for_deletions(timeout: float | None = None) -> None:
+    """Until this process's background deletions are done (the space they free is then free)."""
+    for thread in list(_deleters):
+        thread.join(timeout)
+        if not thread.is_alive():
+            _deleters.remove(thread)
+
+
+def sweep_deletions(checkpoints: Path, *, background: bool = False) -> list[str]:
+    """Delete what an ended process left half-deleted (`.deleting-*` of another pid). Returns the names."""
+    try:
+        names = sorted(n for n in os.listdir(checkpoints)
+                       if (m := DELETING_RE.match(n)) and int(m.group(1)) != os.getpid())
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if background:
+            thread = threading.Thread(target=shutil.rmtree, args=(checkpoints / name,), kwargs={"ignore_errors": True},
+                                      name=f"sweep-{name}", daemon=True)
+            thread.start()
+            _deleters.append(thread)
+        else:
+            shutil.rmtree(checkpoints / name, ignore_errors=True)
+    return names
 
 
 # --- the data blend this run trains on -----------------------------------------------------------

@@ -35,6 +35,7 @@ from megalaunch.runtime.checkpoint.resume import (
     is_complete,
     iter_dir,
     read_tracker,
+    sweep_deletions,
 )
 from megalaunch.runtime.rank.storage import describe, free_bytes, free_inodes
 
@@ -79,9 +80,12 @@ def keep(present: Sequence[int], complete: Iterable[int], *, keep_last: int, mil
 # --- on disk --------------------------------------------------------------------------------------
 
 def prune(paths: RunPaths, *, keep_last: int, milestone_interval: int = 0, eval_pending: Iterable[int] = (),
-          resumed_from: int | None = None, protect: Iterable[int] = (), job_id: str | None = None) -> list[int]:
+          resumed_from: int | None = None, protect: Iterable[int] = (), job_id: str | None = None,
+          background: bool = False) -> list[int]:
     """Apply `keep` to the run's checkpoints (the tracker's iteration is protected too) and delete the
-    incomplete saves `plan_resume` moved aside. Returns the deleted iterations; each is a ledger event."""
+    incomplete saves `plan_resume` moved aside and what an ended process left half-deleted. Returns the
+    deleted iterations; each is a ledger event (written once the directory is renamed away). `background`:
+    the files are unlinked in a thread (resume.delete_directory), off the training loop."""
     if keep_last < 1:
         return []
     present = checkpoint_iterations(paths)
@@ -91,13 +95,13 @@ def prune(paths: RunPaths, *, keep_last: int, milestone_interval: int = 0, eval_
     doomed = keep(present, complete, keep_last=keep_last, milestone_interval=milestone_interval,
                   eval_pending=eval_pending, resumed_from=resumed_from, protect=protect).doomed
     for iteration in doomed:
-        delete_directory(iter_dir(paths, iteration))
+        delete_directory(iter_dir(paths, iteration), background=background)
         _record(paths, {"event": "checkpoint_deleted", "time": time.time(), "job_id": job_id, "iteration": iteration})
-    prune_incomplete(paths, job_id=job_id)
+    prune_incomplete(paths, job_id=job_id, background=background)
     return doomed
 
 
-def prune_incomplete(paths: RunPaths, *, job_id: str | None) -> list[str]:
+def prune_incomplete(paths: RunPaths, *, job_id: str | None, background: bool = False) -> list[str]:
     """Delete the incomplete saves `plan_resume` moved aside (`iter_N.incomplete-<job>`). No job
     writes one: a segment renames it when it starts, after the segment that wrote it has ended (the
     chain runs one segment at a time), and a live save is never renamed. Returns the names deleted."""
@@ -106,9 +110,10 @@ def prune_incomplete(paths: RunPaths, *, job_id: str | None) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
-        delete_directory(paths.checkpoints / name)
+        delete_directory(paths.checkpoints / name, background=background)
         _record(paths, {"event": "incomplete_checkpoint_deleted", "time": time.time(), "job_id": job_id,
                         "iteration": int(name[5:12]), "directory": name})
+    sweep_deletions(paths.checkpoints, background=background)
     return names
 
 
