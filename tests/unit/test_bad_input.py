@@ -105,6 +105,7 @@ def _assert_clean_failure(proc, must: str, root: Path, marker: Path) -> None:
     line = err_lines[0]
     assert line.startswith("megalaunch: error:"), line
     assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stdout.strip() == "", proc.stdout  # the refusal is the only thing printed (issue 37)
     assert must in line, line
     assert not root.exists() or not any(root.iterdir()), list(root.iterdir())
     assert not marker.exists(), "a job was submitted"

@@ -46,8 +46,16 @@ def submit(
         say(dry_run_text(prepared))
         return
     r = prepared.recipe
-    say("\n".join([summary(prepared), *disk_lines(prepared)]))
-    started = backend_for(r.cluster.backend).start(prepared, say)
+    head = ["\n".join([summary(prepared), *disk_lines(prepared)])]
+
+    def echo(line: str) -> None:  # what the run is, right before the backend's first word: a refusal before
+        while head:  # it (a missing secret, Slurm down, an unwritable run root) is the only line printed
+            say(head.pop())
+        say(line)
+
+    started = backend_for(r.cluster.backend).start(prepared, echo)
+    while head:
+        say(head.pop())
     if started.job_id is None:
         say(f"done: {started.outcome}")
         say(f"  megalaunch status {started.paths.root}")
