@@ -36,7 +36,7 @@ from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import MegalaunchError
-from megalaunch.launcher.prepare.job_inputs import job_command
+from megalaunch.launcher.prepare.job_inputs import job_command, task_supervisor
 from megalaunch.launcher.prepare.prepare import PreparedRun, prepare_run
 from megalaunch.rundir.files import read_args_file
 
@@ -148,8 +148,9 @@ def run_train_script(box: Sandbox, prepared: PreparedRun) -> None:
         ["job", "step-end", run_dir, "--step", "0", "--exit-code", "0"], ["job", "end", run_dir, "--exit-code", "0"]]
     assert all(c[:4] == ["job", "watch", run_dir, "--shell-pid"] and len(c) == 5 and c[4].isdigit() for c in watch), watch
     assert box.calls("module") == [["load", m] for m in cl.modules]
-    supervisor = [home(cl.python), "-m", "megalaunch.runtime.task", "--signal", r.chain.stop_signal, "--"]
-    expected = ["--kill-on-bad-exit=1", f"--nodes={cl.nodes}", "--nodelist=node1", f"--ntasks={cl.world_size}",
+    supervisor = task_supervisor(r)
+    # the step's size is the node list `job step-nodes` printed (the stub: node1)
+    expected = ["--kill-on-bad-exit=1", "--nodes=1", "--nodelist=node1", f"--ntasks={cl.ntasks_per_node}",
                 f"--ntasks-per-node={cl.ntasks_per_node}",
                 *srun_container_args(r, run_dir), *supervisor, *job_command(r, prepared.paths)]
     assert box.calls("srun") == [expected]
