@@ -144,12 +144,13 @@ def test_a_chain_with_min_nodes_loses_a_node_goes_on_smaller_and_grows_back(slur
         # Slurm's time-limit warning, early: the segment saves and ends; its successor runs on 4 nodes again
         assert subprocess.run(["scancel", "--signal=USR2", job], timeout=30).returncode == 0
         wait_for(lambda: _events(run, "chain_stopped"), 420, interval=1, what="the chain to finish")
-        # logging.rank_output: failing (the default): the clean, stopped step logged rank 0's lines, and another
-        # rank's only under the header of a rank that reported itself slow (2 cores: 3 trainers may well be)
+        # logging.rank_output: failing (the default): the clean, stopped step logged the lines of rank 0 and of
+        # the last rank (2: Megatron's iteration lines), and rank 1's only under the header of a rank that
+        # reported itself slow (2 cores: 3 trainers may well be)
         step1 = _step_log(run, job, 1)
         said = set(re.findall(r"\[megalaunch rank (\d+)\]", step1))
         slow = set(re.findall(r"\[megalaunch task\] rank (\d+)'s output \(it reported itself slow", step1))
-        assert "0" in said and said - slow == {"0"}, (said, slow)
+        assert {"0", "2"} <= said and said - slow == {"0", "2"}, (said, slow)
         # the step that lost the node: the first survivor to fail wrote its held output under a header
         assert re.search(r"\[megalaunch task\] rank [1-3]'s output \(", _step_log(run, job, 0))
         ends = _events(run, "ended")

@@ -1,6 +1,6 @@
 """`logging.rank_output: failing` (runtime/observation/rank_output.py) on real supervisor processes
-(`python -m megalaunch.runtime.task --rank-output failing`): rank 0's output passes through; another
-rank's is held and reaches the log only when the rank fails (its last lines, under a header) or prints
+(`python -m megalaunch.runtime.task --rank-output failing`): the output of rank 0 and of the last rank
+(Megatron's iteration lines) passes through; another rank's is held and reaches the log only when the rank fails (its last lines, under a header) or prints
 the slow mark (from then on it passes through); `all` passes every rank's through."""
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ if mode == "crash":
 """
 
 
-def _task(rank: int, mode: str, *, lines: int = 5, rank_output: str = "failing") -> subprocess.CompletedProcess[str]:
+def _task(rank: int, mode: str, *, lines: int = 5, rank_output: str = "failing",
+          world: int = 4) -> subprocess.CompletedProcess[str]:
     script = SCRIPT.replace("{mark}", SLOW_MARK)
-    env = {"PYTHONPATH": SRC, "RANK": str(rank), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": SRC, "RANK": str(rank), "WORLD_SIZE": str(world), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-m", "megalaunch.runtime.task", "--rank-output", rank_output, "--",
                            sys.executable, "-c", script, str(lines), mode],
                           env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_rank_0_passes_through_and_another_clean_rank_says_nothing() -> None:
+def test_ranks_0_and_last_pass_through_and_another_clean_rank_says_nothing() -> None:
     assert _task(0, "ok").stdout.splitlines() == [f"line {i}" for i in range(5)]
+    # the last rank prints Megatron's iteration lines (print_rank_last)
+    assert _task(3, "ok", world=4).stdout.splitlines() == [f"line {i}" for i in range(5)]
     done = _task(1, "ok")
     assert done.returncode == 0 and done.stdout == "", done
 
@@ -57,6 +60,6 @@ def test_a_slow_rank_passes_through_from_its_mark_on() -> None:
     assert out[4].startswith(SLOW_MARK) and out[5] == "after the mark", out
 
 
-@pytest.mark.parametrize("rank", [0, 3])
+@pytest.mark.parametrize("rank", [0, 2])
 def test_all_passes_every_rank_through(rank: int) -> None:
     assert _task(rank, "ok", rank_output="all").stdout.splitlines() == [f"line {i}" for i in range(5)]

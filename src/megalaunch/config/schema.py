@@ -258,8 +258,9 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline"] = doc("offline when compute nodes have no network", "offline")
     tensorboard: bool = doc("write TensorBoard logs under RUN/tensorboard", False)
     rank_output: Literal["failing", "all"] = doc(
-        "which ranks' output the segment log holds: failing: rank 0's, and another rank's (its last 400 lines) "
-        "only when it fails or is slow (runtime/observation/rank_output.py); all: every rank's", "failing")
+        "which ranks' output the segment log holds: failing: rank 0's and the last rank's (Megatron's iteration "
+        "lines), another rank's (its last 400 lines) only when it fails or is slow "
+        "(runtime/observation/rank_output.py); all: every rank's", "failing")
 
 
 @dataclass(frozen=True, kw_only=True)

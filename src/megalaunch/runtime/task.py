@@ -198,9 +198,10 @@ def run(command: list[str], stop_signal: signal.Signals, rank_output: str = "all
     # (bench/load_profile.py; docs/results.md). THP_MEM_ALLOC_ENABLE=0 in cluster.env turns it off.
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
     try:  # preexec_fn is safe: no threads yet (the output reader starts after the fork)
-        child, held = rank_output_start(command, hold=rank_output == "failing" and rank != 0, rank=rank,
-                                        preexec_fn=_die_with_parent)
+        child, held = rank_output_start(command, hold=rank_output == "failing" and rank not in (0, world - 1),
+                                        rank=rank, preexec_fn=_die_with_parent)
     except OSError as e:
         print(f"[megalaunch task] cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         return 127
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one task of a megalaunch job step (see the module docstring).")
     parser.add_argument("--signal", default="SIGUSR2", help="the chain's stop signal (blocked for the command)")
     parser.add_argument("--rank-output", choices=("all", "failing"), default="all",
-                        help="failing: hold the output of ranks other than 0 until they fail or are slow "
+                        help="failing: hold the output of ranks other than the first and last until they fail "
+                             "or are slow "
                              "(runtime/observation/rank_output.py)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG ...]")
     opts = parser.parse_args(argv)

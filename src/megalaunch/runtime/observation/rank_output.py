@@ -1,7 +1,8 @@
 """Which ranks' output reaches the segment log (`logging.rank_output`, issue 33). At 1,000 nodes x 8 GPUs
 every rank printing its warnings and start-up lines makes a log of 8,000 interleaved copies that nobody
-reads, on a shared filesystem. With `failing` (the default) rank 0's output passes through; every other
-rank's task supervisor (runtime/task.py) holds its rank's output in memory, the last HOLD_LINES lines
+reads, on a shared filesystem. With `failing` (the default) the output of rank 0 and of the last rank
+(where Megatron prints its iteration lines: `print_rank_last`) passes through; every other rank's task
+supervisor (runtime/task.py) holds its rank's output in memory, the last HOLD_LINES lines
 (HOLD_BYTES at most), and writes it to the log, under a header, only when the rank fails (a non-zero
 exit, killed by a signal) or says it is slow: the trainer prints SLOW_MARK when the straggler check
 finds its compute above the median by more than `cluster.straggler_threshold`
