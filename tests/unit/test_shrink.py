@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.unit.test_chain import RecordingScheduler
+from tests.unit.test_restart import _chain as restart_chain
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.config.preflight import preflight
@@ -64,11 +64,9 @@ def test_the_job_survives_a_node_failure_and_asks_for_all_its_nodes(tmp_path: Pa
 
 
 def _chain(tmp_path: Path, *sets: str) -> tuple[RunPaths, Chain]:
-    loaded = load_recipe("tiny", [f"run.root={tmp_path}", *SLURM, "training.train_iters=100", "cluster.nodes=4",
-                                  "training.global_batch_size=12", "chain.restarts_per_segment=3",
-                                  "chain.max_segments_without_progress=5", *sets])
-    paths = write_run(prepare_run(loaded))
-    return paths, Chain(paths, RecordingScheduler())
+    """test_restart's run (later --set values win): 4 nodes, a global batch of 12, room for restarts."""
+    return restart_chain(tmp_path, "cluster.tasks_per_node=1", "cluster.nodes=4", "training.global_batch_size=12",
+                         "chain.restarts_per_segment=3", "chain.max_segments_without_progress=5", *sets)
 
 
 @pytest.fixture()
