@@ -19,6 +19,10 @@ TWO_RANKS = ("cluster.tasks_per_node=2", "training.micro_batch_size=1", "trainin
 
 def test_a_slow_rank_ends_the_segment_unhealthy_before_the_model_is_built(tmp_path: Path) -> None:
     paths = make_run(tmp_path, *TWO_RANKS, "training.train_iters=50")
+    # an earlier segment's list of what Megatron imported after the check: imported during this one's
+    paths.state.mkdir(parents=True, exist_ok=True)
+    (paths.state / "startup-modules.json").write_text(json.dumps({"modules": [
+        "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.no_such_module", "json"]}))
     t = Trainer(paths, world=2, job_id="61", env={"MEGALAUNCH_TEST_SLOW_NODE": "rank1:10"})
     assert t.wait(240) == [0, 0], t.log(0)[-3000:] + t.log(1)[-3000:]
     out = t.outcome()
@@ -32,6 +36,8 @@ def test_a_slow_rank_ends_the_segment_unhealthy_before_the_model_is_built(tmp_pa
     timeline = json.loads(paths.timeline("61").read_text())
     assert {"health_check_start", "health_check_end"} <= set(timeline["phases"])
     assert "model_build_start" not in timeline["phases"]  # Megatron built nothing
+    warm = timeline["warm_imports"]
+    assert warm["failed"] == 1 and warm["imported"] + warm["failed"] <= warm["modules"] <= 2, warm
     assert [e["unhealthy_nodes"] for e in ledger(paths, "health_check")] == [check["unhealthy_nodes"]]
     assert paths.read_tracker() is None
 
@@ -47,6 +53,10 @@ def test_a_healthy_check_records_its_figure_and_a_slow_forward_rank_is_the_strag
     assert [e["at"] for e in ledger(paths, "stragglers")] == ["save", "save", "end"]  # saves at 6 and 12
     assert end["slowest"]["rank"] == 1 and end["straggling"] and end["spread"] > 0.5, end
     assert out["stragglers"]["slowest"]["rank"] == 1
+    # what Megatron imported after the health check, recorded for the next segment's (warm_imports.py)
+    modules = json.loads((paths.state / "startup-modules.json").read_text())["modules"]
+    assert any(m.startswith("megatron.") for m in modules) and all(m.split(".")[0] in ("torch", "megatron")
+                                                                  for m in modules), modules
     baselines = Path(json.loads(paths.runtime_json.read_text())["node_health_dir"]) / "health_baselines.jsonl"
     (rec,) = [json.loads(x) for x in baselines.read_text().splitlines()]
     assert rec["device"].startswith("cpu fp32") and rec["tflops"] > 0 and rec["job_id"] == "62"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from megalaunch.runtime.checkpoint.resume import one_line
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
 from megalaunch.runtime.observation.rank_output import SLOW_MARK
 from megalaunch.runtime.observation.timeline import Timeline
+from megalaunch.runtime.observation.warm_imports import WarmImports, imported_since, record, recorded
 from megalaunch.runtime.rank.context import RankContext
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
@@ -85,6 +87,7 @@ class Observer:
         self._saving_in_window = 0.0
         self._wandb_started = False
         self._loss_log = os.environ.get(LOSS_LOG_ENV) if ctx.is_zero else None
+        self._modules_before: set[str] | None = None  # sys.modules at distributed_ready (warm_imports.py)
         self.timeline.mark("runtime_start", world=ctx.world)
 
     def phase(self, name: str) -> None:
@@ -98,6 +101,7 @@ class Observer:
     def distributed_ready(self) -> None:
         """torch.distributed is up, Megatron has not built anything yet: the health check (every rank)."""
         self.timeline.mark("distributed_ready")
+        self._modules_before = set(sys.modules)
         from megalaunch.runtime.health import stragglers
 
         if stragglers.nvrx_start():
@@ -112,9 +116,13 @@ class Observer:
         baselines = Baselines(c.node_health_dir) if c.node_health_dir else None
         self.timeline.mark("health_check_start")
         self.beat("health check started")
-        verdict = run_check(rank=ctx.rank, margin=c.health_check_margin, baselines=baselines)
+        warm = WarmImports(recorded(ctx.paths.state)).start()  # what Megatron imports next, while the GPU works
+        try:
+            verdict = run_check(rank=ctx.rank, margin=c.health_check_margin, baselines=baselines)
+        finally:
+            warmed = warm.stop()
         self.health = verdict.summary()
-        self.timeline.mark("health_check_end", health_check=self.health)
+        self.timeline.mark("health_check_end", health_check=self.health, warm_imports=warmed)
         self.beat("health check done")
         mine = next(f for f in verdict.figures if f.rank == ctx.rank)
         tflops = "failed" if mine.error else f"{mine.tflops:.3g} TFLOP/s" if mine.tflops is not None else "no figure"
@@ -162,9 +170,18 @@ class Observer:
         if self.step_timer is not None:
             self.step_timer.iteration()
         self.timeline.iteration(iteration, flush=iteration % self.config.log_interval == 0)
+        if self.steps == 1 and self.ctx.is_zero and self._modules_before is not None:
+            self._record_modules(self._modules_before)
         if self.steps == 1 and self.profiler is not None:
             self.profiler.dump(self.ctx.rank, self.ctx.job_id)
             self.profiler = None
+
+    def _record_modules(self, before: set[str]) -> None:
+        self._modules_before = None
+        try:
+            record(self.ctx.paths.state, imported_since(before))
+        except OSError as e:  # a faster start-up next time, never a reason to stop
+            self.ctx.log(f"start-up module list not written: {one_line(e)}")
 
     def report(self, iteration: int, flops_so_far: float) -> None:
         """The watchdog's beat; on rank 0 every log interval, progress, metrics and W&B."""
