@@ -24,7 +24,7 @@ FLOORS: list[set[str]] = [
     {"config"},  # recipes: schema, loading, preflight, Megatron's arguments
     {"launcher"},  # preparing and rendering runs, backends, the chain, status
     {"tokenization", "conversion"},  # stages of their own (tokenization.chat: chat data for SFT)
-    {"evaluation"},  # the eval stage: conversion, then perplexity and tasks
+    {"evaluation", "finetune"},  # the eval stage: conversion, then perplexity and tasks; submit --from-hf --data
     {"cli"},  # parse, call one library function, print
 ]
 FLOOR = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}

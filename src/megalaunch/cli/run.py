@@ -32,21 +32,27 @@ def submit(
     no_auto_requeue: Annotated[bool, typer.Option("--no-auto-requeue", help="Run one segment, no successor.")] = False,
     cluster: ClusterOpt = None,
     from_hf: Annotated[str | None, typer.Option("--from-hf", metavar="DIR", help="Start from this Hugging Face "
-                                                "model: the first segment converts it (checkpoint.from_hf).")] = None,
+                                                "model: its config.json gives the model's shape, its tokenizer and "
+                                                "chat template the run's; the first stage converts it.")] = None,
+    data: Annotated[str | None, typer.Option("--data", metavar="DIR", help="SFT data: chat JSONL files (or a "
+                                             "folder of them), tokenized by the chain's first stage, or the "
+                                             "output of `megalaunch data sft`.")] = None,
 ) -> None:
     """Validate a recipe, create the run directory and start the chain."""
+    from megalaunch.finetune.layers import submit_layers
     from megalaunch.launcher.backends.registry import backend_for
     from megalaunch.launcher.prepare.prepare import prepare_submission
-    from megalaunch.launcher.prepare.preview import disk_lines, dry_run_text, summary
+    from megalaunch.launcher.prepare.preview import disk_lines, dry_run_text, stage_lines, summary
 
-    sets = [*(set_ or []), *([f"checkpoint.from_hf={from_hf}"] if from_hf else [])]
-    prepared = prepare_submission(recipe, sets, name=name, cluster=cluster, check_disk=not dry_run,
-                                  backend=backend.value if backend else None, auto_requeue=not no_auto_requeue)
+    layers = submit_layers(recipe, set_ or [], from_hf=from_hf, data=data, cluster=cluster)
+    prepared = prepare_submission(recipe, set_ or [], name=name, cluster=cluster, check_disk=not dry_run,
+                                  backend=backend.value if backend else None, auto_requeue=not no_auto_requeue,
+                                  layers=layers)
     if dry_run:
         say(dry_run_text(prepared))
         return
     r = prepared.recipe
-    head = ["\n".join([summary(prepared), *disk_lines(prepared)])]
+    head = ["\n".join([summary(prepared), *stage_lines(prepared), *disk_lines(prepared)])]
 
     def echo(line: str) -> None:  # what the run is, right before the backend's first word: a refusal before
         while head:  # it (a missing secret, Slurm down, an unwritable run root) is the only line printed
@@ -58,6 +64,8 @@ def submit(
         say(head.pop())
     if started.job_id is None:
         say(f"done: {started.outcome}")
+        if r.chain.export_hf and (started.paths.root / "hf" / "config.json").is_file():
+            say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
         say(f"  megalaunch status {started.paths.root}")
         return
     say(f"run directory: {started.paths.root}")
@@ -239,6 +247,8 @@ def resume(
                            train_iters=recipe.training.train_iters)
     if started.job_id is None:
         say(f"done: {started.outcome}")
+        if (started.paths.root / "hf" / "config.json").is_file():
+            say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
     else:
         say(f"submitted job {started.job_id}; megalaunch status {paths.root}")
 

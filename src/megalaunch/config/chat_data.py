@@ -16,8 +16,10 @@ from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tok
 _MAKE = "megalaunch data sft CONVERSATIONS --tokenizer MODEL_DIR --output DIR"
 
 
-def check_chat_data(blend: Any, spec: TokenizerSpec | None) -> None:
-    for prefix, _ in blend.prefixes:
+def check_chat_data(blend: Any | None, spec: TokenizerSpec | None) -> None:
+    """`blend` None: chat files the chain's first stage tokenizes (data.chat_files); the template still counts."""
+    prefixes = blend.prefixes if blend is not None else ()
+    for prefix, _ in prefixes:
         if not os.path.isfile(prefix + MASK_SUFFIX):
             raise PreflightError(f"{prefix} has no loss mask ({prefix}{MASK_SUFFIX})", field="data.blend",
                                  valid="the output folder of `megalaunch data sft` (data.format: chat)",
@@ -30,7 +32,7 @@ def check_chat_data(blend: Any, spec: TokenizerSpec | None) -> None:
                              valid="the model's Hugging Face directory (the one given to `data sft --tokenizer`)",
                              fix="--set data.tokenizer_model=MODEL_DIR")
     run = tokenizer_digest(spec.files_from["tokenizer.json"]) if "tokenizer.json" in spec.files_from else None
-    for prefix, _ in blend.prefixes:
+    for prefix, _ in prefixes:
         made = _marker_digest(prefix)
         if run and made and made != run:
             raise PreflightError(f"{prefix} was tokenized with another tokenizer than {spec.source}",

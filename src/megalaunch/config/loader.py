@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -27,6 +27,8 @@ _MAX_INCLUDE_DEPTH = 16
 # A schema's own treatment of one file's values before merging, given the directory its relative
 # paths are relative to (tokenization anchors input and tokenizer paths there).
 Anchor = Callable[[dict[str, Any], Path], None]
+# Values from somewhere other than a recipe file or --set, each with its source (what run.yaml names).
+Layers = Sequence[tuple[str, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -189,9 +191,10 @@ def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str], sche
 
 
 def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any = Recipe, group: str = "train",
-              anchor: Anchor | None = None, cluster: str | None = None,
-              name: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The composed, overridden mapping of a recipe of `schema` and where each leaf came from."""
+              anchor: Anchor | None = None, cluster: str | None = None, name: str | None = None,
+              layers: Layers = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """The composed, overridden mapping of a recipe of `schema` and where each leaf came from. `layers`:
+    (source, values) merged over the recipe and cluster, under `--set` (`submit --from-hf`'s model shape)."""
     path = find_recipe(ref, group=group)
     prov: dict[str, str] = {}
     tree = _load_tree(path, prov, (), anchor, group, schema)
@@ -200,6 +203,8 @@ def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any =
         cpath = find_recipe(ref_c)
         sub_prov: dict[str, str] = {}
         _merge(tree, _load_tree(cpath, sub_prov, (), schema=schema), display_name(cpath), prov, src_prov=sub_prov)
+    for source, values in layers:
+        _merge(tree, values, source, prov)
     apply_sets(tree, list(sets), prov, schema, anchor)
     if name is not None:
         _merge(tree, {"name": name}, "--name", prov)
@@ -207,10 +212,10 @@ def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any =
 
 
 def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None,
-                cluster: str | None = None) -> LoadedRecipe:
+                cluster: str | None = None, layers: Layers = ()) -> LoadedRecipe:
     """Load, compose, override and type-check a training recipe. Raises ConfigError (one line) on any
-    problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`)."""
-    tree, prov = load_tree(ref, sets, cluster=cluster, name=name)
+    problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`), then `layers`."""
+    tree, prov = load_tree(ref, sets, cluster=cluster, name=name, layers=layers)
     recipe = expand_paths(build(Recipe, tree))  # ~ and $VAR in path fields, once, here (config/paths.py)
     return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref)
 

@@ -121,11 +121,15 @@ def check_files(recipe: Recipe) -> None:
         _require(Path(os.path.expanduser(recipe.checkpoint.from_hf), "config.json").is_file(), "checkpoint.from_hf",
                  f"{recipe.checkpoint.from_hf} has no config.json", "a Hugging Face model directory (config.json "
                  "and safetensors)", "fix the path, or convert first and use checkpoint.load")
+    if recipe.data.chat_files:
+        _require(os.path.exists(os.path.expanduser(recipe.data.chat_files)), "data.chat_files",
+                 f"{recipe.data.chat_files} does not exist", "chat JSONL/parquet files or a folder of them",
+                 "fix the path (submit --data DIR)")
 
 
 def resolve_data_blend(recipe: Recipe) -> Any | None:
     """The frozen blend (or None for mock data); raises PreflightError for missing .bin/.idx."""
-    if recipe.data.mock:
+    if recipe.data.mock or recipe.data.chat_files:  # chat files: the chain's first stage writes the blend
         return None
     from megalaunch.data.blend import load_blend_file, resolve_blend
 
@@ -179,7 +183,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     else:
         blend = resolve_data_blend(recipe)
     check_blend_dtypes(recipe, blend, spec)
-    if recipe.data.format == "chat" and blend is not None:
+    if recipe.data.format == "chat" and (blend is not None or recipe.data.chat_files):
         from megalaunch.config.chat_data import check_chat_data
 
         check_chat_data(blend, spec)

@@ -93,9 +93,8 @@ class TrainingConfig:
         "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
         "compute, least memory)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
-    flow: str | None = doc(
-        "a user-defined training step, 'module:Class' importable in the job (runtime/flows/flow.py; e.g. "
-        "megalaunch.runtime.flows.preference_flow:PreferenceFlow); null: next-token loss on the loss mask", None)
+    flow: str | None = doc("a user-defined training step, 'module:Class' importable in the job (runtime/flows/flow.py); "
+                           "null: next-token loss on the loss mask", None)
     fused_kernels: bool | Literal["auto"] = doc(
         "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
         "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
@@ -129,9 +128,8 @@ class CheckpointConfig:
     milestone_interval: int = doc("also keep every M-th iteration forever (0: none)", 0)
     save_time_estimate_s: float = doc("expected seconds to write one checkpoint (sets the signal lead)", 60.0)
     load: str | None = doc("start from this checkpoint directory (first segment only)", None, path="path")
-    from_hf: str | None = doc("start from this Hugging Face model directory: the first segment converts it into "
-                              "RUN/pretrained (`convert hf-to-mcore` with this recipe), then trains from it; "
-                              "instead of checkpoint.load (`submit --from-hf DIR`)", None, path="path")
+    from_hf: str | None = doc("start from this Hugging Face model (`submit --from-hf DIR`): the first segment converts "
+                              "it into RUN/pretrained with this recipe; instead of checkpoint.load", None, path="path")
     allow_blend_change: bool = doc("resume even if the data blend changed", False)
 
     def __post_init__(self) -> None:
@@ -160,6 +158,8 @@ class DataConfig:
     tokenizer_model: str | None = doc("local tokenizer.json or Hugging Face tokenizer directory "
                                       "(HuggingFaceTokenizer; frozen into RUN/tokenizer/)", None, path="path")
     vocab_size: int | None = doc("vocabulary size (NullTokenizer; a Hugging Face tokenizer brings its own)", None)
+    chat_files: str | None = doc("chat JSONL/parquet (or a folder): the chain's first stage tokenizes them with the run's "
+                                 "tokenizer and chat template into RUN/sft_data (`submit --data DIR`)", None, path="path")
     num_workers: int = doc("data-loader workers per rank", 2)
     format: Literal["tokens", "chat"] = doc(
         "tokens: documents concatenated into sequences, every token trained on (pre-training); chat: the output "
@@ -167,12 +167,14 @@ class DataConfig:
         "(docs/finetuning.md); with data.mock, Megatron's mock data (smoke tests, benchmarks)", "tokens")
 
     def __post_init__(self) -> None:
-        if self.blend and self.blend_file:
-            raise ValueError("data: data.blend and data.blend_file both name the data; give one of them "
-                             "(data.blend: [...] to list prefixes, or data.blend_file: FILE from `megalaunch data blend`)")
-        if not self.mock and not self.blend and not self.blend_file:
-            raise ValueError("data: set data.blend (dataset prefixes), data.blend_file (a file from "
-                             "`megalaunch data blend --output`) or data.mock: true")
+        if sum(map(bool, (self.blend, self.blend_file, self.chat_files))) > 1:
+            raise ValueError("data: give one of data.blend, data.blend_file and data.chat_files (each names the data)")
+        if not (self.mock or self.blend or self.blend_file or self.chat_files):
+            raise ValueError("data: set data.blend (dataset prefixes), data.blend_file (a file from `megalaunch data "
+                             "blend --output`), data.chat_files (chat JSONL) or data.mock: true")
+        if self.chat_files and (self.format != "chat" or self.tokenizer_type != "HuggingFaceTokenizer"):
+            raise ValueError("data.chat_files needs data.format: chat and the HuggingFaceTokenizer (the model's chat "
+                             "template renders them); fix: submit RECIPE --from-hf MODEL_DIR --data DIR")
         if self.tokenizer_type == "NullTokenizer" and self.vocab_size is None:
             raise ValueError("data.vocab_size is required with the NullTokenizer")
         if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
@@ -223,6 +225,7 @@ class ChainConfig:
                                    1800.0)
     notify: NotifyConfig = doc("commands and webhooks told when the chain needs a person or finishes",
                                NotifyConfig())
+    export_hf: bool = doc("at the target, `job end` converts the last checkpoint to Hugging Face in RUN/hf", False)
     restarts_per_segment: int = doc("in-job restarts: a step that failed for a reason a restart can fix (a rank "
                                     "killed, a collective error, a hang, a node failing its health check) starts "
                                     "again inside the same allocation, from the newest complete checkpoint, at "
@@ -232,8 +235,7 @@ class ChainConfig:
         if not 0 <= self.restarts_per_segment <= 100:
             raise ValueError(f"chain.restarts_per_segment must be 0-100, got {self.restarts_per_segment}; "
                              "fix: --set chain.restarts_per_segment=2 (0 turns in-job restarts off)")
-        for name in ("hang_timeout_s", "startup_timeout_s"):
-            value = getattr(self, name)
+        for name, value in (("hang_timeout_s", self.hang_timeout_s), ("startup_timeout_s", self.startup_timeout_s)):
             if not value > 0:  # also refuses NaN
                 raise ValueError(f"chain.{name} must be > 0 seconds, got {value}; "
                                  f"fix: --set chain.{name}=1800 (or another positive number)")
@@ -301,16 +303,13 @@ class EvalConfig:
     cpus_per_task: int | None = doc("CPU cores of the eval job (default: cluster.cpus_per_task)", None)
     time: str = doc("time limit of the eval job", "01:00:00")
     partition: str | None = doc("Slurm partition of the eval job (default: cluster.partition)", None)
-    wait_complete_s: float = doc("how long the eval job waits for its checkpoint to be complete (async saves)",
-                                 1800.0)
+    wait_complete_s: float = doc("how long the eval job waits for its checkpoint to be complete (async saves)", 1800.)
 
     def __post_init__(self) -> None:
         if self.interval < 0:
             raise ValueError("eval.interval must be >= 0")
-        if self.heldout_sequences < 0:
-            raise ValueError("eval.heldout_sequences must be >= 0")
-        if self.batch_size < 1:
-            raise ValueError("eval.batch_size must be >= 1")
+        if self.heldout_sequences < 0 or self.batch_size < 1:
+            raise ValueError("eval.heldout_sequences must be >= 0 and eval.batch_size >= 1")
         if self.gpus is not None and self.gpus < 0:
             raise ValueError("eval.gpus must be >= 0")
         parse_time_limit(self.time)

@@ -122,7 +122,8 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "slurm_error": slurm_error, "nodes": node_decisions(events), "restarts": restart_lines(events),
         "health": health_lines(events), "stragglers": straggler_lines(events), "stop_signal": stop_lines(events),
         "resume": resume_summary(paths, events), "storage": checkpoint_usage(paths, recipe, events),
-        "next": _next_command(paths, chain_state, recipe.training.train_iters),
+        "exported": _last(events, "exported"),  # chain.export_hf's last stage (launcher/chain/last_stage.py)
+        "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(events, "exported")),
     }
 
 
@@ -138,12 +139,13 @@ def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
     return next((e for e in reversed(events) if e["event"] == kind), None)
 
 
-def _next_command(paths: RunPaths, chain_state: str, target: int) -> str | None:
-    """What to run once training is done: convert its last checkpoint for Hugging Face."""
+def _next_command(paths: RunPaths, chain_state: str, target: int, exported: dict[str, Any] | None) -> str | None:
+    """What to run once training is done: convert its last checkpoint for Hugging Face (unless the chain's
+    last stage did)."""
     import shlex
 
     tracker = paths.read_tracker()
-    if chain_state != "stopped" or not isinstance(tracker, int) or tracker < target:
+    if chain_state != "stopped" or not isinstance(tracker, int) or tracker < target or (exported or {}).get("ok"):
         return None
     return (f"megalaunch convert mcore-to-hf {shlex.quote(str(paths.root))} "
             f"--out {shlex.quote(str(paths.root / 'hf'))}")

@@ -55,6 +55,11 @@ def format_run_status(st: dict[str, Any]) -> str:
             span = f"  iter {r['start_iteration'] if r['start_iteration'] is not None else 0} -> {r['end_iteration'] if r['end_iteration'] is not None else '...'}"
         lines.append(f"    {r['segment']:>3}  {r['job_id']:<12} {r['state']:<10}{span}"
                      + (f"  ({r['reason']})" if r["reason"] else ""))
+    exported = st.get("exported")
+    if exported:
+        lines.append(f"  Hugging Face model: {exported['output']} (iteration {exported.get('iteration')})"
+                     if exported.get("ok") else f"  Hugging Face export failed: {exported.get('error')}; retry: "
+                     f"{exported.get('fix')}")
     if st.get("next"):
         lines.append(f"  next: {st['next']}")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ from typing import Any
 
 from megalaunch.launcher.accounting.evidence import abnormal_ends
 from megalaunch.launcher.chain.backend import JobControl
-from megalaunch.launcher.chain.first_stage import convert_from_hf
+from megalaunch.launcher.chain.first_stage import convert_from_hf, tokenize_chats
+from megalaunch.launcher.chain.last_stage import export_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
 from megalaunch.launcher.chain.segment_end import advanced, remove_failed_saves, what_ended, write_goodput
 from megalaunch.launcher.chain.successor import Successor
@@ -88,6 +89,8 @@ class Chain:
         start = iteration if requested is None else requested
         if start is not None and start >= target:
             return self.stop(job_id, f"training already reached its target (iteration {start})", kind="finished")
+        if self.settings.chat_files and (failed := tokenize_chats(self.paths, self.settings.chat_files, job_id, log)):
+            return self.stop(job_id, failed.reason, fix=failed.fix)
         if self.settings.from_hf and (failed := convert_from_hf(self.paths, self.settings.from_hf, job_id, log)):
             return self.stop(job_id, failed.reason, fix=failed.fix)
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
@@ -174,7 +177,7 @@ class Chain:
     def _after_end(self, job_id: str, status: str, reason: Any, fix: Any, now: int | None) -> Verdict:
         """Stop the chain, or let the queued successor resume."""
         if status == "finished":
-            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
+            return self._finished(job_id, now)
         if status in ("exited", "aborted"):
             verb = "exit" if status == "exited" else "abort"
             what = "saved and stopped" if verb == "exit" else "stopped without saving"
@@ -187,7 +190,7 @@ class Chain:
         if self.paths.cancel_requested.exists():
             return self.stop(job_id, str(reason) if status == "cancelled" else "cancel requested", kind="by_user")
         if now is not None and now >= self.settings.train_iters:
-            return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
+            return self._finished(job_id, now)
         stopped_by_guard = self._guard(job_id, record_continue=True)
         if stopped_by_guard is not None:
             return stopped_by_guard
@@ -200,6 +203,12 @@ class Chain:
             return Verdict(False, f"the successor could not be queued: Slurm did not answer ({error}); the chain "
                                   f"pauses, nothing is lost: megalaunch resume {self.paths.root}", needs_person=True)
         return Verdict(True, f"outcome {status}: the next segment resumes")
+
+    def _finished(self, job_id: str, now: int | None) -> Verdict:
+        """Training reached its target: the last stage (chain.export_hf), then the chain stops."""
+        if self.settings.export_hf:
+            export_hf(self.paths, job_id, log)
+        return self.stop(job_id, f"training reached its target (iteration {now})", kind="finished")
 
     def _guard(self, job_id: str, *, record_continue: bool) -> Verdict | None:
         """The crash-loop budget: K consecutive segments without a new checkpoint stop the chain."""

@@ -62,7 +62,8 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         spare_nodes=recipe.cluster.spare_nodes,
         node_counts=node_counts(recipe) if recipe.cluster.min_nodes is not None else None, tasks_per_node=recipe.cluster.ntasks_per_node,
         min_train_time_s=recipe.chain.min_train_time_s, data_format=recipe.data.format,
-        flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf)
+        flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf, chat_files=recipe.data.chat_files,
+        export_hf=recipe.chain.export_hf)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

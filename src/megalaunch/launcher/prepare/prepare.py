@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch import __version__
-from megalaunch.config.loader import LoadedRecipe
+from megalaunch.config.loader import Layers, LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
 from megalaunch.config.preflight import preflight, recipe_tokenizer
 from megalaunch.config.schema import Recipe
@@ -98,10 +98,12 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
 
 
 def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cluster: str | None = None,
-                       backend: str | None = None, auto_requeue: bool = True, check_disk: bool = True) -> PreparedRun:
+                       backend: str | None = None, auto_requeue: bool = True, check_disk: bool = True,
+                       layers: Layers = ()) -> PreparedRun:
     """What `megalaunch submit` does before anything is written: load (with the command line's
     overrides, which win over `--set`), preflight, render and the disk budget (refused when it does
-    not fit and `check_disk`; a dry run shows the verdict instead)."""
+    not fit and `check_disk`; a dry run shows the verdict instead). `layers`: values under `--set` from
+    elsewhere (`--from-hf`'s model shape and tokenizer, `--data`'s data; finetune/)."""
     from megalaunch.config.loader import load_recipe
 
     sets = list(sets)
@@ -109,7 +111,7 @@ def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cl
         sets.append(f"cluster.backend={backend}")
     if not auto_requeue:
         sets.append("chain.auto_requeue=false")
-    return with_disk_budget(prepare_run(load_recipe(ref, sets, name=name, cluster=cluster)), enforce=check_disk)
+    return with_disk_budget(prepare_run(load_recipe(ref, sets, name=name, cluster=cluster, layers=layers)), enforce=check_disk)
 
 
 def with_disk_budget(prepared: PreparedRun, *, enforce: bool = True) -> PreparedRun:

@@ -33,11 +33,25 @@ def summary(prepared: PreparedRun) -> str:
             f"{r.training.train_iters} iterations, backend {r.cluster.backend}")
 
 
+def stage_lines(prepared: PreparedRun) -> list[str]:
+    """The chain's first and last stages, where they write (launcher/chain/first_stage.py, last_stage.py)."""
+    r, root = prepared.recipe, prepared.paths.root
+    lines = []
+    if r.data.chat_files:
+        lines.append(f"first stage: tokenize {r.data.chat_files} with the model's chat template -> {root}/sft_data")
+    if r.checkpoint.from_hf:
+        lines.append(f"first stage: convert {r.checkpoint.from_hf} -> {root}/pretrained, then train from it")
+    if r.chain.export_hf:
+        lines.append(f"last stage: the final checkpoint as a Hugging Face model -> {root}/hf")
+    return lines
+
+
 def dry_run_text(prepared: PreparedRun) -> str:
     """What a submit would create: the run directory, the job script, Megatron's arguments."""
     import shlex
 
-    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}", *disk_lines(prepared)]
+    lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}", *stage_lines(prepared),
+             *disk_lines(prepared)]
     if prepared.tokenizer is not None:
         lines.append(f"{prepared.tokenizer.describe()} -> {prepared.paths.tokenizer}/")
     if "job.sbatch" in prepared.files:

@@ -67,6 +67,8 @@ class RuntimeSettings:
     # data.format (runtime/loop/step.py): "tokens" (GPTDataset) or "chat" (tokenization/chat/dataset.py)
     data_format: str = "tokens"
     from_hf: str | None = None  # checkpoint.from_hf: converted into RUN/pretrained by `job begin` (launcher/chain/first_stage.py)
+    chat_files: str | None = None  # data.chat_files: tokenized into RUN/sft_data by `job begin` (launcher/chain/first_stage.py)
+    export_hf: bool = False  # chain.export_hf: `job end` converts the final checkpoint into RUN/hf
     flow: str | None = None  # training.flow: a user-defined step, "module:Class" (runtime/flows/flow.py)
 
     def to_json(self) -> str:
