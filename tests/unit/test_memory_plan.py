@@ -21,7 +21,8 @@ from megalaunch.rundir.paths import RunPaths
 
 LLAMA3_8B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
 ONE_NODE = ["cluster.nodes=1", "cluster.gpus_per_node=4", "parallel.sequence_parallel=false"]
-TP1 = [*ONE_NODE, "parallel.tensor_model_parallel_size=1"]
+# the layout exactly as given (schema defaults for the rest), not the planner's around the pins (parallel: auto)
+TP1 = [*ONE_NODE, "parallel.tensor_model_parallel_size=1", "parallel.layout=pinned"]
 TRAIN_GPU = [k for k in sorted(shipped_recipes()) if k.startswith("train/")
              and load_recipe(k).recipe.cluster.gpus_per_node > 0]
 
@@ -100,7 +101,7 @@ def test_mixture_of_experts_is_not_planned_nor_refused_with_dense_figures() -> N
     """The memory model is dense: an MoE recipe gets no fit check (not a dense model's figures, which
     refuse this layout) and `plan` refuses it naming the field."""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
-              "training.micro_batch_size=4"]
+              "training.micro_batch_size=4", "parallel.layout=pinned"]
     with pytest.raises(PreflightError, match=r"^parallel: .*needs ~"):  # the dense model does not fit an H100
         preflight(load_recipe("llama3-8b", layout).recipe)
     moe = load_recipe("llama3-8b", [*layout, "model.num_experts=64", "parallel.expert_model_parallel_size=8"]).recipe

@@ -168,7 +168,8 @@ def test_an_unknown_recipe_name_offers_every_close_name() -> None:
 
 @pytest.mark.parametrize(("sets", "field"), [
     (["model.seq_length=4095", "model.max_position_embeddings=8192"], "model.seq_length"),
-    (["model.ffn_hidden_size=14335"], "model.ffn_hidden_size"),
+    # TP pinned: `parallel: auto` would pick a TP that divides the width (TP 1)
+    (["model.ffn_hidden_size=14335", "parallel.tensor_model_parallel_size=2"], "model.ffn_hidden_size"),
 ])
 def test_checks_megatron_makes_only_at_model_build_or_forward_are_made_before_submit(sets: list[str], field: str) -> None:
     _one_line(cli("submit", "train/llama3-8b", *[a for s in sets for a in ("--set", s)], "--dry-run"), f"error: {field}:")

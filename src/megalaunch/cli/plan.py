@@ -31,7 +31,7 @@ def plan(
     from megalaunch.config.preflight import tokenizer_vocab_size
     from megalaunch.errors import PreflightError
 
-    loaded = load_recipe(recipe, list(set_ or []), cluster=cluster)
+    loaded = load_recipe(recipe, list(set_ or []), cluster=cluster, plan_layout=False)  # it ranks them all itself
     result = plan_recipe(loaded.recipe, tokenizer_vocab_size(loaded.recipe), nodes=nodes,
                          gpus_per_node=gpus_per_node, gpu=gpu)
     if apply:

@@ -41,6 +41,7 @@ def submit(
     """Validate a recipe, create the run directory and start the chain."""
     from megalaunch.finetune.layers import submit_layers
     from megalaunch.launcher.backends.registry import backend_for
+    from megalaunch.launcher.prepare.outlook import outlook_lines
     from megalaunch.launcher.prepare.prepare import prepare_submission
     from megalaunch.launcher.prepare.preview import disk_lines, dry_run_text, stage_lines, summary
 
@@ -52,7 +53,8 @@ def submit(
         say(dry_run_text(prepared))
         return
     r = prepared.recipe
-    head = ["\n".join([summary(prepared), *stage_lines(prepared), *disk_lines(prepared)])]
+    head = ["\n".join([summary(prepared), *stage_lines(prepared), *outlook_lines(prepared.outlook, why=False),
+                       *disk_lines(prepared)])]
 
     def echo(line: str) -> None:  # what the run is, right before the backend's first word: a refusal before
         while head:  # it (a missing secret, Slurm down, an unwritable run root) is the only line printed

@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from megalaunch.config.paths import expand_paths
+from megalaunch.config.planner.auto import LayoutChoice, unpin, with_layout
 from megalaunch.config.recipe_files import base_dir, display_name, find_recipe, load_yaml, read_recipe_file
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import UnknownKeyError, build, to_plain
@@ -37,6 +38,7 @@ class LoadedRecipe:
     raw: dict[str, Any]  # merged mapping before typing (what the user wrote, composed)
     provenance: dict[str, str]  # dotted leaf path -> "file" or "--set"
     source: str  # what the user named
+    layout: LayoutChoice | None = None  # how the layout was chosen (`parallel: auto`, config/planner/auto.py)
 
     def resolved(self) -> dict[str, Any]:
         """The complete recipe with defaults filled in, as plain data (written to run.yaml)."""
@@ -123,6 +125,9 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise ConfigError(f"expected a list of recipe names, got {includes!r}", field=f"{display_name(path)}: include")
+    auto = data.get("parallel") == "auto"  # `parallel: auto`: every layout field given before it is unpinned
+    if auto:
+        data["parallel"] = {"layout": "auto"}
     if schema is not None:
         _check_shapes(data, schema, display_name(path))
     if anchor is not None:
@@ -133,6 +138,8 @@ def _load_tree(path: Path, prov: dict[str, str], stack: tuple[Path, ...], anchor
         sub_prov: dict[str, str] = {}
         sub = _load_tree(inc_path, sub_prov, (*stack, path), anchor, group, schema)
         _merge(merged, sub, display_name(inc_path), prov, src_prov=sub_prov)
+    if auto:
+        unpin(merged, prov)
     _merge(merged, data, display_name(path), prov)
     return merged
 
@@ -173,6 +180,9 @@ def apply_sets(tree: dict[str, Any], sets: list[str], prov: dict[str, str], sche
                anchor: Anchor | None = None) -> None:
     for expr in sets:
         parts, value = parse_set(expr)
+        if parts == ["parallel"] and value == "auto":  # the planner chooses every layout field (planner/auto.py)
+            unpin(tree, prov)
+            parts = ["parallel", "layout"]
         _check_path(parts, schema)
         if anchor is not None:  # paths on the command line are relative to the cwd
             wrapped: dict[str, Any] = {parts[-1]: value}
@@ -212,12 +222,14 @@ def load_tree(ref: str, sets: list[str] | tuple[str, ...] = (), *, schema: Any =
 
 
 def load_recipe(ref: str, sets: list[str] | tuple[str, ...] = (), *, name: str | None = None,
-                cluster: str | None = None, layers: Layers = ()) -> LoadedRecipe:
+                cluster: str | None = None, layers: Layers = (), plan_layout: bool = True) -> LoadedRecipe:
     """Load, compose, override and type-check a training recipe. Raises ConfigError (one line) on any
-    problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`), then `layers`."""
+    problem. `cluster` names a cluster profile merged on top of the recipe (before `--set`), then `layers`.
+    `plan_layout`: resolve `parallel: auto` for the recipe's GPUs (config/planner/auto.py)."""
     tree, prov = load_tree(ref, sets, cluster=cluster, name=name, layers=layers)
     recipe = expand_paths(build(Recipe, tree))  # ~ and $VAR in path fields, once, here (config/paths.py)
-    return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref)
+    recipe, layout = with_layout(recipe, tree, prov) if plan_layout else (recipe, None)
+    return LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=ref, layout=layout)
 
 
 def load_resolved(data: dict[str, Any]) -> Recipe:

@@ -80,7 +80,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     out = _model_args(recipe)
     m = recipe.model
 
-    _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size"})
+    _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size", "layout"})
     vpp = recipe.parallel.virtual_pipeline_model_parallel_size
     if vpp:
         layers_per_chunk = m.num_layers // (recipe.parallel.pipeline_model_parallel_size * vpp)

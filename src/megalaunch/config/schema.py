@@ -57,6 +57,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = doc("EP: expert-parallel degree", 1)
     sequence_parallel: bool = doc("sequence parallelism (needs TP > 1)", False)
     use_distributed_optimizer: bool = doc("shard optimizer state over DP (ZeRO-1)", True)
+    layout: Literal["auto", "pinned"] = doc("auto: the planner's layout for the job's GPUs (docs/training.md)", "pinned")
 
 
 @dataclass(frozen=True, kw_only=True)

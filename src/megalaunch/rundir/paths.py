@@ -31,6 +31,11 @@ class RunPaths:
         return self.root / "manifest.json"
 
     @property
+    def plan(self) -> Path:
+        """The layout chosen at submit and its inputs, the predicted figures and forecast (launcher/prepare/outlook.py)."""
+        return self.root / "plan.json"
+
+    @property
     def runtime_json(self) -> Path:
         """The runtime's slice of the recipe (intervals, target, signal), read inside the job."""
         return self.root / "runtime.json"

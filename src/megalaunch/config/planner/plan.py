@@ -17,7 +17,9 @@ The throughput model, per optimizer step on one GPU:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 from megalaunch.config.planner.gpus import GPUSpec, gpu_spec, known_gpus
 from megalaunch.config.planner.memory import RECOMPUTES, Layout, MemoryEstimate, ModelShape, estimate
@@ -227,6 +229,12 @@ def table(cands: list[Candidate], top: int) -> list[str]:
     return lines
 
 
+@functools.lru_cache(maxsize=32)
+def _ranked(shape: ModelShape, gpu: GPUSpec, memory_gib: float, **kw: Any) -> tuple[Candidate, ...]:
+    """`rank`, once per input: every load of a recipe with `parallel: auto` plans (config/planner/auto.py)."""
+    return tuple(rank(shape, gpu, memory_gib, **kw))
+
+
 @dataclass(frozen=True)
 class Plan:
     recipe_name: str
@@ -268,10 +276,11 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     memory = float(cl.gpu_memory_gb) if cl.gpu_memory_gb and not gpu else spec.memory_gib
     t = recipe.training
     attention = "local" if t.attention == "local" else ("te" if t.attention == "te" else "sdpa")
-    cands = rank(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
-                 global_batch=t.global_batch_size, attention=attention, precision=t.precision,
-                 distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                 fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger", kernels=speed_kernels(recipe))
+    cands = list(_ranked(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
+                         global_batch=t.global_batch_size, attention=attention, precision=t.precision,
+                         distributed_optimizer=recipe.parallel.use_distributed_optimizer,
+                         fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger",
+                         kernels=speed_kernels(recipe)))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",

@@ -16,6 +16,7 @@ from typing import Any
 from megalaunch import __version__
 from megalaunch.config.loader import Layers, LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
+from megalaunch.config.planner.checkpoint_size import recipe_checkpoint_bytes
 from megalaunch.config.preflight import preflight, recipe_tokenizer
 from megalaunch.config.schema import Recipe
 from megalaunch.config.storage import DiskBudget
@@ -24,6 +25,7 @@ from megalaunch.config.topology import Topology
 from megalaunch.errors import RunDirError
 from megalaunch.launcher.prepare.explain import yaml_with_origins
 from megalaunch.launcher.prepare.job_inputs import runtime_settings, script_context
+from megalaunch.launcher.prepare.outlook import Outlook, outlook
 from megalaunch.launcher.prepare.render import render
 from megalaunch.rundir.files import args_file_text
 from megalaunch.rundir.paths import RunPaths
@@ -41,6 +43,7 @@ class PreparedRun:
     blend_sha256: str | None
     tokenizer: TokenizerSpec | None = None  # frozen into RUN/tokenizer/ (Megatron's --tokenizer-model)
     budget: DiskBudget | None = None  # the checkpoints' disk budget (submit: prepare_submission)
+    outlook: Outlook | None = None  # the layout chosen and the forecast (RUN/plan.json; a loaded recipe's)
 
     @property
     def recipe(self) -> Recipe:
@@ -92,9 +95,12 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
                                                                          loaded.source, created))
     if blend is not None:
         files["data_blend.txt"] = blend.text
+    view = outlook(recipe, loaded.layout, recipe_checkpoint_bytes(recipe, tokenizer)) if loaded.layout else None
+    if view is not None:
+        files["plan.json"] = view.record()
     return PreparedRun(loaded=loaded, paths=paths, chain_name=chain_name, topology=topo, files=files,
                        blend_sha256=blend.sha256 if blend is not None else None,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, outlook=view)
 
 
 def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cluster: str | None = None,

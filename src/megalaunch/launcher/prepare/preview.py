@@ -5,6 +5,7 @@ Megatron's arguments)."""
 from __future__ import annotations
 
 from megalaunch.errors import PreflightError
+from megalaunch.launcher.prepare.outlook import outlook_lines
 from megalaunch.launcher.prepare.prepare import PreparedRun
 
 
@@ -51,7 +52,7 @@ def dry_run_text(prepared: PreparedRun) -> str:
     import shlex
 
     lines = [f"dry run: {summary(prepared)}", f"would create {prepared.paths.root}", *stage_lines(prepared),
-             *disk_lines(prepared)]
+             *outlook_lines(prepared.outlook, why=True), *disk_lines(prepared)]
     if prepared.tokenizer is not None:
         lines.append(f"{prepared.tokenizer.describe()} -> {prepared.paths.tokenizer}/")
     if "job.sbatch" in prepared.files:
