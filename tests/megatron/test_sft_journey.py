@@ -1,87 +1,97 @@
-"""Fine-tuning end to end on the CPU (issue 26): a tiny chat model made and saved with transformers,
-converted to Megatron, fine-tuned with the `sft-tiny` recipe on generated conversations (`megalaunch
-data sft`) across three segments stopped by SIGUSR2; the loss on the assistant's tokens falls, the
-losses equal an uninterrupted run's (exact resume), prompt-side targets carry no loss, and the result
-converts back to a Hugging Face model that transformers chats with (chat template + generate)."""
+"""Fine-tuning in one command, end to end on the CPU (issues 26 and 37): a tiny chat model made and saved
+with transformers and a folder of chat JSONL, then `megalaunch submit sft-llama3-1b --from-hf HF --data
+CHATS` with only what a CPU and a short test need (the local cluster profile, fp32, sizes): nothing about
+the model's shape or the data. The chain's first stage tokenizes the chats with the model's own chat
+template and converts the model (its shape from config.json, not the recipe's Llama 3.2 1B), the loss on
+the assistant's tokens falls, and its last stage writes RUN/hf, which transformers chats with; its weights
+are the trained checkpoint's (converted back to Megatron: every tensor equal). The same run (the first one's
+prepared data given to --data) stopped by SIGUSR2 twice resumes exactly (losses equal to 1e-6), and
+prompt-side targets carry no loss."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-from harness import FAST, ledger, losses, run_segment
+from harness import ledger, losses, run_segment
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
-from megalaunch.config.loader import load_recipe
-from megalaunch.conversion import hf_to_mcore, mcore_to_hf
+from megalaunch.config.loader import load_recipe, load_run_recipe
+from megalaunch.finetune.layers import submit_layers
 from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
-from megalaunch.tokenization.chat.build import build
+from megalaunch.rundir.files import read_json
+from megalaunch.rundir.paths import RunPaths
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 ITERS = 24
+# What a CPU and a short test add: the machine, fp32, the sizes; sft-tiny's learning rate (tiny random weights).
+CPU = ["training.precision=fp32", f"training.train_iters={ITERS}", "training.global_batch_size=8",
+       "training.micro_batch_size=4", "training.lr=1e-3", "training.min_lr=1e-3", "training.lr_warmup_iters=2",
+       "training.lr_decay_style=constant", "checkpoint.save_interval=4", "checkpoint.keep_last=20",
+       "training.log_interval=1", "data.num_workers=0", "chain.hang_timeout_s=120"]
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The HF model, its conversion and the chat data (made once for the module's tests)."""
+def one_command(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The Hugging Face model, the chats, and the one-command run (made once for the module's tests)."""
     root = tmp_path_factory.mktemp("sft")
     hf = make_chat_model(root / "hf")
     write_jsonl(root / "chats" / "train.jsonl", chat_rows(240))
-    stats = build([str(root / "chats")], root / "data", tokenizer=hf, seq_length=64)
-    assert stats[0].conversations == 240 and 0 < stats[0].trained_tokens < stats[0].tokens
-    hf_to_mcore(hf, root / "converted", model=load_recipe("sft-tiny").recipe.model, vocab_size=512, progress=False)
-    return {"root": root, "hf": hf, "data": root / "data", "converted": root / "converted"}
+    sets = [*CPU, f"run.root={root / 'runs'}", f"cluster.python={sys.executable}", "cluster.env={OMP_NUM_THREADS: '1'}"]
+    command = [sys.executable, "-m", "megalaunch.cli.main", "submit", "sft-llama3-1b", "--from-hf", str(hf),
+               "--data", str(root / "chats"), "--cluster", "local", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "MEGALAUNCH_LOSS_LOG": str(root / "straight.jsonl")})
+    runs = sorted((root / "runs").glob("sft-llama3-1b-*"))
+    assert proc.returncode == 0 and len(runs) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"root": root, "hf": hf, "run": RunPaths(runs[0]), "out": proc.stdout + proc.stderr,
+            "sets": sets, "losses": losses(root / "straight.jsonl")}
 
 
-def _run(prepared: dict[str, Path], root: Path, name: str):
-    sets = [*FAST, "training.global_batch_size=8", "training.micro_batch_size=4", f"training.train_iters={ITERS}",
-            "checkpoint.save_interval=4", "checkpoint.keep_last=20", "data.mock=false",
-            f"data.blend=[{{path: {prepared['data']}}}]", "data.tokenizer_type=HuggingFaceTokenizer",
-            f"data.tokenizer_model={prepared['hf']}", f"checkpoint.load={prepared['converted']}"]
-    return write_run(prepare_run(load_recipe("sft-tiny", sets, name=name), root=root))
+def test_one_command_tokenizes_converts_trains_and_exports_a_chat_model(one_command: dict[str, Any]) -> None:
+    run, hf, out = one_command["run"], one_command["hf"], one_command["out"]
+    assert read_json(run.outcome)["status"] == "finished"
+    recipe = load_run_recipe(run)  # the shape came from config.json, not the recipe
+    assert (recipe.model.num_layers, recipe.model.hidden_size, recipe.model.seq_length) == (2, 64, 64)
+    prepared = ledger(run, "data_prepared")
+    assert [(r["ok"], r["source"], r["output"]) for r in prepared] == [(True, str(one_command["root"] / "chats"),
+                                                                         str(run.root / "sft_data"))]
+    assert [(r["ok"], r["source"]) for r in ledger(run, "converted")] == [(True, str(hf))]
+    assert (run.root / "sft_data" / "train.mask").is_file() and run.data_blend.is_file()
+    assert read_json(run.manifest)["data_blend_sha256"] == prepared[0]["blend_sha256"]
+    exported = ledger(run, "exported")
+    assert [(r["ok"], r["iteration"], r["output"]) for r in exported] == [(True, ITERS, str(run.root / "hf"))]
+    assert f"Hugging Face model: {run.root / 'hf'}" in out and f"last stage: the final checkpoint as a Hugging " \
+        f"Face model -> {run.root / 'hf'}" in out
+    status = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "status", str(run.root)],
+                            capture_output=True, text=True, timeout=120)
+    assert f"Hugging Face model: {run.root / 'hf'} (iteration {ITERS})" in status.stdout, status.stdout
 
-
-def test_sft_chain_resumes_exactly_and_converts_back_to_a_chat_model(prepared: dict[str, Path]) -> None:
-    root = prepared["root"]
-    straight = _run(prepared, root / "a", "straight")
-    ref_log = root / "straight.jsonl"
-    t = run_segment(straight, "100", ref_log, None)
-    assert t.outcome()["status"] == "finished"
-    assert str(prepared["converted"]) in t.log()  # started from the converted Hugging Face model
-
-    chain = _run(prepared, root / "b", "chain")
-    log = root / "chain.jsonl"
-    stops = []
-    for job, stop_after in (("201", 5), ("202", 5), ("203", None)):
-        out = run_segment(chain, job, log, stop_after).outcome()
-        assert out["status"] == ("finished" if stop_after is None else "saved"), out
-        if stop_after is not None:
-            stops.append(out["iteration"])
-    consumed = [r["consumed_samples"] for r in ledger(chain, "resumed")]
-    assert consumed == [8 * s for s in stops]  # global batch 8: consumed conversations continue exactly
-
-    ref, got = losses(ref_log), losses(log)
-    assert sorted(ref) == sorted(got) == list(range(1, ITERS + 1))
-    worst = max(abs(got[i] - ref[i]) / abs(ref[i]) for i in ref)
-    assert worst <= 1e-6, {i: (ref[i], got[i]) for i in ref if not math.isclose(ref[i], got[i], rel_tol=1e-6)}
+    ref = one_command["losses"]
+    assert sorted(ref) == list(range(1, ITERS + 1))
     first, last = sum(ref[i] for i in (1, 2, 3)) / 3, sum(ref[i] for i in range(ITERS - 2, ITERS + 1)) / 3
     assert last < 0.7 * first, (first, last)  # the loss on the assistant's tokens falls
 
-    _chat_with_the_result(chain, root / "back")
+    _chat_with(run.root / "hf")
+    _exported_weights_are_the_trained_ones(run, one_command["root"] / "back")
 
 
-def _chat_with_the_result(chain, out: Path) -> None:
+def _chat_with(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    mcore_to_hf(chain.root, out, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template and "<|start_header_id|>" in tokenizer.chat_template
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -93,13 +103,66 @@ def _chat_with_the_result(chain, out: Path) -> None:
     assert len(answer) > 0 and isinstance(tokenizer.decode(answer), str)
 
 
-def test_prompt_tokens_carry_no_loss(prepared: dict[str, Path], tmp_path: Path) -> None:
+def _weights(directory: Path) -> dict[str, Any]:
+    """The model tensors of a torch_dist checkpoint, read without Megatron."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(directory), f"{tmp}/c.pt")
+        state = torch.load(f"{tmp}/c.pt", weights_only=False)
+    return {k: v for k, v in state.items()
+            if isinstance(v, torch.Tensor) and not k.startswith("optimizer") and not k.endswith("_extra_state")}
+
+
+def _exported_weights_are_the_trained_ones(run: RunPaths, back: Path) -> None:
+    import torch
+
+    from megalaunch.conversion import hf_to_mcore
+
+    hf_to_mcore(run.root / "hf", back, vocab_size=512, progress=False)
+    trained, exported = _weights(run.checkpoints / f"iter_{ITERS:07d}"), _weights(back / "release")
+    assert trained.keys() == exported.keys() and len(trained) >= 9
+    for name, tensor in trained.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
+def _stopped_chain(one_command: dict[str, Any]) -> RunPaths:
+    """The same recipe and settings on the harness's trainer: the first run's prepared data through --data
+    (the other kind of SFT_DIR) and its converted model as checkpoint.load (no `job begin` converts here)."""
+    run, sets = one_command["run"], CPU
+    layers = submit_layers("sft-llama3-1b", sets, from_hf=str(one_command["hf"]), data=str(run.root / "sft_data"))
+    model_layer = {**layers[0][1], "checkpoint": {"load": str(run.root / "pretrained")}}
+    loaded = load_recipe("sft-llama3-1b", sets, name="chain", cluster="local",
+                         layers=[(layers[0][0], model_layer), layers[1]])
+    assert loaded.recipe.data.blend[0].path == str(run.root / "sft_data") and not loaded.recipe.data.chat_files
+    return write_run(prepare_run(loaded, root=one_command["root"] / "b"))
+
+
+def test_the_same_run_stopped_twice_resumes_exactly(one_command: dict[str, Any]) -> None:
+    chain, log = _stopped_chain(one_command), one_command["root"] / "chain.jsonl"
+    stops = []
+    for job, stop_after in (("201", 5), ("202", 5), ("203", None)):
+        out = run_segment(chain, job, log, stop_after).outcome()
+        assert out["status"] == ("finished" if stop_after is None else "saved"), out
+        if stop_after is not None:
+            stops.append(out["iteration"])
+    consumed = [r["consumed_samples"] for r in ledger(chain, "resumed")]
+    assert consumed == [8 * s for s in stops]  # global batch 8: consumed conversations continue exactly
+    ref, got = one_command["losses"], losses(log)
+    assert sorted(got) == list(range(1, ITERS + 1))
+    worst = max(abs(got[i] - ref[i]) / abs(ref[i]) for i in ref)
+    assert worst <= 1e-6, {i: (ref[i], got[i]) for i in ref if not math.isclose(ref[i], got[i], rel_tol=1e-6)}
+
+
+def test_prompt_tokens_carry_no_loss(one_command: dict[str, Any], tmp_path: Path) -> None:
     """Changing only the prompt-side targets leaves the trainer's loss unchanged; changing one of the
     assistant's targets changes it (the real model, dataset and loss function)."""
     from tests.support.sft_loss import run_chat_losses
 
-    model = dataclasses.asdict(load_recipe("sft-tiny").recipe.model)
-    got = run_chat_losses(str(prepared["converted"] / "release"), model, str(prepared["data"] / "train"), 64,
+    run = one_command["run"]
+    model = dataclasses.asdict(load_run_recipe(run).model)
+    got = run_chat_losses(str(run.root / "pretrained" / "release"), model, str(run.root / "sft_data" / "train"), 64,
                           str(tmp_path / "losses.pt"))
     own, prompt_changed, answer_changed = got["losses"]
     assert got["changed_prompt_labels"] > 10 and 0 < int(got["mask"].sum()) < len(got["mask"])
