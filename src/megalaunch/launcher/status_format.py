@@ -27,6 +27,8 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"  goodput so far: {st['goodput']:.1%} of {st['wall_h']:.2f} h allocated "
                      f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
                      f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
+    if st.get("forecast"):
+        lines.append(forecast_line(st["forecast"]))
     lines.append(f"  triggers pending: {', '.join(st['pending_triggers']) or 'none'}   consumed: {st['consumed_triggers']}")
     for r in st.get("refused_triggers") or []:
         lines.append(f"  refused trigger '{r['name']}' planted by {r['planted_by']}: {r['why']} (ignored)")
@@ -72,3 +74,23 @@ def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds // 3600} h {seconds % 3600 // 60} min"
     return f"{seconds // 60} min {seconds % 60} s"
+
+
+def forecast_line(fc: dict[str, Any]) -> str:
+    """The way to the target, from the run's measured figures (launcher/accounting/forecast.py)."""
+    if fc.get("reached"):
+        return f"  forecast: iteration {fc['target']} reached"
+    if fc.get("seconds_left") is None:
+        return (f"  forecast: none: a segment has no room for an iteration of {fc['step_s']:.3g} s "
+                "(raise cluster.time)")
+    more = fc["segments_left"]
+    segs = (f"this segment, then {more} more" if fc["running"] else f"{more} more segment{'s' if more != 1 else ''}")
+    total = fc["segments_done"] + more
+    measured = [k for k, v in fc["source"].items() if str(v).startswith("measured")]
+    planned = f", {fc['predicted_step_s']:.3g} s predicted" if fc.get("predicted_step_s") else ""
+    return (f"  forecast: {_duration(fc['seconds_left'])} more to iteration {fc['target']} ({segs}; {total} in all), "
+            + (f"{fc['gpu_hours_left']:,.1f} GPU-hours more, {fc['gpu_hours_spent'] + fc['gpu_hours_left']:,.1f} in all; "
+               if fc.get("gpus") else "a CPU job; ") +
+            f"step {fc['step_s']:.3g} s{planned}, start-up {fc['startup_s']:.0f} s, stop save {fc['stop_save_s']:.0f} s, "
+            f"periodic save {fc['periodic_save_s']:.2g} s (measured: {', '.join(measured) or 'nothing yet'}; "
+            "the rest as predicted at submit)")

@@ -141,7 +141,7 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
     mode = recipe.parallel.layout
     current = layout_values(recipe)
     pinned = {k: [current[k], prov[k]] for k in LAYOUT_FIELDS if prov.get(k, "default") != "default"}
-    described = _describe(recipe)
+    described = describe_layout(recipe)
     why_not = _unplannable(recipe)
     if why_not is not None:
         return recipe, {}, LayoutChoice(mode, described, f"as written: {why_not}", pinned=pinned)
@@ -182,7 +182,8 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
         runner_up=_brief(runner) if runner else None, **common)
 
 
-def _describe(recipe: Recipe) -> str:
+def describe_layout(recipe: Recipe) -> str:
+    """The recipe's layout in the planner's words (Layout.describe)."""
     from megalaunch.config.planner.memory import Layout
 
     p, t = recipe.parallel, recipe.training

@@ -22,6 +22,7 @@ from typing import Any
 
 from megalaunch.config.loader import LoadedRecipe, apply_sets, load_run_recipe, parse_set, read_run_tree
 from megalaunch.config.paths import expand_paths
+from megalaunch.config.planner.auto import with_layout
 from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import build, to_plain
 from megalaunch.errors import ConfigError, RunDirError
@@ -89,8 +90,12 @@ def prepare_change(paths: RunPaths, sets: list[str]) -> SettingsChange:
         if any(k == key or k.startswith(key + ".") for key in keys):
             prov[k] = "megalaunch resume --set"
     recipe = expand_paths(build(Recipe, tree))
+    layout = None  # the layout the checkpoints were written with stays, unless --set parallel=auto asks anew
+    if any(k in ("parallel", "parallel.layout") for k in keys) and recipe.parallel.layout == "auto":
+        recipe, layout = with_layout(recipe, tree, prov)
     manifest = read_json(paths.manifest) or {}
-    loaded = LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=str(manifest.get("recipe_source", "")))
+    loaded = LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=str(manifest.get("recipe_source", "")),
+                          layout=layout)
     new_plain = to_plain(recipe)
     data_changed = any(_lookup(old_plain, k) != _lookup(new_plain, k) for k in DATA_KEYS)
     frozen = None if data_changed else _frozen_blend(paths)
