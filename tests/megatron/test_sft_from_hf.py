@@ -1,7 +1,8 @@
 """`megalaunch submit sft-tiny --from-hf DIR` on the local backend, the way a user runs it: the chain's
 first stage converts the Hugging Face model into RUN/pretrained (ledger `converted`), the first segment
-trains from it (with lr ~ 0 the weights converted back equal the Hugging Face model's), and a Hugging
-Face model of another shape stops the chain before training with the conversion's one-line reason."""
+trains from it (with lr ~ 0 the weights converted back equal the Hugging Face model's), and weights that
+do not fit their config.json (the shape the run takes) stop the chain before training with the
+conversion's one-line reason."""
 
 from __future__ import annotations
 
@@ -62,9 +63,9 @@ def test_from_hf_converts_as_the_first_stage_and_trains_from_it(tmp_path: Path) 
     (tmp_path / "wide").mkdir()
     for f in hf.iterdir():
         (tmp_path / "wide" / f.name).write_bytes(f.read_bytes())
-    (tmp_path / "wide" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128}))
-    proc, paths = _submit(tmp_path, tmp_path / "wide", tmp_path / "data", "wide")
-    stopped = [r for r in read_jsonl(paths.ledger) if r["event"] == "chain_stopped"]
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
+    proc, paths = _submit(tmp_path, tmp_path / "wide", tmp_path / "data", "wide")  # the shape is config.json's,
+    stopped = [r for r in read_jsonl(paths.ledger) if r["event"] == "chain_stopped"]  # the weights are not
     assert len(stopped) == 1 and "converting checkpoint.from_hf" in stopped[0]["reason"], stopped
-    assert "hidden_size" in stopped[0]["reason"] and "\n" not in stopped[0]["reason"]
+    assert "shape" in stopped[0]["reason"] and "256" in stopped[0]["reason"] and "\n" not in stopped[0]["reason"]
     assert not paths.checkpoints.is_dir() or not any(paths.checkpoints.iterdir())  # nothing trained
