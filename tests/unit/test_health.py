@@ -232,3 +232,76 @@ def test_the_first_healthy_check_leaves_the_node_health_dir_writable_for_the_gro
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o660, name
     assert Baselines(directory).reference("cpu fp32 n=256") == 0.1
     assert list(NodeHealth(directory).active()) == ["node2"]
+
+
+class _FakeGPU:
+    """torch's surface that measure_matmul touches, on a pretend GPU: a recorded call order, a clock
+    that advances 2 ms per matmul and a CUDA event pair that reports the queued matmuls' time."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.clock = 0.0
+        self.bfloat16 = self.float32 = object()
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool) -> None:
+                self.at = 0.0
+
+            def record(self) -> None:
+                self.at = gpu.clock
+                gpu.calls.append("record")
+
+            def synchronize(self) -> None:
+                gpu.calls.append("event sync")
+
+            def elapsed_time(self, other: Event) -> float:
+                return (other.at - self.at) * 1e3 * 0.5  # the GPU ran the queue twice as fast as the probe
+
+        class Cuda:
+            def synchronize(self, device: object) -> None:
+                gpu.calls.append("sync")
+
+        self.cuda = Cuda()
+        self.cuda.Event = Event  # type: ignore[attr-defined]
+
+    def randn(self, *a: object, **k: object) -> None:
+        return None
+
+    def matmul(self, a: object, b: object) -> None:
+        self.clock += 0.002
+        self.calls.append("matmul")
+
+
+def test_on_a_gpu_the_imports_run_while_the_queued_matmuls_are_timed_by_cuda_events(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from megalaunch.runtime.health import health
+
+    gpu = _FakeGPU()
+    monkeypatch.setattr(health.time, "perf_counter", lambda: gpu.clock)
+    busy: list[int] = []
+    tflops = health.measure_matmul(gpu, SimpleNamespace(type="cuda"), n=1000, seconds=1.0,
+                                   while_busy=lambda: busy.append(len(gpu.calls)))
+    first_record = gpu.calls.index("record")
+    queued = gpu.calls[first_record + 1:].index("record")
+    assert queued > 100 and busy == [first_record + queued + 2]  # after the whole queue was launched
+    assert gpu.calls[busy[0]:] == ["event sync"]
+    assert tflops == pytest.approx(2 * 1000**3 / 0.001 / 1e12)  # the events' time, not the host's
+
+
+def test_on_the_cpu_or_a_slowed_device_the_imports_start_first(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from megalaunch.runtime.health import health
+
+    for device, slow in (("cpu", 1.0), ("cuda", 3.0)):
+        gpu = _FakeGPU()
+        monkeypatch.setattr(health.time, "perf_counter", lambda gpu=gpu: gpu.clock)
+        monkeypatch.setattr(health.time, "sleep", lambda s, gpu=gpu: setattr(gpu, "clock", gpu.clock + s))
+        busy: list[int] = []
+        health.measure_matmul(gpu, SimpleNamespace(type=device), n=100, seconds=0.3, slow_factor=slow,
+                              while_busy=lambda gpu=gpu, busy=busy: busy.append(len(gpu.calls)))
+        warm_up = ["matmul"] * 3 + (["sync"] if device == "cuda" else [])
+        assert busy == [len(warm_up)] and gpu.calls[:len(warm_up)] == warm_up, (device, busy)  # before timing
+        assert "record" not in gpu.calls

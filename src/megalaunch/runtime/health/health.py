@@ -26,6 +26,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,9 @@ BASELINE_WINDOW = 10  # the reference is the median of the newest healthy checks
 GPU_SHAPE = (8192, 1.5, 256 * 2**20, 10)  # 2 x 8192^3 = 1.1 TFLOP per matmul: ~1.6 ms on an H100
 CPU_SHAPE = (256, 0.3, 4 * 2**20, 5)
 ATTEMPTS = 3  # measurements of a check that finds slow ranks (run_check)
-MATMUL_BUDGET_S = 10.0  # a very slow device stops after its first batch past this
+MATMUL_BUDGET_S = 10.0
+PROBE_S = 0.25  # on a GPU: the host-timed probe; the rest of the matmul seconds is queued at once
+QUEUE_MAX = 768  # matmuls queued at once (CUDA's launch queue holds ~1,000 before a launch blocks)  # a very slow device stops after its first batch past this
 ALLREDUCE_BUDGET_S = 10.0
 RANKS_KEPT = 16  # a check of more ranks records only the ranks that tell something (RankFigures.kept)
 
@@ -176,14 +179,26 @@ def _sync(torch: Any, device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul(torch: Any, device: Any, *, n: int, seconds: float, slow_factor: float = 1.0) -> float:
-    """TFLOP/s of n x n matmuls (bf16 on a GPU, fp32 on the CPU) over about `seconds`."""
+def measure_matmul(torch: Any, device: Any, *, n: int, seconds: float, slow_factor: float = 1.0,
+                   while_busy: Callable[[], Any] = lambda: None) -> float:
+    """TFLOP/s of n x n matmuls (bf16 on a GPU, fp32 on the CPU) over about `seconds`.
+
+    On a GPU, a short probe (batches doubling, timed on the host) gives the device's pace, then the rest of
+    the time is queued at once between two CUDA events and `while_busy` runs while the GPU works through
+    it (start-up's module imports, runtime/observation/warm_imports.py): the figure is the GPU's own time,
+    which a busy interpreter (the imports hold the GIL for tens of ms at a time) neither lowers nor
+    lengthens. On the CPU, or with the slow-node test hook, the timed loop covers all of it and
+    `while_busy` runs first."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):  # warm-up: kernels chosen, clocks up
         torch.matmul(a, b)
     _sync(torch, device)
+    queued = device.type == "cuda" and slow_factor <= 1
+    if not queued:
+        while_busy()
+    probe = min(seconds, PROBE_S) if queued else seconds
     batch, done = 1, 0
     t0 = time.perf_counter()
     while True:
@@ -195,10 +210,23 @@ def measure_matmul(torch: Any, device: Any, *, n: int, seconds: float, slow_fact
             time.sleep((time.perf_counter() - b0) * (slow_factor - 1))
         done += batch
         elapsed = time.perf_counter() - t0
-        if elapsed >= seconds or elapsed >= MATMUL_BUDGET_S:
+        if elapsed >= probe or elapsed >= MATMUL_BUDGET_S:
             break
         batch = min(batch * 2, 64)
-    return 2.0 * n**3 * done / elapsed / 1e12
+    probed = 2.0 * n**3 * done / elapsed / 1e12
+    count = min(QUEUE_MAX, int((seconds - elapsed) / (elapsed / done))) if queued else 0
+    if count < 8:  # the probe took the time (a slow device), or the CPU
+        if queued:
+            while_busy()
+        return probed
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        torch.matmul(a, b)
+    end.record()
+    while_busy()
+    end.synchronize()
+    return 2.0 * n**3 * count / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def measure_allreduce(torch: Any, dist: Any, device: Any, *, nbytes: int, iterations: int) -> float | None:
@@ -231,7 +259,8 @@ def device_key(torch: Any, device: Any, n: int) -> str:
     return f"cpu fp32 n={n} threads={torch.get_num_threads()}"
 
 
-def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -> HealthVerdict:
+def run_check(*, rank: int, margin: float, baselines: Baselines | None = None,
+              while_busy: Callable[[], Any] = lambda: None) -> HealthVerdict:
     """Measure this rank, gather every rank's figures, judge. A collective: every rank calls it.
     A verdict of slow ranks (not of failed ones) is measured again, every rank together, up to
     ATTEMPTS times, each rank keeping its best figure: a device that is slow stays slow, while a
@@ -253,7 +282,8 @@ def run_check(*, rank: int, margin: float, baselines: Baselines | None = None) -
             key = device_key(torch, device, n)
             if _hooked(os.environ.get(FAIL_NODE_ENV) or "", node, rank):
                 raise RuntimeError(f"test hook {FAIL_NODE_ENV}={os.environ[FAIL_NODE_ENV]}")
-            got = measure_matmul(torch, device, n=n, seconds=seconds, slow_factor=_slow_factor(node, rank))
+            got = measure_matmul(torch, device, n=n, seconds=seconds, slow_factor=_slow_factor(node, rank),
+                                 while_busy=while_busy)
             tflops = got if tflops is None else max(tflops, got)
         except Exception as e:  # this rank fails the check; it still takes part in the collectives below
             error = f"{type(e).__name__}: {e}"[:300]

@@ -116,9 +116,10 @@ class Observer:
         baselines = Baselines(c.node_health_dir) if c.node_health_dir else None
         self.timeline.mark("health_check_start")
         self.beat("health check started")
-        warm = WarmImports(recorded(ctx.paths.state)).start()  # what Megatron imports next, while the GPU works
+        warm = WarmImports(recorded(ctx.paths.state))  # what Megatron imports next, while the GPU works
         try:
-            verdict = run_check(rank=ctx.rank, margin=c.health_check_margin, baselines=baselines)
+            verdict = run_check(rank=ctx.rank, margin=c.health_check_margin, baselines=baselines,
+                                while_busy=warm.start)
         finally:
             warmed = warm.stop()
         self.health = verdict.summary()

@@ -8,10 +8,13 @@ the interpreter idle waiting on the GPU for ~1.6 s. So:
 - every segment's rank 0 records, in the run's state directory, the `torch.*` and `megatron.*` modules
   that were imported between `distributed_ready` and the end of its first iteration, in import order
   (merged with the names already recorded);
-- a later segment imports that list on a thread while its health check runs. The main thread imports
-  nothing meanwhile (it enqueues GPU work and waits); when the check ends it tells the thread to stop
-  between two modules and joins it, so no import of the thread ever runs beside Megatron's own (two
-  threads importing modules that import each other could see a half-initialised module).
+- a later segment imports that list on a thread while its health check's GPU works through a queue of
+  matmuls (runtime/health/health.py measure_matmul; on the CPU, during the whole check). The main thread
+  imports nothing meanwhile; when the check ends it tells the thread to stop between two modules and
+  joins it, so no import of the thread ever runs beside Megatron's own (two threads importing modules
+  that import each other could see a half-initialised module). The imports hold the GIL for tens of ms
+  at a time (torch's C++ op registrations): a check timed on the host would wait for them, which is why
+  the GPU's work is queued first and timed with CUDA events.
 
 Best effort: a module that fails to import is skipped (Megatron imports it later and reports it then); a
 missing or unreadable list is no list. Only names of the two packages are imported, whatever the file
@@ -84,7 +87,8 @@ class WarmImports:
         self._thread = threading.Thread(target=self._run, name="megalaunch-warm-imports", daemon=True)
 
     def start(self) -> WarmImports:
-        if self.names:
+        """Start importing (once: later calls do nothing)."""
+        if self.names and self._thread.ident is None and not self._stop.is_set():
             self._thread.start()
         return self
 
