@@ -155,8 +155,8 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
               "memory_gib": plan.memory_gib, "world": plan.nodes * plan.gpus_per_node,
               "global_batch_size": recipe.training.global_batch_size, "seq_length": recipe.model.seq_length,
               "model": f"{recipe.model.num_layers} layers x {recipe.model.hidden_size} hidden"}
-    common = {"pinned": pinned, "inputs": inputs, "first": _brief(plan.best) if plan.best else None,
-              "considered": len(cands), "fitting": sum(c.fits for c in cands)}
+    common: dict[str, Any] = {"pinned": pinned, "inputs": inputs, "first": _brief(plan.best) if plan.best else None,
+                              "considered": len(cands), "fitting": sum(c.fits for c in cands)}
     if mode == "pinned":
         own = next((c for c in cands if _candidate_values(c.layout) == current), None)
         return recipe, {}, LayoutChoice(
