@@ -17,7 +17,7 @@ from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
 
 EXPECTED_PATH_FIELDS = {
-    "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
+    "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.chat_files", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
     "cluster.megalaunch", "cluster.container.image", "cluster.container.mounts", "cluster.container.environment",
     "debug.code_snapshot", "eval.heldout_blend", "eval.task_paths", "eval.local_tasks[].path",
 }

@@ -169,7 +169,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if sum(map(bool, (self.blend, self.blend_file, self.chat_files))) > 1:
-            raise ValueError("data: give one of data.blend, data.blend_file and data.chat_files (each names the data)")
+            raise ValueError("data: data.blend and data.blend_file (or data.chat_files) both name the data; give one")
         if not (self.mock or self.blend or self.blend_file or self.chat_files):
             raise ValueError("data: set data.blend (dataset prefixes), data.blend_file (a file from `megalaunch data "
                              "blend --output`), data.chat_files (chat JSONL) or data.mock: true")
