@@ -48,6 +48,13 @@ class SlurmError(MegalaunchError):
     exit_code = 3
 
 
+class RemoteError(MegalaunchError):
+    """Reaching the login node over SSH failed (host, key, host key), or megalaunch is missing there.
+    Exit status 255, as OpenSSH's own failures."""
+
+    exit_code = 255
+
+
 class DependencyError(MegalaunchError):
     """An optional dependency is missing; the message carries the exact pip install hint."""
 

@@ -23,7 +23,7 @@ FLOORS: list[set[str]] = [
     {"runtime", "data"},  # inside the job; datasets (.bin/.idx, blends, mixtures)
     {"config"},  # recipes: schema, loading, preflight, Megatron's arguments
     {"launcher"},  # preparing and rendering runs, backends, the chain, status
-    {"tokenization", "conversion"},  # stages of their own (tokenization.chat: chat data for SFT)
+    {"tokenization", "conversion", "remote"},  # stages of their own (tokenization.chat: chat data for SFT); remote use over SSH
     {"evaluation", "finetune"},  # the eval stage: conversion, then perplexity and tasks; submit --from-hf --data
     {"cli"},  # parse, call one library function, print
 ]

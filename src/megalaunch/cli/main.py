@@ -46,15 +46,67 @@ def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks instead of one-line errors.")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
+    host: Annotated[str | None, typer.Option("--host", metavar="USER@LOGIN", help=(
+        "Run submit, status, logs, trigger, cancel or resume on this login node over SSH (anywhere on the "
+        "line; also MEGALAUNCH_HOST or cluster.ssh.host; `local`: here). docs/remote.md"))] = None,
 ) -> None:
     if debug:
         os.environ["MEGALAUNCH_DEBUG"] = "1"
 
 
-def main(argv: list[str] | None = None) -> None:
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("MEGALAUNCH_DEBUG") == "1"
+@app.command("remote-side", hidden=True)
+def _remote_side() -> None:
+    """The login node's half of `--host` (the laptop's ssh starts it; docs/remote.md)."""
+    from megalaunch.remote.server import serve
+
+    raise typer.Exit(serve(_run_here, _params, sys.stdin.buffer, sys.stdout.buffer))
+
+
+def _value_options(command: str) -> set[str]:
+    """`command`'s options that take a value, from its own definition."""
+    cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    return {o for p in cmd.params if getattr(p, "param_type_name", "") == "option" and not getattr(p, "is_flag", False)
+            and not getattr(p, "count", False) for o in (*p.opts, *p.secondary_opts)}
+
+
+def _params(argv: list[str]) -> tuple[str, dict[str, object]] | None:
+    """(command, its parameters) as the command itself parses `argv`; None when they do not parse."""
     try:
-        app(args=argv, standalone_mode=False)
+        i = next(i for i, w in enumerate(argv) if not w.startswith("-"))
+        cmd = typer.main.get_command(app).commands[argv[i]]  # type: ignore[attr-defined]
+        return argv[i], dict(cmd.make_context(argv[i], argv[i + 1:], resilient_parsing=True).params)
+    except Exception:
+        return None
+
+
+def _run_here(argv: list[str]) -> int:
+    try:
+        main(argv, remote=False)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return 0
+
+
+def _remote(args: list[str]) -> list[str]:
+    """Runs the command on the login node and exits with its status, or returns the words to run here."""
+    from megalaunch.remote.route import route
+
+    target, rest = route(args, _value_options)
+    if target is None:
+        return rest
+    from megalaunch.remote.client import run_remote
+    from megalaunch.remote.ship import build_request
+
+    sys.exit(run_remote(target, build_request(rest, _value_options("submit"))))
+
+
+def main(argv: list[str] | None = None, *, remote: bool = True) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("MEGALAUNCH_DEBUG") == "1"
+    try:
+        code = app(args=_remote(args) if remote else args, standalone_mode=False)
+        if isinstance(code, int) and code:  # typer.Exit(N) comes back as N when not standalone
+            sys.exit(code)
     except MegalaunchError as e:
         if debug:
             raise

@@ -41,6 +41,24 @@ class ContainerConfig:
             raise ValueError("cluster.container.environment is required when kind is cscs")
 
 
+@dataclass(frozen=True, kw_only=True)
+class SshConfig:
+    """Where the commands on runs go when you work from a laptop (docs/remote.md). Read where you type
+    the command, never in the job."""
+
+    host: str | None = doc("the login node, as `ssh` takes it (user@login, an ~/.ssh/config alias, "
+                           "ssh://user@host:port): submit, status, logs, trigger, cancel and resume run "
+                           "there over SSH (null: here)", None)
+    megalaunch: str = doc("the command that runs megalaunch on the login node (a name on its PATH, a "
+                          "path, or words such as `env PYTHONPATH=/src /venv/bin/megalaunch`)", "megalaunch")
+
+    def __post_init__(self) -> None:
+        if self.host is not None and (not self.host or self.host.startswith("-") or any(c.isspace() for c in self.host)):
+            raise ValueError(f"cluster.ssh.host must be a destination such as user@login, got {self.host!r}")
+        if not self.megalaunch.strip():
+            raise ValueError("cluster.ssh.megalaunch must name a command, e.g. megalaunch or /venv/bin/megalaunch")
+
+
 @dataclass(frozen=True)
 class BackendTraits:
     """What recipes and preflight need to know of a backend (its code: launcher/backends/registry.py)."""
@@ -86,6 +104,7 @@ class ClusterConfig:
     secret_env: list[str] = doc("names of variables that must be set in the submitting shell (W&B key...); "
                                 "sbatch passes them on, no file holds them", [])
     container: ContainerConfig = doc("container settings", ContainerConfig())
+    ssh: SshConfig = doc("submit and watch from another machine over SSH (docs/remote.md)", SshConfig())
     mail_user: str | None = doc("Slurm mails this address (#SBATCH --mail-user) about each training segment "
                                 "(null: no mail; chain.notify tells about the whole chain)", None)
     mail_type: str = doc("which segment events Slurm mails (--mail-type, with mail_user): a comma-separated "
