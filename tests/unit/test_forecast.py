@@ -116,3 +116,34 @@ def test_status_prints_the_forecast_from_the_runs_measured_figures(tmp_path: Pat
     text = format_run_status(st)
     assert "forecast: " in text and "more to iteration 400" in text and "step 0.25 s" in text
     assert "measured: step" in text
+
+
+def test_a_local_chain_segment_then_status_forecasts_from_what_it_measured(tmp_path: Path) -> None:
+    """A real local chain (the stand-in trainer under the real runtime: timeline, metrics, saves, ledger) stops on
+    its time limit's signal; `status` then forecasts the rest from the step, start-up and stop save it measured."""
+    import json
+
+    from tests.unit.helpers import cli
+
+    recipe = tmp_path / "fc.yaml"
+    recipe.write_text(
+        f"include: [tiny]\nname: fc\nrun: {{root: {tmp_path / 'runs'}}}\n"
+        'cluster: {time: "00:00:25", env: {MEGALAUNCH_TEST_STAND_IN: "1", MEGALAUNCH_TEST_STEP_SLEEP_S: "0.1"}}\n'
+        "training: {train_iters: 5000, log_interval: 5}\n"
+        "checkpoint: {save_interval: 50, save_time_estimate_s: 2}\n"
+        "chain: {step_time_estimate_s: 0.5, signal_margin_s: 2, min_train_time_s: 5}\n")
+    dry = cli("submit", str(recipe), "--dry-run")
+    assert dry.returncode == 0 and "forecast: " in dry.stdout and "to iteration 5000 in" in dry.stdout
+    proc = cli("submit", str(recipe), "--no-auto-requeue", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "forecast: " in proc.stdout  # submit says it too, before the segment runs
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    st = json.loads(cli("status", str(run), "--json").stdout)
+    fc = st["forecast"]
+    assert fc["source"]["step"] == "measured" and fc["source"]["first start-up"].startswith("measured")
+    assert fc["source"]["stop save"].startswith("measured")
+    assert 0.1 <= fc["step_s"] < 0.5  # the stand-in's 0.1 s sleep and its bookkeeping, not the 0.5 s estimate
+    assert fc["segments_done"] == 1 and fc["segments_left"] >= 1 and not fc["running"]
+    text = cli("status", str(run)).stdout
+    line = next(x for x in text.splitlines() if x.startswith("  forecast: "))
+    assert "more to iteration 5000" in line and "measured: step" in line and "stop save" in line

@@ -108,16 +108,28 @@ def test_no_gpu_type_to_plan_for_keeps_the_layout_as_written_with_the_reason(ref
     assert loaded.origin("parallel.tensor_model_parallel_size") == "default"
 
 
-def test_nothing_fits_is_one_line_naming_the_fix() -> None:
+def _submit_refusal(ref: str, sets: list[str]) -> PreflightError:
+    """Loading still works (a recipe is also loaded to convert, show or size it); prepare_run refuses."""
+    from megalaunch.launcher.prepare.prepare import prepare_run
+
+    loaded = load_recipe(ref, sets)
+    assert loaded.layout is not None and loaded.layout.refusal is not None
     with pytest.raises(PreflightError) as e:
-        load_recipe("llama3-70b", ["cluster.nodes=1"])
-    text = str(e.value)
+        prepare_run(loaded)
+    return e.value
+
+
+def test_nothing_fits_is_one_line_naming_the_fix(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    text = str(_submit_refusal("llama3-70b", ["cluster.nodes=1"]))
     assert text.startswith("parallel: auto: none of the") and "\n" not in text
     assert "cluster.nodes" in text
-    with pytest.raises(PreflightError, match=r"pinned parallel.tensor_model_parallel_size=1, training.micro_batch_"
-                                             r"size=16 fits .* the planner's first without the pins: TP 2") as e:
-        load_recipe("llama3-8b", ["parallel.tensor_model_parallel_size=1", "training.micro_batch_size=16"])
-    assert "--set parallel=auto" in str(e.value)
+    pinned = str(_submit_refusal("llama3-8b", ["parallel.tensor_model_parallel_size=1", "training.micro_batch_size=16"]))
+    assert "pinned parallel.tensor_model_parallel_size=1, training.micro_batch_size=16 fits" in pinned
+    assert "the planner's first without the pins: TP 2" in pinned and "--set parallel=auto" in pinned
+    with pytest.raises(SystemExit):  # the CLI: only the one line, on stderr
+        main(["submit", "llama3-70b", "--set", "cluster.nodes=1", "--set", f"run.root={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "auto: none of the" in err and not list(tmp_path.iterdir())
 
 
 def test_the_choice_is_recorded_and_resume_keeps_it_unless_told(tmp_path: Path) -> None:

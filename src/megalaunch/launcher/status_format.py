@@ -78,6 +78,7 @@ def _duration(seconds: float) -> str:
 
 def forecast_line(fc: dict[str, Any]) -> str:
     """The way to the target, from the run's measured figures (launcher/accounting/forecast.py)."""
+    from megalaunch.config.planner.forecast import duration
     if fc.get("reached"):
         return f"  forecast: iteration {fc['target']} reached"
     if fc.get("seconds_left") is None:
@@ -88,9 +89,9 @@ def forecast_line(fc: dict[str, Any]) -> str:
     total = fc["segments_done"] + more
     measured = [k for k, v in fc["source"].items() if str(v).startswith("measured")]
     planned = f", {fc['predicted_step_s']:.3g} s predicted" if fc.get("predicted_step_s") else ""
-    return (f"  forecast: {_duration(fc['seconds_left'])} more to iteration {fc['target']} ({segs}; {total} in all), "
+    return (f"  forecast: {duration(fc['seconds_left'])} more to iteration {fc['target']} ({segs}; {total} in all), "
             + (f"{fc['gpu_hours_left']:,.1f} GPU-hours more, {fc['gpu_hours_spent'] + fc['gpu_hours_left']:,.1f} in all; "
                if fc.get("gpus") else "a CPU job; ") +
-            f"step {fc['step_s']:.3g} s{planned}, start-up {fc['startup_s']:.0f} s, stop save {fc['stop_save_s']:.0f} s, "
+            f"step {fc['step_s']:.3g} s{planned}, start-up {fc['startup_s']:.0f} s, stop save {fc['stop_save_s']:.2g} s, "
             f"periodic save {fc['periodic_save_s']:.2g} s (measured: {', '.join(measured) or 'nothing yet'}; "
             "the rest as predicted at submit)")

@@ -47,6 +47,7 @@ class LayoutChoice:
     runner_up: dict[str, Any] | None = None  # the next layout (auto), for the dry run's why
     considered: int = 0
     fitting: int = 0
+    refusal: dict[str, str] | None = None  # nothing fits: the PreflightError submit raises (`check_fits`)
 
     @property
     def slower(self) -> float | None:
@@ -134,8 +135,8 @@ def _brief(c: Any) -> dict[str, Any]:
 
 
 def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[str, str], LayoutChoice]:
-    """The recipe with its layout resolved, the provenance of the chosen fields, and the choice. One-line
-    PreflightError when `parallel: auto` finds no layout that fits the GPUs' memory."""
+    """The recipe with its layout resolved, the provenance of the chosen fields, and the choice (with the refusal
+    `check_fits` raises when `parallel: auto` finds no layout that fits the GPUs' memory)."""
     from megalaunch.config.planner.plan import plan_recipe
 
     mode = recipe.parallel.layout
@@ -168,8 +169,11 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
         return recipe, {}, LayoutChoice(mode, described, "as written: no layout the planner enumerates has the "
                                         "pinned values", **common)
     chosen = next((c for c in matching if c.fits), None)
-    if chosen is None:
-        raise _nothing_fits(recipe, plan, want)
+    if chosen is None:  # refused at submit, not here: a recipe is also loaded to convert, show or size it
+        e = _nothing_fits(recipe, plan, want)
+        return recipe, {}, LayoutChoice(mode, described, "as written: no layout fits", **common,
+                                        refusal={"message": e.message, "field": e.field or "parallel",
+                                                 "valid": e.valid or "", "fix": e.fix or ""})
     values = _candidate_values(chosen.layout)
     recipe = _apply(recipe, values)
     origin = f"parallel: auto ({plan.nodes} x {plan.gpus_per_node} {plan.gpu.name})"
@@ -180,6 +184,12 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
     return recipe, chosen_prov, LayoutChoice(
         mode, chosen.layout.describe(), reason, planned=True, predicted=_summary(chosen, plan.gpu.peak_tflops),
         runner_up=_brief(runner) if runner else None, **common)
+
+
+def check_fits(choice: LayoutChoice | None) -> None:
+    """Submit's refusal when `parallel: auto` found no layout that fits the GPUs' memory: one line."""
+    if choice is not None and choice.refusal is not None:
+        raise PreflightError(**choice.refusal)
 
 
 def describe_layout(recipe: Recipe) -> str:

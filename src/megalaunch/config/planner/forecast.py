@@ -147,4 +147,4 @@ def duration(seconds: float) -> str:
         return f"{s // 86400} d {s % 86400 // 3600} h"
     if s >= 3600:
         return f"{s // 3600} h {s % 3600 // 60} min"
-    return f"{s // 60} min {s % 60} s"
+    return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"

@@ -16,6 +16,7 @@ from typing import Any
 from megalaunch import __version__
 from megalaunch.config.loader import Layers, LoadedRecipe
 from megalaunch.config.megatron_args import megatron_args
+from megalaunch.config.planner.auto import check_fits
 from megalaunch.config.planner.checkpoint_size import recipe_checkpoint_bytes
 from megalaunch.config.preflight import preflight, recipe_tokenizer
 from megalaunch.config.schema import Recipe
@@ -75,6 +76,7 @@ def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created:
                 root: Path | None = None, frozen_blend: Any | None = None) -> PreparedRun:
     """Preflight and render; touches no file. `frozen_blend`: a run's own blend (resume), not re-resolved."""
     recipe = loaded.recipe
+    check_fits(loaded.layout)  # `parallel: auto` found no layout that fits: its one line, before preflight's
     topo, blend = preflight(recipe, frozen_blend=frozen_blend)
     root = root or run_root(recipe)
     chain_name = chain_name or chain_name_for(recipe, root)
