@@ -199,7 +199,7 @@ def describe_layout(recipe: Recipe) -> str:
     p, t = recipe.parallel, recipe.training
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-                  dp=max(1, recipe.cluster.world_size // mp), vpp=p.virtual_pipeline_model_parallel_size,
+                  dp=max(1, recipe.cluster.world_size // max(mp, 1)), vpp=p.virtual_pipeline_model_parallel_size,
                   micro_batch=t.micro_batch_size, recompute=t.recompute,
                   sequence_parallel=p.sequence_parallel).describe()
 

@@ -27,6 +27,7 @@ copies: fused bias-dropout-add) and 3 f (fused SwiGLU) where the unfused keeps 6
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,15 +56,16 @@ class ModelShape:
     qkv_bias: bool = False
     vocab_divisible_by: int = 128
 
-    @property
+    # cached: `megalaunch plan` and `parallel: auto` ask each shape for them thousands of times (per layout)
+    @functools.cached_property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
+    @functools.cached_property
     def q_size(self) -> int:
         return self.heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def kv_size(self) -> int:
         return self.kv_heads * self.head_dim
 
@@ -73,6 +75,10 @@ class ModelShape:
 
     def layer_matmul_params(self) -> int:
         """Parameters of one layer that TP splits (the linears)."""
+        return self._matmul_params
+
+    @functools.cached_property
+    def _matmul_params(self) -> int:
         h, f = self.hidden, self.ffn
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         mlp = (3 if self.swiglu else 2) * h * f

@@ -61,6 +61,7 @@ class Candidate:
     fits: bool
 
 
+@functools.lru_cache(maxsize=64)
 def flops_parts(shape: ModelShape) -> tuple[float, float]:
     """(one transformer layer, the output layer) FLOPs of one training token, forward + backward."""
     layer = 3 * (2 * shape.layer_matmul_params() + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
