@@ -24,6 +24,8 @@ PERSIST_S = 600  # the master outlives the last command by ten minutes
 CONNECT_TIMEOUT_S = 15
 START_TIMEOUT_S = 60
 SERVER_SIDE = "remote-side"  # the login node's half: `megalaunch remote-side` (server.py)
+SOCKET_PATH_MAX = 104  # sun_path is 104 bytes on macOS, 108 on Linux
+SOCKET_NAME = 1 + 40 + 17  # "/" + %C (a SHA-1 in hex) + the ".XXXXXXXXXXXXXXXX" ssh adds while binding
 FIX_TRY = "try it by hand: ssh -o BatchMode=yes {host} true"
 
 
@@ -64,6 +66,10 @@ def control_dir() -> Path:
     except OSError as e:
         raise RemoteError(f"cannot make the SSH control directory {path}: {e.strerror}",
                           fix="set MEGALAUNCH_SSH_CONTROL_DIR to a directory of yours") from None
+    if len(str(path)) + SOCKET_NAME > SOCKET_PATH_MAX:
+        raise RemoteError(f"the SSH control directory {path} is too long a path for a socket (at most "
+                          f"{SOCKET_PATH_MAX - SOCKET_NAME} characters)",
+                          fix="set MEGALAUNCH_SSH_CONTROL_DIR to a shorter path, e.g. ~/.ssh/megalaunch")
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RemoteError(f"the SSH control directory {path} is not a private directory of yours (mode "
                           f"{stat.S_IMODE(st.st_mode):o}, owner {st.st_uid})",
