@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import stat
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,14 @@ def _opts(_command: str) -> set[str]:
     return SUBMIT_OPTS
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path: a control socket's path has at most 104 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="mlssh-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def test_remote_command_quotes_every_word_so_nothing_is_shell_syntax() -> None:
     target = SshTarget("me@login", "env PYTHONPATH='/a b' /venv/bin/megalaunch")
     cmd = remote_command(target, ["remote-side", "$(rm -rf ~); `x`"])
@@ -72,8 +83,9 @@ def test_a_host_that_ssh_would_read_as_an_option_is_refused(host: str) -> None:
         SshTarget(host)
 
 
-def test_the_control_directory_is_private_and_a_shared_one_is_refused(tmp_path: Path,
+def test_the_control_directory_is_private_and_a_shared_one_is_refused(short_tmp: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = short_tmp
     monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(tmp_path / "ctl"))
     made = control_dir()
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
@@ -84,6 +96,9 @@ def test_the_control_directory_is_private_and_a_shared_one_is_refused(tmp_path: 
     made.chmod(0o700)
     monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(tmp_path / "link"))
     with pytest.raises(RemoteError, match="not a private directory"):
+        control_dir()
+    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(tmp_path / ("x" * 60)))
+    with pytest.raises(RemoteError, match="too long a path for a socket"):
         control_dir()
 
 
@@ -221,10 +236,11 @@ sys.exit(7)
 """
 
 
-def test_the_secret_goes_on_stdin_and_the_exit_status_comes_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_secret_goes_on_stdin_and_the_exit_status_comes_back(tmp_path: Path, short_tmp: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                  capfdbinary: pytest.CaptureFixture[bytes]) -> None:
     monkeypatch.setenv("PATH", f"{_stand_in_ssh(tmp_path)}:{os.environ['PATH']}")
-    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(tmp_path / "ctl"))
+    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(short_tmp))
     monkeypatch.setenv("SECRET_X", "s3cret-42")
     (tmp_path / "side.py").write_text(STAND_IN)
     target = SshTarget("me@login", f"{sys.executable} {tmp_path / 'side.py'}")
@@ -238,8 +254,9 @@ def test_the_secret_goes_on_stdin_and_the_exit_status_comes_back(tmp_path: Path,
     assert "s3cret-42" not in logged
 
 
-def test_a_remote_side_that_never_says_hello_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_remote_side_that_never_says_hello_is_one_line(tmp_path: Path, short_tmp: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{_stand_in_ssh(tmp_path)}:{os.environ['PATH']}")
-    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(tmp_path / "ctl"))
+    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(short_tmp))
     with pytest.raises(RemoteError, match="megalaunch is not found on me@login"):
         run_remote(SshTarget("me@login", "/nowhere/megalaunch"), Request(["status"]))

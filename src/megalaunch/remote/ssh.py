@@ -59,7 +59,7 @@ def control_dir() -> Path:
     env = os.environ.get("MEGALAUNCH_SSH_CONTROL_DIR")
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(env) if env else (Path(runtime) / "megalaunch-ssh" if runtime and os.path.isdir(runtime)
-                                  else Path(tempfile.gettempdir()) / f"megalaunch-ssh-{os.getuid()}")
+                                  else Path("/tmp") / f"megalaunch-ssh-{os.getuid()}")  # short: macOS's $TMPDIR is not
     try:
         path.mkdir(mode=0o700, exist_ok=True)
         st = path.lstat()
