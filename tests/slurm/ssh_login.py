@@ -32,6 +32,8 @@ class Login:
 
 
 def _keygen(path: Path) -> Path:
+    if path.exists():
+        return path
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)], check=True)
     return path
 
@@ -74,28 +76,37 @@ def _client_files(cli: Path, port: int, user_key: Path, host_pub: str) -> Path:
     return cfg
 
 
+def _start(cli: Path, srv: Path, user_key: Path) -> tuple[subprocess.Popen[bytes], int, Path, Path]:
+    """sshd listening on a free port (another port if the one picked was taken meanwhile)."""
+    log = cli / "sshd.log"
+    for _ in range(3):
+        port = _free_port()
+        cfg = _server_files(srv, port, user_key)
+        ssh_config = _client_files(cli, port, user_key, " ".join((srv / "host_key.pub").read_text().split()[:2]))
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, user=USER, group=pwd.getpwnam(USER).pw_gid,
+                                    extra_groups=[], process_group=0)
+        deadline = time.monotonic() + 15
+        while b"Server listening" not in log.read_bytes():
+            if proc.poll() is not None:
+                break
+            assert time.monotonic() < deadline, f"sshd did not start: {log.read_text()}"
+            time.sleep(0.05)
+        else:
+            return proc, port, ssh_config, log
+        assert "Address already in use" in log.read_text(), f"sshd exited: {log.read_text()}"
+    raise AssertionError(f"sshd found no free port: {log.read_text()}")
+
+
 @contextlib.contextmanager
 def login_node(laptop: Path, server: Path) -> Iterator[Login]:
     """sshd up on 127.0.0.1 until the block ends; the laptop's files in `laptop` (made here, root-only),
     the server's in `server` (made here, mlalice-only: its parent must let mlalice through)."""
-    cli, srv = laptop, server
-    cli.mkdir(mode=0o700)
-    srv.mkdir()
-    user_key = _keygen(cli / "id_ed25519")
-    port = _free_port()
-    cfg = _server_files(srv, port, user_key)
-    ssh_config = _client_files(cli, port, user_key, " ".join((srv / "host_key.pub").read_text().split()[:2]))
-    log = cli / "sshd.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, user=USER, group=pwd.getpwnam(USER).pw_gid,
-                                extra_groups=[], process_group=0)
+    laptop.mkdir(mode=0o700)
+    server.mkdir()
+    proc, port, ssh_config, log = _start(laptop, server, _keygen(laptop / "id_ed25519"))
     try:
-        deadline = time.monotonic() + 15
-        while b"Server listening" not in log.read_bytes():
-            assert proc.poll() is None, f"sshd exited: {log.read_text()}"
-            assert time.monotonic() < deadline, f"sshd did not start: {log.read_text()}"
-            time.sleep(0.05)
         yield Login(ssh_config, log, port, proc.pid)
     finally:
         proc.terminate()  # sshd -D: its sessions' children are ended by their own hang-up

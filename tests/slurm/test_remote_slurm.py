@@ -1,6 +1,6 @@
 """Remote use over SSH against a real sshd on the loopback interface (ssh_login.py) with the real
 Slurm cluster behind it: the laptop (root, this process) drives a chain that runs as mlalice, the
-login node's user. submit, status, logs -f (and Ctrl-C), trigger save and cancel go over ssh; the
+login node's user. submit, status, logs -f (and Ctrl-C), trigger save, cancel and resume go over ssh; the
 recipe travels (the login node cannot read the laptop's copy); the secret reaches the submit through
 stdin, never a command line; a wrong host, a refused key, an unknown host key and a missing megalaunch
 are one line each."""
@@ -154,6 +154,11 @@ def test_submit_watch_trigger_cancel_over_ssh(tmp_path: Path, slurm_tmp: Path, l
         cancel = _ml(env, "cancel", str(run), cwd=laptop)
         assert cancel.returncode == 0 and cancel.stdout.startswith("cancelled "), cancel.stderr
         assert queue_ids(name=run.name) == []
+        with CmdlineWatch(secret.encode()) as watch:  # resume asks for the run's secret names too (run.yaml)
+            resumed = _ml(env, "resume", str(run), cwd=laptop)
+        assert resumed.returncode == 0 and "submitted job" in resumed.stdout, resumed.stderr
+        assert watch.hits == []
+        assert _ml(env, "cancel", str(run), cwd=laptop).returncode == 0 and queue_ids(name=run.name) == []
     finally:
         close_master(target, sockets)
     argv_log = (tmp_path / "ssh-argv.log").read_text()
