@@ -86,8 +86,9 @@ def measured_overheads(predicted: Overheads, segments: list[dict[str, Any]], tok
 
 
 def status_forecast(paths: RunPaths, recipe: Any, chain: dict[str, Any] | None, tokens_per_s: float | None,
-                    iteration: int | None, now: float | None = None) -> dict[str, Any]:
-    """What `status RUN` shows of the way to the target (status_format.py prints it)."""
+                    iteration: int | None, now: float | None = None, running: bool = True) -> dict[str, Any]:
+    """What `status RUN` shows of the way to the target (status_format.py prints it). `running`: the backend
+    says a job of the chain runs (a segment the ledger has not seen end may have been killed)."""
     now = time.time() if now is None else now
     target = recipe.training.train_iters
     done = int(iteration or 0)
@@ -99,7 +100,7 @@ def status_forecast(paths: RunPaths, recipe: Any, chain: dict[str, Any] | None, 
     o = measured_overheads(predicted, segments, tokens_per_s, tokens)
     lim = Limits.of(recipe)
     last = segments[-1] if segments else None
-    running_s = now - float(last["start"]) if last and last.get("running") and last.get("start") else None
+    running_s = now - float(last["start"]) if running and last and last.get("running") and last.get("start") else None
     f = forecast(o, lim, target - done, first=not segments or (running_s is not None and len(segments) == 1),
                  running_s=running_s)
     spent_h = float((chain or {}).get("gpu_hours") or 0.0)

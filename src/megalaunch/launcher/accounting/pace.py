@@ -34,19 +34,20 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
 
 def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]],
                events: list[dict[str, Any]] | None = None, numbers: dict[str, int] | None = None,
-               rate: float | None = None) -> dict[str, Any]:
+               rate: float | None = None, running: bool = True) -> dict[str, Any]:
     """Goodput so far, MFU of the latest segment, the training time left at the recent pace, and the forecast
-    to the target from the measured figures (forecast.py; `rate`: the training tokens/s)."""
+    to the target from the measured figures (forecast.py; `rate`: the training tokens/s; `running`: a job of
+    the chain runs, as the backend says)."""
     from megalaunch.launcher.accounting.forecast import status_forecast
     from megalaunch.launcher.accounting.goodput import STARTUP, chain_goodput, mfu
 
     try:
         chain = chain_goodput(paths, time.time(), metrics, events, numbers)
     except (OSError, ValueError, KeyError, TypeError):  # a half-written file: status must still answer
-        return {"goodput": None, "forecast": status_forecast(paths, recipe, None, rate, it)}
+        return {"goodput": None, "forecast": status_forecast(paths, recipe, None, rate, it, running=running)}
     wall = chain["wall"]
     if not chain["segments"] or wall <= 0:
-        return {"goodput": None, "forecast": status_forecast(paths, recipe, chain, rate, it)}
+        return {"goodput": None, "forecast": status_forecast(paths, recipe, chain, rate, it, running=running)}
     totals = chain["totals"]
     latest = chain["segments"][-1]
     its_per_s = _iterations_per_s(metrics)
@@ -57,7 +58,7 @@ def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[
             "startup_share": sum(totals[k] for k in STARTUP) / wall, "save_share": totals["checkpoint_save"] / wall,
             "lost_share": totals["lost_work"] / wall,
             "mfu": mfu(latest["tflops_per_gpu"], latest["gpu"], recipe.cluster.gpu_peak_tflops), "eta_s": left,
-            "forecast": status_forecast(paths, recipe, chain, rate, it)}
+            "forecast": status_forecast(paths, recipe, chain, rate, it, running=running)}
 
 
 def _iterations_per_s(metrics: list[dict[str, Any]]) -> float | None:
