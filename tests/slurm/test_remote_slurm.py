@@ -136,6 +136,7 @@ def test_submit_watch_trigger_cancel_over_ssh(tmp_path: Path, slurm_tmp: Path, l
             sub = _ml(env, "submit", str(recipe), cwd=laptop)
         assert sub.returncode == 0, sub.stderr
         assert "submitted job" in sub.stdout and sub.stderr == ""
+        assert "  megalaunch --host login logs " in sub.stdout  # the hints work where the user typed submit
         assert watch.saw_remote_side and watch.hits == [], "the secret was in a command line"
         run = run_dir_of(slurm_tmp)
         assert run.stat().st_uid == pwd.getpwnam("mlalice").pw_uid  # submitted on the login node, as its user

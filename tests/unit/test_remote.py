@@ -173,6 +173,19 @@ def test_the_login_node_refuses_a_file_outside_its_directory(key: str) -> None:
         decode_request(encode_request(Request(["submit", key], {key: "x"}, [(1, "")])))
 
 
+def test_the_login_node_names_the_host_the_laptop_used_in_its_hints() -> None:
+    from megalaunch.cli import output
+
+    assert decode_request(encode_request(Request(["status"], via="me@login"))).via == "me@login"
+    assert decode_request(encode_request(Request(["status"], via="-oProxyCommand=x"))).via is None
+    try:
+        output.VIA_HOST = "me@login"
+        assert output.ml() == "megalaunch --host me@login"
+    finally:
+        output.VIA_HOST = None
+    assert output.ml() == "megalaunch"
+
+
 def test_the_environment_line_carries_only_what_was_asked() -> None:
     assert decode_hello(encode_hello(["WANDB_API_KEY"])) == ["WANDB_API_KEY"]
     assert decode_hello(b"Welcome to the cluster!\n") is None
@@ -230,7 +243,8 @@ import json, sys
 req = json.loads(sys.stdin.buffer.readline())
 sys.stdout.write('Welcome!\nmegalaunch-remote 1 {"needs": ["SECRET_X", "UNSET_Y"]}\n'); sys.stdout.flush()
 env = json.loads(sys.stdin.buffer.readline())["env"]
-print("argv", req["argv"], "files", sorted(req["files"]), "env", sorted(env), env.get("SECRET_X") == "s3cret-42")
+print("argv", req["argv"], "via", req["via"], "files", sorted(req["files"]), "env", sorted(env),
+      env.get("SECRET_X") == "s3cret-42")
 print("to stderr", file=sys.stderr)
 sys.exit(7)
 """
@@ -247,7 +261,7 @@ def test_the_secret_goes_on_stdin_and_the_exit_status_comes_back(tmp_path: Path,
     rc = run_remote(target, Request(["status", "run"]))
     out, err = capfdbinary.readouterr()
     assert rc == 7
-    assert b"argv ['status', 'run'] files [] env ['SECRET_X'] True" in out  # UNSET_Y: not set here, not sent
+    assert b"argv ['status', 'run'] via me@login files [] env ['SECRET_X'] True" in out  # UNSET_Y: unset, not sent
     assert b"Welcome!" in err and b"to stderr" in err and b"Welcome" not in out
     logged = (tmp_path / "argv.log").read_text()
     assert "-O check" in logged and "remote-side" in logged and "BatchMode=yes" in logged

@@ -79,7 +79,10 @@ def _params(argv: list[str]) -> tuple[str, dict[str, object]] | None:
         return None
 
 
-def _run_here(argv: list[str]) -> int:
+def _run_here(argv: list[str], via: str | None = None) -> int:
+    from megalaunch.cli import output
+
+    output.VIA_HOST = via  # the hints it prints name the host the laptop used
     try:
         main(argv, remote=False)
     except SystemExit as e:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from megalaunch.cli.options import ClusterOpt, RunArg, SetOpt
-from megalaunch.cli.output import emit_json, say
+from megalaunch.cli.output import emit_json, ml, say
 
 
 class Backend(str, Enum):
@@ -68,15 +68,15 @@ def submit(
         say(f"done: {started.outcome}")
         if r.chain.export_hf and (started.paths.root / "hf" / "config.json").is_file():
             say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
-        say(f"  megalaunch status {started.paths.root}")
+        say(f"  {ml()} status {started.paths.root}")
         return
     say(f"run directory: {started.paths.root}")
     say(f"submitted job {started.job_id} (chain {prepared.chain_name}; each segment queues its successor)")
     say("next:")
-    say(f"  megalaunch status {started.paths.root}")
-    say(f"  megalaunch logs {started.paths.root} -f")
-    say(f"  megalaunch trigger save|exit|abort {started.paths.root} --reason '...'")
-    say(f"  megalaunch cancel {started.paths.root}")
+    say(f"  {ml()} status {started.paths.root}")
+    say(f"  {ml()} logs {started.paths.root} -f")
+    say(f"  {ml()} trigger save|exit|abort {started.paths.root} --reason '...'")
+    say(f"  {ml()} cancel {started.paths.root}")
 
 
 def status(
@@ -183,7 +183,7 @@ def trigger(
     paths = find_run(run)
     path = TriggerBox(paths).write(verb.value, reason)
     say(f"trigger '{verb.value}' written: {path}")
-    say(f"the job acts on it within chain.trigger_interval iterations; check: megalaunch status {paths.root}")
+    say(f"the job acts on it within chain.trigger_interval iterations; check: {ml()} status {paths.root}")
 
 
 def cancel(run: RunArg) -> None:
@@ -198,7 +198,7 @@ def cancel(run: RunArg) -> None:
                   f"(save, then stop) or megalaunch trigger abort {paths.root} (stop now)")
     ids = backend_for(load_run_recipe(paths).cluster.backend).cancel(paths)
     say(f"cancelled {', '.join(ids) if ids else 'nothing (no job of this run was queued or running)'}")
-    say(f"restart later from the last checkpoint: megalaunch resume {paths.root}")
+    say(f"restart later from the last checkpoint: {ml()} resume {paths.root}")
 
 
 def resume(
@@ -252,7 +252,7 @@ def resume(
         if (started.paths.root / "hf" / "config.json").is_file():
             say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
     else:
-        say(f"submitted job {started.job_id}; megalaunch status {paths.root}")
+        say(f"submitted job {started.job_id}; {ml()} status {paths.root}")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import IO
 
 from megalaunch.errors import RemoteError
@@ -114,7 +115,7 @@ def run_remote(target: SshTarget, request: Request, *, out: IO[bytes] | None = N
     relay = StderrRelay(proc.stderr, err)
     try:
         try:
-            proc.stdin.write(encode_request(request))
+            proc.stdin.write(encode_request(replace(request, via=target.host)))
             proc.stdin.flush()
         except BrokenPipeError:
             pass  # the hello will not come either: explained below

@@ -94,8 +94,9 @@ def watch_hangup(stdin: IO[bytes]) -> threading.Thread:
     return thread
 
 
-def serve(run: Callable[[list[str]], int], params: Params, stdin: IO[bytes], stdout: IO[bytes]) -> int:
-    """One request, start to end; the command's exit status."""
+def serve(run: Callable[[list[str], str | None], int], params: Params, stdin: IO[bytes], stdout: IO[bytes]) -> int:
+    """One request, start to end; the command's exit status. `run` gets the words and the host name
+    the laptop used (for the hints the command prints)."""
     request = decode_request(stdin.readline(MAX_LINE))
     with tempfile.TemporaryDirectory(prefix="megalaunch-remote-") as tmp:  # 0700, gone at the end
         argv = materialize(request, Path(tmp))
@@ -104,4 +105,4 @@ def serve(run: Callable[[list[str]], int], params: Params, stdin: IO[bytes], std
         stdout.flush()
         os.environ.update(decode_env(stdin.readline(MAX_LINE), needs))
         watch_hangup(stdin)
-        return run(argv)
+        return run(argv, request.via)

@@ -32,6 +32,7 @@ class Request:
     argv: list[str]
     files: dict[str, str] = field(default_factory=dict)
     file_args: list[tuple[int, str]] = field(default_factory=list)
+    via: str | None = None  # the host as the laptop named it: the login node's hints name it (`--host`)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class WireError(MegalaunchError):
 
 def encode_request(request: Request) -> bytes:
     return json.dumps({"protocol": PROTOCOL, "argv": request.argv, "files": request.files,
-                       "file_args": [list(a) for a in request.file_args]}).encode() + b"\n"
+                       "file_args": [list(a) for a in request.file_args], "via": request.via}).encode() + b"\n"
 
 
 def decode_request(line: bytes) -> Request:
@@ -50,7 +50,8 @@ def decode_request(line: bytes) -> Request:
                 and 0 <= item[0] < len(argv) and argv[item[0]].startswith(item[1])):
             raise WireError(f"the request names a file argument it does not hold: {item!r}")
         args.append((item[0], item[1]))
-    return Request(argv, files, args)
+    via = data.get("via")
+    return Request(argv, files, args, via if isinstance(via, str) and via and not via.startswith("-") else None)
 
 
 def check_relative(key: str) -> str:
