@@ -170,10 +170,10 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
                                         "pinned values", **common)
     chosen = next((c for c in matching if c.fits), None)
     if chosen is None:  # refused at submit, not here: a recipe is also loaded to convert, show or size it
-        e = _nothing_fits(recipe, plan, want)
+        refusal = _nothing_fits(recipe, plan, want)
         return recipe, {}, LayoutChoice(mode, described, "as written: no layout fits", **common,
-                                        refusal={"message": e.message, "field": e.field or "parallel",
-                                                 "valid": e.valid or "", "fix": e.fix or ""})
+                                        refusal={"message": refusal.message, "field": refusal.field or "parallel",
+                                                 "valid": refusal.valid or "", "fix": refusal.fix or ""})
     values = _candidate_values(chosen.layout)
     recipe = _apply(recipe, values)
     origin = f"parallel: auto ({plan.nodes} x {plan.gpus_per_node} {plan.gpu.name})"
