@@ -226,6 +226,13 @@ def test_host_from_the_flag_the_environment_or_the_profile(tmp_path: Path, monke
         route(["recipes", "list", "--host", "a@b"], _opts)
 
 
+def test_no_shipped_recipe_names_a_login_node() -> None:
+    """route.py loads a recipe a second time only when a local file or a --set may name cluster.ssh."""
+    from megalaunch.config.recipe_files import shipped_recipes
+
+    assert [name for name, path in shipped_recipes().items() if "ssh" in path.read_text()] == []
+
+
 def _stand_in_ssh(tmp_path: Path) -> Path:
     """`ssh` that records its argv, answers `-O check`, and runs the remote command here with sh."""
     bin_dir = tmp_path / "bin"

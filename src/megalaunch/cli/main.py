@@ -3,6 +3,7 @@ non-zero; `--debug` shows the traceback."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -62,9 +63,16 @@ def _remote_side() -> None:
     raise typer.Exit(serve(_run_here, _params, sys.stdin.buffer, sys.stdout.buffer))
 
 
+@functools.cache
+def _cli() -> typer.core.TyperGroup:
+    """The command tree, built once: routing reads the commands' options from it and then runs it
+    (what `app(...)` does, building it anew: ~40 ms)."""
+    return typer.main.get_command(app)  # type: ignore[return-value]
+
+
 def _value_options(command: str) -> set[str]:
     """`command`'s options that take a value, from its own definition."""
-    cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    cmd = _cli().commands[command]
     return {o for p in cmd.params if getattr(p, "param_type_name", "") == "option" and not getattr(p, "is_flag", False)
             and not getattr(p, "count", False) for o in (*p.opts, *p.secondary_opts)}
 
@@ -73,7 +81,7 @@ def _params(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     """(command, its parameters) as the command itself parses `argv`; None when they do not parse."""
     try:
         i = next(i for i, w in enumerate(argv) if not w.startswith("-"))
-        cmd = typer.main.get_command(app).commands[argv[i]]  # type: ignore[attr-defined]
+        cmd = _cli().commands[argv[i]]
         return argv[i], dict(cmd.make_context(argv[i], argv[i + 1:], resilient_parsing=True).params)
     except Exception:
         return None
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None, *, remote: bool = True) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("MEGALAUNCH_DEBUG") == "1"
     try:
-        code = app(args=_remote(args) if remote else args, standalone_mode=False)
+        code = _cli().main(args=_remote(args) if remote else args, standalone_mode=False)
         if isinstance(code, int) and code:  # typer.Exit(N) comes back as N when not standalone
             sys.exit(code)
     except MegalaunchError as e:

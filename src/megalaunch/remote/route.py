@@ -49,6 +49,20 @@ def _command(argv: list[str]) -> str | None:
     return next((w for w in argv if not w.startswith("-")), None)
 
 
+def _may_name_a_host(argv: list[str], value_options: set[str], sets: list[str]) -> bool:
+    """Whether loading the recipe could find `cluster.ssh`: a `--set` of it, or a local recipe file (the
+    recipe, its includes, a profile) that says `ssh`. Shipped recipes never do (a test holds it), so a
+    plain `submit llama3-8b` costs no second load of its recipe."""
+    from megalaunch.remote.ship import build_request
+
+    if any(s.startswith("cluster.ssh") for s in sets):
+        return True
+    try:
+        return any("ssh" in text for text in build_request(argv, value_options).files.values())
+    except MegalaunchError:
+        return False
+
+
 def _profile(argv: list[str], value_options: set[str]) -> dict[str, Any]:
     """A submit's `cluster.ssh` section as loaded here ({} when the recipe does not load here: the
     login node, or the local command, says why)."""
@@ -59,6 +73,8 @@ def _profile(argv: list[str], value_options: set[str]) -> dict[str, Any]:
     if words is None or not words.positionals:
         return {}
     sets = [argv[i][len(p):] for opt in ("--set", "-s") for i, p in words.options.get(opt, [])]
+    if not _may_name_a_host(argv, value_options, sets):
+        return {}
     clusters = [argv[i][len(p):] for i, p in words.options.get("--cluster", [])]
     try:
         tree, _ = load_tree(argv[words.positionals[0]], sets, cluster=clusters[-1] if clusters else None)
