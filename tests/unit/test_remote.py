@@ -281,3 +281,19 @@ def test_a_remote_side_that_never_says_hello_is_one_line(tmp_path: Path, short_t
     monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(short_tmp))
     with pytest.raises(RemoteError, match="megalaunch is not found on me@login"):
         run_remote(SshTarget("me@login", "/nowhere/megalaunch"), Request(["status"]))
+
+
+def test_a_closed_reader_stops_the_remote_command(tmp_path: Path, short_tmp: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`megalaunch --host H logs RUN | head`: when head is done, the command there ends too."""
+    monkeypatch.setenv("PATH", f"{_stand_in_ssh(tmp_path)}:{os.environ['PATH']}")
+    monkeypatch.setenv("MEGALAUNCH_SSH_CONTROL_DIR", str(short_tmp))
+    (tmp_path / "side.py").write_text(
+        "import sys\nsys.stdin.buffer.readline()\nprint('megalaunch-remote 1 {\"needs\": []}', flush=True)\n"
+        "sys.stdin.buffer.readline()\nwhile True:\n    print('x' * 100, flush=True)\n")
+    r, w = os.pipe()
+    os.close(r)
+    with os.fdopen(w, "wb") as out:
+        rc = run_remote(SshTarget("me@login", f"{sys.executable} {tmp_path / 'side.py'}"), Request(["logs", "r"]),
+                        out=out)
+    assert rc == 141

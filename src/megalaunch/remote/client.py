@@ -6,6 +6,7 @@ the hello, stdout and stderr go through as they come."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,6 +103,19 @@ def _hello(proc: subprocess.Popen[bytes], relay: StderrRelay) -> list[str] | Non
     return None
 
 
+def _copy(source: IO[bytes], out: IO[bytes]) -> bool:
+    """The command's stdout to ours as it comes; False when ours is closed."""
+    try:
+        while chunk := source.read1(65536):  # type: ignore[attr-defined]  # a BufferedReader
+            out.write(chunk)
+            out.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):  # no second BrokenPipeError when Python flushes at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return False
+    return True
+
+
 def run_remote(target: SshTarget, request: Request, *, out: IO[bytes] | None = None,
                err: IO[bytes] | None = None, environ: Callable[[str], str | None] = os.environ.get) -> int:
     """Run `request` on `target.host`; its exit status. Ctrl-C ends the remote command too."""
@@ -126,9 +140,10 @@ def run_remote(target: SshTarget, request: Request, *, out: IO[bytes] | None = N
         proc.stdin.write(encode_env(values))  # stdin, never a command line: no process list shows it
         proc.stdin.flush()
         relay.release()
-        while chunk := proc.stdout.read1(65536):  # type: ignore[attr-defined]  # a BufferedReader
-            out.write(chunk)
-            out.flush()
+        if not _copy(proc.stdout, out):  # our reader went away (`| head`): stop the remote command too
+            proc.terminate()
+            proc.wait(timeout=10)
+            return 141
         rc = proc.wait()
         relay.thread.join(timeout=5)
         return rc
