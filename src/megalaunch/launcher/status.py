@@ -102,8 +102,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     chain_state = _chain_state(rows, stopped)
     metrics = read_appended(paths.metrics, "metrics", parse_jsonl)  # once, for the goodput, the pace and tokens/s
     rate = tokens_per_s(metrics, running=chain_state == "running")
-    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events, numbers, rate,
-                         running=chain_state == "running")
+    figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events, numbers, rate, chain_state == "running")
     box = TriggerBox(paths)
     return {
         **figures,
