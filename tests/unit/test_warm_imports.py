@@ -93,16 +93,3 @@ def test_modules_already_imported_start_no_thread() -> None:
     warm = WarmImports(["json", "sys"]).start()
     assert warm.names == [] and warm._thread.ident is None
     assert warm.stop() == {"modules": 0, "imported": 0, "failed": 0, "seconds": 0.0, "waited_s": warm.stop()["waited_s"]}
-
-
-def test_stop_with_grace_lets_the_thread_finish_the_list(tmp_path: Path) -> None:
-    got = _run(tmp_path, """
-        from megalaunch.runtime.observation.warm_imports import WarmImports
-        import megatron.gate
-        warm = WarmImports(["megatron.first", "megatron.second"]).start()
-        assert megatron.gate.entered.wait(30)
-        megatron.gate.go.set()
-        figures = warm.stop(grace_s=60)  # the rest of the list would be imported next anyway: wait for it
-        print(json.dumps({**figures, "second": "megatron.second" in sys.modules}))
-    """)
-    assert got["imported"] == 2 and got["second"], got

@@ -25,7 +25,7 @@ from megalaunch.runtime.checkpoint.resume import one_line
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
 from megalaunch.runtime.observation.rank_output import SLOW_MARK
 from megalaunch.runtime.observation.timeline import Timeline
-from megalaunch.runtime.observation.warm_imports import GRACE_S, WarmImports, imported_since, record, recorded
+from megalaunch.runtime.observation.warm_imports import WarmImports, imported_since, record, recorded
 from megalaunch.runtime.rank.context import RankContext
 
 LOSS_LOG_ENV = "MEGALAUNCH_LOSS_LOG"
@@ -121,7 +121,7 @@ class Observer:
             verdict = run_check(rank=ctx.rank, margin=c.health_check_margin, baselines=baselines,
                                 while_busy=warm.start)
         finally:
-            warmed = warm.stop(GRACE_S)
+            warmed = warm.stop()
         self.health = verdict.summary()
         self.timeline.mark("health_check_end", health_check=self.health, warm_imports=warmed)
         self.beat("health check done")

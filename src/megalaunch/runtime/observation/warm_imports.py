@@ -10,9 +10,8 @@ the interpreter idle waiting on the GPU for ~1.6 s. So:
   (merged with the names already recorded);
 - a later segment imports that list on a thread while its health check's GPU works through a queue of
   matmuls (runtime/health/health.py measure_matmul; on the CPU, during the whole check). The main thread
-  imports nothing meanwhile; when the check ends it waits for the rest of the list (up to GRACE_S: those
-  modules would be imported right after anyway), then stops the thread between two modules and joins
-  it, so no import of the thread ever runs beside Megatron's own (two threads importing modules
+  imports nothing meanwhile; when the check ends it tells the thread to stop between two modules and
+  joins it, so no import of the thread ever runs beside Megatron's own (two threads importing modules
   that import each other could see a half-initialised module). The imports hold the GIL for tens of ms
   at a time (torch's C++ op registrations): a check timed on the host would wait for them, which is why
   the GPU's work is queued first and timed with CUDA events.
@@ -37,7 +36,6 @@ from typing import Any
 from megalaunch.rundir.files import atomic_write_json
 
 FILE_NAME = "startup-modules.json"
-GRACE_S = 5.0  # after the health check: the longest wait for the rest of the list (a list from another code path)
 OFF_ENV = "MEGALAUNCH_WARM_IMPORTS"
 _NAME = re.compile(r"(torch|megatron)(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MAX_MODULES = 5000
@@ -107,15 +105,11 @@ class WarmImports:
             self.done += 1
         self.seconds = time.perf_counter() - t0
 
-    def stop(self, grace_s: float = 0.0) -> dict[str, Any]:
-        """Let the thread go on for up to `grace_s` (what it still imports would be imported right after,
-        on the main thread: waiting costs nothing), then stop it between two modules and wait for the one
-        under way; the figures."""
+    def stop(self) -> dict[str, Any]:
+        """Stop between two modules, wait for the one under way; the figures."""
+        self._stop.set()
         waited = time.perf_counter()
         if self._thread.ident is not None:  # started
-            self._thread.join(grace_s)
-            self._stop.set()
             self._thread.join()
-        self._stop.set()
         return {"modules": len(self.names), "imported": self.done - self.failed, "failed": self.failed,
                 "seconds": round(self.seconds, 3), "waited_s": round(time.perf_counter() - waited, 3)}
