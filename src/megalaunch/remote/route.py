@@ -59,7 +59,7 @@ def _may_name_a_host(argv: list[str], value_options: set[str], sets: list[str]) 
         return True
     try:
         return any("ssh" in text for text in build_request(argv, value_options).files.values())
-    except MegalaunchError:
+    except (MegalaunchError, ValueError):  # not UTF-8, not YAML: the local load names it in one line
         return False
 
 

@@ -135,6 +135,8 @@ def build_request(argv: list[str], value_options: set[str]) -> Request:
             _ship(path, files)
         except OSError as e:
             raise ConfigError(f"cannot read recipe {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"recipe {path} is not UTF-8 text", fix="give a YAML recipe file") from None
         out[index] = prefix + _key(path)
         file_args.append((index, prefix))
     if sum(len(t.encode()) for t in files.values()) > MAX_BYTES:
