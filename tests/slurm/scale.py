@@ -277,7 +277,7 @@ def revive_node(name: str, conf: Path = SCALE_CONF, timeout: float = 15) -> int:
                    env=env, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # an empty pid file: not written yet
             pid = int(pidfile.read_text().split()[0])
             st = _stat(pid)
             if st is not None and st[0] == "slurmd" and _alive(pid):

@@ -27,6 +27,7 @@ class RecordingScheduler:
         self.states: dict[str, str] = {}
         self.nodes: list[str] | None = None  # what `sinfo` would list (None: the local backend / no answer)
         self.excluded: dict[str, list[str]] = {}  # job -> nodes, at submission or by update
+        self.batch_hosts: dict[str, str] = {}  # job -> the node that ran its job script (scontrol's BatchHost)
 
     def submit_successor(self, paths: RunPaths, exclude: list[str] | None = None) -> str | None:
         jid = str(100 + len(self.submitted))
@@ -47,6 +48,9 @@ class RecordingScheduler:
 
     def state(self, job_id: str) -> str | None:
         return self.states.get(job_id)
+
+    def batch_host(self, job_id: str) -> str | None:
+        return self.batch_hosts.get(job_id)
 
 
 @pytest.fixture()

@@ -113,6 +113,22 @@ def test_suspects_expire_and_can_be_cleared(tmp_path) -> None:
     assert set(health.active(now=1201.0)) == {"node3"}
 
 
+def test_the_spares_count_in_what_exclusion_must_leave(tmp_path, monkeypatch) -> None:
+    """A job of 1 node + 1 spare on a 3-node cluster asks Slurm for 2: excluding two suspects would make
+    sbatch refuse the successor outright ("Requested node configuration is not available")."""
+    paths = make_run(tmp_path, "cluster.backend=slurm", "cluster.nodes=1", "cluster.spare_nodes=1")
+    sched = RecordingScheduler()
+    sched.nodes = ["node1", "node2", "node3"]
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    chain = Chain(paths, sched)
+    assert chain.begin("31").proceed
+    chain.suspects.record_lost("31", ["node1", "node2"], "lost")
+    chain.suspects.exclude_from(["100"])
+    (exc,) = events(paths, "exclusion")
+    assert len(exc["excluded"]) == 1 and len(exc["kept"]) == 1, exc
+    assert "fewer than the job's 2 node(s)" in next(iter(exc["kept"].values()))
+
+
 def test_plan_exclusion_keeps_unknown_nodes_and_the_minimum_and_prefers_recent_suspects() -> None:
     def s(node: str, t: float) -> Suspect:
         return Suspect(node=node, reason="r", evidence=[], run="x", job_id="1", time=t, expires=t + 1e9)
@@ -279,3 +295,41 @@ def test_a_suspect_that_passes_the_health_check_is_cleared_and_one_that_fails_it
     (cleared,) = events(paths, "node_cleared")
     assert cleared["node"] == "node1" and cleared["reason"] == "passed the health check of job 31"
     assert [e["reason"] for e in health.events() if e["event"] == "cleared"] == ["passed the health check of job 31"]
+
+
+def test_a_segment_that_ended_node_fail_without_a_word_blames_its_batch_host(tmp_path, monkeypatch) -> None:
+    """The batch host died: srun and the job script with it, so no `job end` and no `Node failure on`
+    line. The next segment finds the job NODE_FAIL, blames its batch host (Slurm's BatchHost), and its own
+    successor excludes it."""
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
+    sched.nodes = ["node1", "node2", "node3"]
+    assert chain.begin("11").proceed
+    sched.states["11"], sched.batch_hosts["11"] = "NODE_FAIL", "node1"
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[2-3]")
+    assert chain.begin("100").proceed
+    (ended,) = events(paths, "ended")
+    assert ended["job_id"] == "11" and ended["slurm_state"] == "NODE_FAIL" and ended["lost_nodes"] == ["node1"]
+    (sus,) = events(paths, "node_suspected")
+    assert sus["node"] == "node1" and "batch host" in sus["reason"] and "NODE_FAIL" in sus["reason"]
+    assert sched.excluded == {"101": ["node1"]}  # the successor queued by the segment that took over
+
+
+def test_a_node_srun_reported_lost_is_blamed_not_the_batch_host(tmp_path, monkeypatch) -> None:
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
+    sched.nodes = ["node1", "node2", "node3"]
+    assert chain.begin("11").proceed
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    with paths.segment_log("11").open("a") as f:
+        f.write("srun: error: Node failure on node2\nsrun: error: Node failure on node2\n")
+    sched.states["11"], sched.batch_hosts["11"] = "NODE_FAIL", "node1"
+    assert chain.begin("100").proceed
+    assert [e["node"] for e in events(paths, "node_suspected")] == ["node2"]
+    assert events(paths, "ended")[0]["lost_nodes"] == ["node2"]
+
+
+def test_a_segment_killed_otherwise_blames_no_node(tmp_path, monkeypatch) -> None:
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
+    assert chain.begin("11").proceed
+    sched.states["11"], sched.batch_hosts["11"] = "CANCELLED", "node1"
+    assert chain.begin("100").proceed
+    assert events(paths, "node_suspected") == [] and "lost_nodes" not in events(paths, "ended")[0]

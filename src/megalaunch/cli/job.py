@@ -1,9 +1,11 @@
-"""`megalaunch job begin|end|watch|step-nodes|step-end RUN`: run by the job script at the start and end
-of every segment, (watch) in the background while the training step runs, and (step-nodes, step-end)
-around each training step of the segment (in-job restarts: launcher/chain/restart.py)."""
+"""`megalaunch job begin|end|watch|keeper|step-nodes|step-end RUN`: run by the job script at the start and
+end of every segment, (watch) in the background while the training step runs, (keeper) on another node
+while the segment runs, and (step-nodes, step-end) around each training step of the segment (in-job
+restarts: launcher/chain/restart.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -83,6 +85,23 @@ def step_end(
         restart = False
     if restart:
         sys.exit(RESTART_EXIT_CODE)
+
+
+@app.command()
+def keeper(
+    run: Annotated[str, typer.Argument(help="Run directory.")],
+    batch_host: Annotated[str, typer.Option("--batch-host", help="The node that runs the job script.")],
+) -> None:
+    """Beside the steps, on another node: end the job if its batch host dies (launcher/backends/keeper.py)."""
+    import socket
+
+    from megalaunch.launcher.backends.keeper import keep
+    from megalaunch.launcher.backends.slurm import SlurmClient
+
+    job_id, client = _job_id(), SlurmClient()
+    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    keep(job_id, batch_host, ask=client.job_state, cancel=lambda j: client.scancel([j]),
+         on_lost=lambda: _chain(run).batch_host_lost(job_id, batch_host, here))
 
 
 @app.command()

@@ -31,7 +31,8 @@ def _row_state(s: Segment, live: Live | None, cancelled: dict[str, str], error: 
     if live is not None:
         return live.state, live.reason
     if s.ended is not None:
-        return s.ended.get("outcome", "?").upper(), s.ended.get("reason") or s.ended.get("slurm_state")
+        why, lost = s.ended.get("reason") or s.ended.get("slurm_state"), s.ended.get("lost_nodes")
+        return s.ended.get("outcome", "?").upper(), f"{why}, lost {', '.join(lost)}" if lost else why
     if s.skipped:
         return "SKIPPED", "started after the chain had stopped"
     if s.job_id in cancelled:

@@ -107,6 +107,15 @@ def current_step(text: str) -> str:
     return text if at < 0 else text[at:]
 
 
+def lost_nodes(log: Path) -> list[str]:
+    """Every node srun reported lost (`Node failure on X`) anywhere in a segment's log, in order."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return list(dict.fromkeys(m.group("node") for m in NODE_FAILURE_LINE.finditer(text)))
+
+
 def _step_text(log: Path | None) -> str:
     if log is None:
         return ""

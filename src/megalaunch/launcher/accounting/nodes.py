@@ -202,7 +202,8 @@ def current_plan(settings: Any, known_nodes: Any, warn: Any = print) -> Exclusio
         return None
     if not suspects:
         return None
-    return plan_exclusion(suspects, known_nodes(settings.partition), settings.nodes)
+    # the job asks for its spares too (cluster.spare_nodes): sbatch refuses an --exclude that leaves fewer
+    return plan_exclusion(suspects, known_nodes(settings.partition), settings.nodes + settings.spare_nodes)
 
 
 def _duration(seconds: float) -> str:

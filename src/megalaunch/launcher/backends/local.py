@@ -283,3 +283,6 @@ class LocalBackend:
 
     def state(self, job_id: str) -> str | None:
         return None
+
+    def batch_host(self, job_id: str) -> str | None:
+        return None

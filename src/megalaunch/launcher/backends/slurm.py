@@ -28,6 +28,7 @@ class JobInfo:
     user: str = ""
     time_used: str = ""
     nodes: str = ""
+    batch_host: str = ""
 
     @property
     def active(self) -> bool:
@@ -117,7 +118,7 @@ class SlurmClient:
         return JobInfo(job_id=fields.get("JobId", str(job_id)), name=fields.get("JobName", ""),
                        state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", ""),
                        user=fields.get("UserId", "").split("(")[0], time_used=fields.get("RunTime", ""),
-                       nodes=fields.get("NodeList", ""))
+                       nodes=fields.get("NodeList", ""), batch_host=fields.get("BatchHost", ""))
 
     def node_names(self, partition: str | None = None) -> list[str]:
         """Every node Slurm lists (in `partition`, if given), down or drained ones included."""

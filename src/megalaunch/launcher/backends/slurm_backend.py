@@ -150,6 +150,10 @@ class SlurmBackend:
         info = self.client.job_state(job_id)
         return info.state if info else None
 
+    def batch_host(self, job_id: str) -> str | None:
+        info = self.client.job_state(job_id)
+        return (info.batch_host or None) if info else None
+
 
 def _exclude_args(plan: ExclusionPlan | None) -> list[str]:
     return [f"--exclude={','.join(plan.exclude)}"] if plan is not None and plan.exclude else []

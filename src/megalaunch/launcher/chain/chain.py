@@ -141,9 +141,25 @@ class Chain:
             start_iter = seg.started.get("checkpoint_iteration")
             now = self.paths.read_tracker()
             outcome = read_outcome(self.paths, seg.job_id)
+            lost = self.suspects.after_node_failure(seg.job_id, state)
             self.ledger.append("ended", job_id=seg.job_id, outcome=(outcome or {}).get("status", "killed"),
                                slurm_state=state, exit_code=None, checkpoint_iteration=now,
-                               new_checkpoint=advanced(start_iter, now), accounted_by=current)
+                               new_checkpoint=advanced(start_iter, now), accounted_by=current,
+                               **({"lost_nodes": lost} if lost else {}))
+
+    def batch_host_lost(self, job_id: str, host: str, keeper_node: str) -> None:
+        """The keeper (launcher/backends/keeper.py) saw Slurm take this job's batch host out of the running job:
+        the job script, and with it `job end`, is gone. The segment is recorded as ended (its host lost, a
+        suspect) before the keeper cancels the job and the successor starts."""
+        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        now = self.paths.read_tracker()
+        reason = f"its batch host {host} (the node of the job script) was lost"
+        self.suspects.record_lost(job_id, [host], f"job {job_id}: {reason}")
+        self.ledger.append("ended", job_id=job_id, outcome="killed", reason=reason, slurm_state="NODE_FAIL",
+                           exit_code=None, checkpoint_iteration=now,
+                           new_checkpoint=advanced((started or {}).get("checkpoint_iteration"), now),
+                           accounted_by=f"{job_id}'s keeper on {keeper_node}", lost_nodes=[host])
+        log(f"segment {job_id}: {reason}; its keeper on {keeper_node} cancels the job so that the successor starts")
 
     # ------------------------------------------------------------------------------------- end
     def end(self, job_id: str, exit_code: int | None) -> Verdict:

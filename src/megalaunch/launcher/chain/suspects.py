@@ -6,7 +6,7 @@ effort: the node-health ledger and Slurm's answers never change what the chain d
 
 from __future__ import annotations
 
-from megalaunch.launcher.accounting.evidence import TaskEnd
+from megalaunch.launcher.accounting.evidence import TaskEnd, lost_nodes
 from megalaunch.launcher.accounting.nodes import (
     ExclusionPlan,
     NodeHealth,
@@ -77,6 +77,32 @@ class Suspects:
                 continue
             self.ledger.append("node_cleared", job_id=job_id, node=node, reason=reason)
             self.log(f"node {node} is no longer suspect: {reason}")
+
+    def after_node_failure(self, job_id: str, slurm_state: str | None) -> list[str]:
+        """A segment that vanished (no `job end`): if Slurm ended it NODE_FAIL, the node(s) it lost: those
+        srun named in its log (`Node failure on X`), else its batch host, whose death takes srun and the
+        job script with it, so nothing is printed. They become suspects, as a node lost inside a job
+        does (restart.py): the successors exclude them, even once they are back, until they pass a health
+        check or are cleared."""
+        if slurm_state != "NODE_FAIL":
+            return []
+        lost = lost_nodes(self.paths.segment_log(job_id))
+        how = "srun: node failure"
+        if not lost:
+            try:
+                host = self.scheduler.batch_host(job_id)
+            except Exception as e:  # Slurm did not answer: nothing to blame
+                self.log(f"segment {job_id} ended NODE_FAIL; its batch host is unknown ({e})")
+                return []
+            lost, how = ([host] if host else []), "its batch host (the job script's node) was lost"
+        if lost:
+            self.record_lost(job_id, lost, f"job {job_id} ended NODE_FAIL: {how}")
+        return lost
+
+    def record_lost(self, job_id: str, nodes: list[str], reason: str) -> None:
+        """Nodes a job lost outright (no `job end` to say so): suspects, with `reason` as the evidence."""
+        if (health := self._node_health()) is not None:
+            self._record(health, job_id, [(node, reason, [reason]) for node in nodes])
 
     def _record(self, health: NodeHealth, job_id: str, suspects: list[tuple[str, str, list[str]]]) -> None:
         """(node, reason, evidence) each into the node-health ledger and the run's ledger."""

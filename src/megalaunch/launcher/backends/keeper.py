@@ -1,0 +1,53 @@
+"""The keeper: a one-task step on the allocation's last node that ends a job whose batch host died.
+
+Why: a job with `--no-kill` (spares, `cluster.min_nodes`) survives the death of any node but the one that
+runs its script. When that one dies, Slurm 22.05 takes it out of the job and keeps the job RUNNING on the
+others with nothing left to run (measured on the scale cluster: still RUNNING minutes later, until its
+time limit), and the successor, queued `--dependency=singleton`, waits behind it: a whole segment of the
+allocation lost, and nothing in the job left to notice. Steps on the other nodes keep running (srun's own
+death does not end them), so the job script starts this keeper beside the training step
+(templates/train.sbatch.j2, with `--no-kill` and more than one node).
+
+Every POLL_S it asks Slurm about its job (one `scontrol show job`, with a timeout; no answer: ask again).
+When the batch host is no longer in the job's node list (Slurm's verdict: the node is DOWN), it records the
+segment as ended with its batch host lost (a suspect in the team's node-health ledger, as a node lost
+inside a job is: launcher/chain/chain.py Chain.batch_host_lost), then cancels the job so that the successor starts, on other
+nodes. When the job ends otherwise, the keeper is ended with it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from megalaunch.launcher.backends.slurm import ACTIVE_STATES, JobInfo
+from megalaunch.rundir.hostlist import expand_hostlist
+
+POLL_S = 5.0
+
+
+def batch_host_gone(info: JobInfo | None, batch_host: str) -> bool:
+    """Slurm still runs the job but no longer counts its batch host among its nodes."""
+    if info is None or info.state not in ACTIVE_STATES or not info.nodes or info.nodes == "(null)":
+        return False
+    return batch_host not in expand_hostlist(info.nodes)
+
+
+def keep(job_id: str, batch_host: str, *, ask: Callable[[str], JobInfo | None],
+         on_lost: Callable[[], None], cancel: Callable[[str], None], poll_s: float = POLL_S,
+         sleep: Callable[[float], None] = time.sleep) -> str:
+    """Watch until the job ends ('ended') or its batch host is gone ('lost': on_lost, then cancel)."""
+    while True:
+        try:
+            info = ask(job_id)
+        except Exception:  # Slurm did not answer: the job may well be fine
+            info = None
+        else:
+            if info is not None and info.state not in ACTIVE_STATES:
+                return "ended"
+        if batch_host_gone(info, batch_host):
+            try:
+                on_lost()
+            finally:
+                cancel(job_id)
+            return "lost"
+        sleep(poll_s)
