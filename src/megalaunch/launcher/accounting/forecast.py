@@ -44,11 +44,20 @@ def _predicted(paths: RunPaths, recipe: Any) -> tuple[Overheads, float | None]:
     return o, step
 
 
+RECENT_SEGMENTS = 200
+
+
 def _segment_figures(segments: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each overhead's measured values: the first segment's start-up, and the newest RECENT_SEGMENTS'
+    others (a chain of thousands of segments: status stays fast, and the medians follow what the run
+    does now)."""
     from megalaunch.launcher.accounting.goodput import checkpoint_saves
 
     out: dict[str, list[float]] = {"first": [], "startup": [], "periodic": [], "stop": [], "exit": []}
-    for i, s in enumerate(segments):
+    chosen = list(enumerate(segments))
+    if len(chosen) > RECENT_SEGMENTS + 1:
+        chosen = chosen[:1] + chosen[-RECENT_SEGMENTS:]
+    for i, s in chosen:
         parts = s.get("parts") or {}
         startup = float(s.get("startup") or 0.0) + float(parts.get("health_check") or 0.0)
         if startup > 0 and (parts.get("productive") or 0) > 0:
