@@ -33,7 +33,8 @@ from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+# one worker builds the module fixture (the one-command chain, ~60 s) for all three tests
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.xdist_group("sft-journey")]
 
 ITERS = 24
 # What a CPU and a short test add: the machine, fp32, the sizes; sft-tiny's learning rate (tiny random weights).
