@@ -19,6 +19,7 @@ def test_the_batch_host_is_gone_only_when_a_running_job_no_longer_lists_it() -> 
     assert not batch_host_gone(_info("RUNNING", "snode[1-4]"), "snode1")
     assert batch_host_gone(_info("RUNNING", "snode[2-4]"), "snode1")
     assert not batch_host_gone(_info("COMPLETED", "snode[2-4]"), "snode1")  # over: nothing to end
+    assert not batch_host_gone(_info("COMPLETING", "snode[2-4]"), "snode1")  # its script ended: nodes leave
     assert not batch_host_gone(_info("RUNNING", "(null)"), "snode1")
     assert not batch_host_gone(None, "snode1")  # Slurm did not answer
 
@@ -67,3 +68,5 @@ def test_a_lost_batch_host_ends_the_segment_in_the_ledger_and_is_a_suspect(tmp_p
     sched.states["11"] = "CANCELLED"
     assert chain.begin("100").proceed  # the successor: the segment is already accounted for
     assert len(events(paths, "ended")) == 1 and sched.excluded == {"101": ["node1"]}
+    chain.batch_host_lost("11", "node1", "node2")  # once ended (by `job end` or a keeper), never again
+    assert len(events(paths, "ended")) == 1

@@ -26,8 +26,9 @@ POLL_S = 5.0
 
 
 def batch_host_gone(info: JobInfo | None, batch_host: str) -> bool:
-    """Slurm still runs the job but no longer counts its batch host among its nodes."""
-    if info is None or info.state not in ACTIVE_STATES or not info.nodes or info.nodes == "(null)":
+    """Slurm still runs the job but no longer counts its batch host among its nodes. Only RUNNING: a job
+    that is COMPLETING (its script ended) releases its nodes one by one, the batch host perhaps first."""
+    if info is None or info.state != "RUNNING" or not info.nodes or info.nodes == "(null)":
         return False
     return batch_host not in expand_hostlist(info.nodes)
 

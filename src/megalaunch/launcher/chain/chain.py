@@ -151,7 +151,10 @@ class Chain:
         """The keeper (launcher/backends/keeper.py) saw Slurm take this job's batch host out of the running job:
         the job script, and with it `job end`, is gone. The segment is recorded as ended (its host lost, a
         suspect) before the keeper cancels the job and the successor starts."""
-        started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        segment = next((s for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
+        if segment is not None and segment.ended is not None:  # `job end` ran: the script was not lost
+            return
+        started = segment.started if segment is not None else None
         now = self.paths.read_tracker()
         reason = f"its batch host {host} (the node of the job script) was lost"
         self.suspects.record_lost(job_id, [host], f"job {job_id}: {reason}")
