@@ -23,7 +23,9 @@ def format_run_status(st: dict[str, Any]) -> str:
                  + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
     if st.get("goodput") is not None:
         mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
-        eta = f"   ETA: {_duration(st['eta_s'])} of training" if st.get("eta_s") else ""
+        from megalaunch.config.planner.forecast import duration
+
+        eta = f"   ETA: {duration(st['eta_s'])} of training" if st.get("eta_s") else ""
         lines.append(f"  goodput so far: {st['goodput']:.1%} of {st['wall_h']:.2f} h allocated "
                      f"({st['startup_share']:.0%} start-up, {st['save_share']:.0%} saving, "
                      f"{st['lost_share']:.0%} lost work){mfu}{eta}   details: megalaunch report RUN")
@@ -65,15 +67,6 @@ def format_run_status(st: dict[str, Any]) -> str:
     if st.get("next"):
         lines.append(f"  next: {st['next']}")
     return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 86400:
-        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
-    if seconds >= 3600:
-        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-    return f"{seconds // 60} min {seconds % 60} s"
 
 
 def forecast_line(fc: dict[str, Any]) -> str:
