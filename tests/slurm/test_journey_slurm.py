@@ -254,8 +254,14 @@ def test_raw_text_to_hugging_face_model_through_the_cli(slurm_tmp: Path) -> None
     for job in jobs:
         assert slurm_states.get(job) == "COMPLETED", (job, slurm_states)  # saved and left before the limit
     saved = [int(m.group(1)) for j in jobs for m in SAVED_LINE.finditer(_segment_log(run, j))]
-    periodic = [it for it in saved if it % SAVE_INTERVAL == 0 and it < TRAIN_ITERS]
-    assert periodic, (saved, report)  # periodic saves besides the signal saves and the final one
+    # every periodic save the chain reached was written, or skipped inside the signal window (logged and in the
+    # ledger: the stop save a few iterations later takes its place); on a loaded machine a segment reaches
+    # its first multiple of SAVE_INTERVAL only after the window opened, so either may happen
+    skipped = {e["iteration"] for e in _events(run, "save_skipped") if e.get("kind") == "periodic"}
+    reached = set(range(SAVE_INTERVAL, TRAIN_ITERS, SAVE_INTERVAL))
+    assert reached <= set(saved) | skipped, (saved, sorted(skipped), report)
+    for it in skipped:  # a skip is said where the user reads it
+        assert any(f"periodic save at iteration {it} skipped" in _segment_log(run, j) for j in jobs), it
     assert saved[-1] == TRAIN_ITERS and set(saved) >= {e["checkpoint_iteration"] for e in ended}, saved
 
     status = cli("status", str(run), cwd=tmp).stdout
