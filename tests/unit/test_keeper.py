@@ -70,3 +70,24 @@ def test_a_lost_batch_host_ends_the_segment_in_the_ledger_and_is_a_suspect(tmp_p
     assert len(events(paths, "ended")) == 1 and sched.excluded == {"101": ["node1"]}
     chain.batch_host_lost("11", "node1", "node2")  # once ended (by `job end` or a keeper), never again
     assert len(events(paths, "ended")) == 1
+
+
+def test_detach_writes_the_keepers_own_log_and_ignores_the_signals_that_are_not_its_own(tmp_path) -> None:
+    """In a child process (it changes fds 1 and 2): the warning signal, SIGHUP and output through the step's
+    streams must not end or block it; SIGTERM, the job's end, still does."""
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "keeper.out"
+    code = ("import os, signal, sys, time\n"
+            "from megalaunch.launcher.backends.keeper import detach\n"
+            f"detach({str(log)!r})\n"
+            "print('keeper up', flush=True)\n"
+            "for s in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGHUP): os.kill(os.getpid(), s)\n"
+            "print('survived', flush=True); print('on stderr', file=sys.stderr, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert proc.stdout == "" and proc.stderr == ""  # nothing through the step's streams
+    assert log.read_text().splitlines() == ["keeper up", "survived", "on stderr"]

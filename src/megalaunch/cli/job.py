@@ -91,13 +91,15 @@ def step_end(
 def keeper(
     run: Annotated[str, typer.Argument(help="Run directory.")],
     batch_host: Annotated[str, typer.Option("--batch-host", help="The node that runs the job script.")],
+    log: Annotated[str | None, typer.Option("--log", help="Append this command's output to this file.")] = None,
 ) -> None:
     """Beside the steps, on another node: end the job if its batch host dies (launcher/backends/keeper.py)."""
     import socket
 
-    from megalaunch.launcher.backends.keeper import keep
+    from megalaunch.launcher.backends.keeper import detach, keep
     from megalaunch.launcher.backends.slurm import SlurmClient
 
+    detach(log)
     job_id, client = _job_id(), SlurmClient()
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     keep(job_id, batch_host, ask=client.job_state, cancel=lambda j: client.scancel([j]),

@@ -16,6 +16,8 @@ nodes. When the job ends otherwise, the keeper is ended with it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,23 @@ from megalaunch.launcher.backends.slurm import ACTIVE_STATES, JobInfo
 from megalaunch.rundir.hostlist import expand_hostlist
 
 POLL_S = 5.0
+# Slurm's warning goes to every task of every step (the stop signal, USR1 or USR2); SIGHUP is what srun or
+# a dying session may pass on. None of them is the keeper's to obey: the job's end (SIGTERM, SIGKILL) is.
+IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def detach(log: str | None) -> None:
+    """Nothing of the keeper may pass through the batch host: with its srun gone, the step's standard
+    streams (relayed by slurmstepd towards srun) block a task that writes to them (measured on the scale
+    cluster: a task's writes stopped the moment the batch host died). So the keeper writes its own log
+    file (srun gives it /dev/null), and ignores the signals that are not its own."""
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        for target in (1, 2):
+            os.dup2(fd, target)
+        os.close(fd)
 
 
 def batch_host_gone(info: JobInfo | None, batch_host: str) -> bool:
