@@ -3,6 +3,7 @@ non-zero; `--debug` shows the traceback."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import os
@@ -64,15 +65,39 @@ def _remote_side() -> None:
 
 
 @functools.cache
-def _cli() -> typer.core.TyperGroup:
-    """The command tree, built once: routing reads the commands' options from it and then runs it
-    (what `app(...)` does, building it anew: ~40 ms)."""
-    return typer.main.get_command(app)  # type: ignore[return-value]
+def _cli(word: str | None = None) -> typer.core.TyperGroup:
+    """The command tree, built once per process: routing reads the commands' options from it and then runs
+    it. Only `word`'s command or group when `word` names one (building every command's parameters from
+    its signature costs ~50 ms that a login node's `status` need not pay); the whole tree otherwise (help,
+    a misspelt command's suggestions)."""
+    tree = copy.copy(app)
+    commands = [c for c in app.registered_commands if _command_name(c) == word]
+    groups = [g for g in app.registered_groups if g.name == word]
+    if commands or groups:
+        tree.registered_commands, tree.registered_groups = commands, groups
+    return typer.main.get_command(tree)  # type: ignore[return-value]
+
+
+def _command_name(info: typer.models.CommandInfo) -> str:
+    return info.name or (info.callback.__name__.lower().replace("_", "-") if info.callback else "")
+
+
+def _command_word(args: list[str]) -> str | None:
+    """The command a line names: its first word that is neither an option nor the value of --host."""
+    skip = False
+    for w in args:
+        if skip:
+            skip = False
+        elif w == "--host":
+            skip = True
+        elif not w.startswith("-"):
+            return w
+    return None
 
 
 def _value_options(command: str) -> set[str]:
     """`command`'s options that take a value, from its own definition."""
-    cmd = _cli().commands[command]
+    cmd = _cli(command).commands[command]
     return {o for p in cmd.params if getattr(p, "param_type_name", "") == "option" and not getattr(p, "is_flag", False)
             and not getattr(p, "count", False) for o in (*p.opts, *p.secondary_opts)}
 
@@ -81,7 +106,7 @@ def _params(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     """(command, its parameters) as the command itself parses `argv`; None when they do not parse."""
     try:
         i = next(i for i, w in enumerate(argv) if not w.startswith("-"))
-        cmd = _cli().commands[argv[i]]
+        cmd = _cli(argv[i]).commands[argv[i]]
         return argv[i], dict(cmd.make_context(argv[i], argv[i + 1:], resilient_parsing=True).params)
     except Exception:
         return None
@@ -115,7 +140,8 @@ def main(argv: list[str] | None = None, *, remote: bool = True) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("MEGALAUNCH_DEBUG") == "1"
     try:
-        code = _cli().main(args=_remote(args) if remote else args, standalone_mode=False)
+        args = _remote(args) if remote else args
+        code = _cli(_command_word(args)).main(args=args, standalone_mode=False)
         if isinstance(code, int) and code:  # typer.Exit(N) comes back as N when not standalone
             sys.exit(code)
     except MegalaunchError as e:

@@ -92,7 +92,6 @@ class SegmentTime:
         return sum(self.parts.get(k, 0.0) for k in STARTUP)
 
 
-SEGMENT_FIELDS = tuple(SegmentTime.__dataclass_fields__)
 CUT_VERSION = 1  # raise it when a segment is cut differently: older cuts are then recomputed
 
 
@@ -250,40 +249,41 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
     for m in metrics:
         by_job.setdefault(str(m.get("job_id")), []).append(m)
     submitted, started, ended, restarts = _index(events)
-    order = list(started)
-    segments: list[SegmentTime] = []
+    numbers = numbers or segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
+    out: list[dict[str, Any]] = []  # each segment as the caller gets it
     previous_end: float | None = None
     known = _cut_before(paths)
-    for jid in order:
+    for jid in started:
         done = ended.get(jid)
         if done is not None and (k := known.get(jid)) and k.get("ended_at") == done["time"] \
-                and k.get("restarts") == len(restarts.get(jid, [])):  # as cut at an earlier `job end`
-            seg = SegmentTime(**{f: k[f] for f in SEGMENT_FIELDS if f in k})
-            segments.append(seg)
-            previous_end = seg.end if seg.end is not None else now
+                and k.get("restarts") == len(restarts.get(jid, [])):  # as cut at an earlier `job end`: as is
+            out.append({**k, "number": numbers.get(jid)})
+            previous_end = k["end"] if k.get("end") is not None else now
             continue
         tl = read_json(paths.timeline(jid))
         mine = by_job.get(jid, [])
         if jid in restarts:
-            seg = restarted_segment_time(paths, jid, started[jid], ended.get(jid), tl, restarts[jid], mine, now)
+            seg = restarted_segment_time(paths, jid, started[jid], done, tl, restarts[jid], mine, now)
         else:
-            seg = segment_time(jid, started[jid], ended.get(jid), tl if isinstance(tl, dict) else None, mine, now)
+            seg = segment_time(jid, started[jid], done, tl if isinstance(tl, dict) else None, mine, now)
         since = max(x for x in (submitted.get(jid), previous_end) if x is not None) \
             if (submitted.get(jid) is not None or previous_end is not None) else None
         seg.wait = max(0.0, seg.start - since) if since is not None and seg.start is not None else None
         previous_end = seg.end if seg.end is not None else now
-        segments.append(seg)
-    totals = {k: sum(s.parts.get(k, 0.0) for s in segments) for k in COMPONENTS}
+        out.append({**vars(seg), "parts": dict(seg.parts), "saves": [list(v) for v in seg.saves], "wall": seg.wall,
+                    "startup": seg.startup, "number": numbers.get(jid), "ended_at": (done or {}).get("time"),
+                    "restarts": len(restarts.get(jid, []))})
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+    for o in out:
+        for key, v in o["parts"].items():
+            if key in totals:
+                totals[key] += v
     wall = sum(totals.values())
-    numbers = numbers or segment_numbers(Ledger(paths).segments(events))  # as `status` and `logs --segment` number them
-    gpus = [s.world for s in segments if s.world]
+    gpus = [o["world"] for o in out if o.get("world")]
     return {
-        "segments": [{**vars(s), "parts": dict(s.parts), "saves": [list(v) for v in s.saves], "wall": s.wall, "startup": s.startup, "number": numbers.get(s.job_id),
-                      "ended_at": (ended.get(s.job_id) or {}).get("time"), "restarts": len(restarts.get(s.job_id, []))}
-                     for s in segments],
-        "totals": totals, "wall": wall, "wait": sum(s.wait or 0.0 for s in segments),
+        "segments": out, "totals": totals, "wall": wall, "wait": sum(o.get("wait") or 0.0 for o in out),
         "goodput": (totals["productive"] / wall) if wall > 0 else None,
-        "gpu_hours": sum(s.wall * (s.world or 1) for s in segments) / 3600.0,
+        "gpu_hours": sum(o["wall"] * (o.get("world") or 1) for o in out) / 3600.0,
         "world": gpus[-1] if gpus else None,
     }
 
