@@ -91,13 +91,12 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
         if self._backstop_file is not None:
             self._backstop_file.close()
+            _remove_if_empty(self._backstop_file.name)  # the backstop never fired
             self._backstop_file = None
         if self._stacks_file is not None:
             faulthandler.unregister(STACKS_SIGNAL)
             self._stacks_file.close()
-            with contextlib.suppress(OSError):  # no dump was asked for: leave no empty file behind
-                if os.path.getsize(self._stacks_file.name) == 0:
-                    os.unlink(self._stacks_file.name)
+            _remove_if_empty(self._stacks_file.name)  # no dump was asked for
             self._stacks_file = None
 
     def stack_file(self, kind: str = "stacks") -> Path:
@@ -145,3 +144,10 @@ class Watchdog:
             time.sleep(self.grace_s)
         finally:
             self._exit(EXIT_HUNG)
+
+
+def _remove_if_empty(path: str) -> None:
+    """Leave no empty file behind in RUN/debug (what is there is a stack dump to read)."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
