@@ -37,6 +37,7 @@ from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
 from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
+from megalaunch.runtime.health.node_loss import LOST_LINE, StepNodes
 from megalaunch.runtime.health.procs import proc_stats
 from megalaunch.runtime.health.watchdog import backstop_after_s
 
@@ -254,17 +255,21 @@ def kill_step(step: SlurmStep, step_ids: list[str], sleep: Callable[[float], Non
 
 def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
           check_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-          sleep: Callable[[float], None] = time.sleep) -> str:
-    """Watch until the heartbeat goes stale, then gather stacks, record and kill. Returns what it did."""
+          sleep: Callable[[float], None] = time.sleep, loss: StepNodes | None = None) -> str:
+    """Watch until the heartbeat goes stale, then gather stacks, record and kill; or until a node of the step
+    is lost (runtime/health/node_loss.py), then end the step. Returns what it did."""
     check_s = check_s or max(1.0, min(10.0, limits.startup_s / 10, limits.hang_s / 10))
     beat_file = paths.heartbeat(job_id)
     hw = HangWatch(limits, clock())
+    nodes = StepNodes.from_env(paths.tasks(job_id), paths.segment_log(job_id)) if loss is None else loss
     told_unknown = False  # said once per silent spell that the evidence is unknown
     while True:
-        sleep(check_s)
+        sleep(min(check_s, 1.0) if nodes is not None else check_s)
         if step.shell_pid and not _alive(step.shell_pid):
             return "the job script is gone"
         now = clock()
+        if nodes is not None and (lost := nodes.check(now)):
+            return _end_lost(paths, job_id, lost, nodes.decision.grace_s, hw, step, sleep)
         hw.observe(now, read_beat(beat_file))
         if hw.idle_s(now) < hw.limit_s:
             told_unknown = False
@@ -281,6 +286,19 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
                 told_unknown = True
             continue
         return _fire(paths, job_id, hw, step, clock, sleep)
+
+
+def _end_lost(paths: RunPaths, job_id: str, lost: list[str], grace_s: float, hw: HangWatch, step: SlurmStep,
+              sleep: Callable[[float], None]) -> str:
+    """Say which nodes were lost (the line `job step-end` reads), record it, and end the step."""
+    for node in lost:
+        log(LOST_LINE.format(node=node, grace=grace_s).removeprefix("megalaunch hangwatch: "))
+    with contextlib.suppress(OSError):
+        append_jsonl(paths.ledger, {"event": "step_nodes_lost", "time": time.time(), "job_id": job_id,
+                                    "step": os.environ.get("MEGALAUNCH_STEP"), "nodes": lost, "grace_s": grace_s})
+    how = kill_step(step, [f"{job_id}.{hw.step_id}"] if hw.step_id else step.step_ids(), sleep)
+    log(f"{how}; `job step-end` decides what follows")
+    return how
 
 
 def _fire(paths: RunPaths, job_id: str, hw: HangWatch, step: SlurmStep,

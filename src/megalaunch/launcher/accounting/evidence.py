@@ -11,15 +11,16 @@ from pathlib import Path
 
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.health.node_loss import (
+    NODE_FAILURE_LINE,
+    RESTART_MARKER,
+    SRUN_TASK_LINE,
+    expand_tasks,
+)
 
-# srun: error: node2: task 1: Killed / tasks 0-3: Exited with exit code 1 / task 0: Segmentation fault
-# `job step-end` prints this before an in-job restart (launcher/chain/restart.py): a step's srun lines follow
-# the last one (the steps before it were judged at their own end)
-RESTART_MARKER = "megalaunch: in-job restart:"
-# srun: error: Node failure on snode4 (Slurm declared a node of the step dead: its ranks left no record)
-NODE_FAILURE_LINE = re.compile(r"^srun: error: Node failure on (?P<node>[^\s]+)", re.M)
+# srun's lines about tasks, the restart marker, and a node srun or the step's watcher reported lost (its ranks
+# left no record): one reading for the job (runtime/health/node_loss.py) and for the segment's judgement here
 NODE_LOST = -1  # TaskEnd.rank of a whole node that died (its ranks' supervisors died with them)
-SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,11 @@ def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list
             known.add(rank)
             ends.append(TaskEnd(rank=rank, node=node, how=_slurm_words(what)))
     # a node that died: the cause; the ranks that failed on a collective with it are consequences
-    lost = list(dict.fromkeys(m.group("node") for m in NODE_FAILURE_LINE.finditer(text)))
-    return [TaskEnd(rank=NODE_LOST, node=n, how="was lost (Slurm: node failure)") for n in lost] + ends
+    lost: dict[str, str] = {}
+    for m in NODE_FAILURE_LINE.finditer(text):
+        lost.setdefault(m.group("node"), "was lost (Slurm: node failure)" if m.group(0).startswith("srun") else
+                        "was lost (none of its ranks ended after its peers failed; the step's watcher ended it)")
+    return [TaskEnd(rank=NODE_LOST, node=n, how=how) for n, how in lost.items()] + ends
 
 
 # A collective that failed because its peer vanished: the rank that ends with this error a moment
@@ -108,7 +112,7 @@ def current_step(text: str) -> str:
 
 
 def lost_nodes(log: Path) -> list[str]:
-    """Every node srun reported lost (`Node failure on X`) anywhere in a segment's log, in order."""
+    """Every node reported lost anywhere in a segment's log (srun's `Node failure on X`, or the step's watcher), in order."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
@@ -128,17 +132,8 @@ def _step_text(log: Path | None) -> str:
 def _srun_lines(text: str) -> list[tuple[int, str, str]]:
     out = []
     for m in SRUN_TASK_LINE.finditer(text):
-        for rank in _expand(m.group("tasks")):
+        for rank in expand_tasks(m.group("tasks")):
             out.append((rank, m.group("node"), m.group("what").strip()))
-    return out
-
-
-def _expand(tasks: str) -> list[int]:
-    out: list[int] = []
-    for part in tasks.split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()):
-            out.extend(range(int(lo), int(hi or lo) + 1))
     return out
 
 
