@@ -92,9 +92,14 @@ def _lose_a_node(run: Path, job: str, step: int, victim: str, dead: list[str]) -
     figures = {"victim": victim, "decided_s": restart["time"] - killed.time,
                "step_started_s": started["time"] - killed.time, "first_iteration_s": first - killed.time,
                "restart": restart, "nodes": started["nodes"]}
-    # where the time goes: srun returns once slurmctld declares the node DOWN (SlurmdTimeout, MessageTimeout),
-    # then `job step-end` decides and `job step-nodes` picks the spare, then the new step starts and trains
-    print(f"{victim} killed: srun returned and the restart was decided after {figures['decided_s']:.1f} s, "
+    # where the time goes: the step's watcher ends it once every other node's ranks ended and the victim's
+    # stayed silent for its grace (runtime/health/node_loss.py), or else srun returns when slurmctld declares
+    # the node DOWN; then `job step-end` decides and `job step-nodes` picks the spare, the new step trains
+    ended_by = [e for e in _events(run, "step_nodes_lost") if str(e["job_id"]) == job and e["step"] == str(step)]
+    assert all(e["nodes"] == [victim] for e in ended_by), ended_by
+    print(f"{victim} killed: " + (f"the watcher ended the step after {ended_by[0]['time'] - killed.time:.1f} s, "
+                                  if ended_by else "Slurm declared it DOWN and srun returned, ")
+          + f"srun returned and the restart was decided after {figures['decided_s']:.1f} s, "
           f"step {step + 1} started after {figures['step_started_s']:.1f} s on {started['nodes']}, its first "
           f"iteration {figures['first_iteration_s']:.1f} s after the kill")
     return figures
