@@ -181,7 +181,8 @@ def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A fresh directory (mode 1777, like /tmp) under a base every user can traverse.
 
     Use it as the cwd / run directory of jobs submitted as mlalice, mlbob or mleve; chmod it
-    yourself for permission tests. Removed after a passing test, kept after a failure.
+    yourself for permission tests. Removed after a passing test (MEGALAUNCH_KEEP_SLURM_TMP=1: kept), kept after
+    a failure.
     """
     SLURM_TMP_BASE.mkdir(parents=True, exist_ok=True)
     # Like /tmp: anyone may create, only owners delete. Made by another user earlier: already so.
@@ -192,7 +193,7 @@ def slurm_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
     path.chmod(0o1777)  # sticky: a run root nobody else can rename is what megalaunch requires (docs/security.md)
     yield path
     _cancel_leftover_chains(path)
-    if not request.node.stash.get(_FAILED, True):
+    if not request.node.stash.get(_FAILED, True) and os.environ.get("MEGALAUNCH_KEEP_SLURM_TMP") != "1":
         shutil.rmtree(path, ignore_errors=True)
     else:
         print(f"slurm_tmp kept: {path}")

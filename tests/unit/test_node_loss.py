@@ -86,8 +86,8 @@ def test_job_watch_ends_the_step_and_job_step_end_blames_the_lost_node(tmp_path:
     loss = StepNodes(NODES, 2, paths.tasks("42"), log, grace_s=5)
     started = clock()
     how = watch(paths, "42", LIMITS, SlurmStep("42", os.getpid(), run=slurm), clock=clock, sleep=clock.sleep, loss=loss)
-    assert "scancel --signal=KILL" in how and 5 <= clock() - started <= 7  # the grace and a tick, not a limit
-    assert [c for c in slurm.calls if c[0] == "scancel"] == [["scancel", "--signal=KILL", "42.0"]]
+    assert how.startswith("cancelled step 42.0") and 5 <= clock() - started <= 7  # the grace and a tick
+    assert [c for c in slurm.calls if c[0] == "scancel"] == [["scancel", "42.0"]]  # cancelled, not signalled
     lines = capsys.readouterr().err
     assert LOST_LINE.format(node="n2", grace=5) in lines, lines
     events = [json.loads(line) for line in paths.ledger.read_text().splitlines()]
@@ -98,3 +98,16 @@ def test_job_watch_ends_the_step_and_job_step_end_blames_the_lost_node(tmp_path:
     ends = abnormal_ends(paths, "42", log)
     assert ends[0].rank == NODE_LOST and ends[0].node == "n2" and "watcher" in ends[0].how, ends
     assert lost_nodes(log) == ["n2"]
+
+
+def test_the_keepers_step_is_never_the_one_the_watcher_ends() -> None:
+    """The keeper (launcher/backends/keeper.py) is a step of the job too, started before the training step:
+    a watcher that cancelled 'every step' ended it (found on the scale cluster)."""
+    import subprocess
+
+    from megalaunch.runtime.health.slurm_step import KEEPER_STEP
+
+    def squeue(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(argv, 0, f"42.0 {KEEPER_STEP}\n42.1 python\n42.batch batch\n", "")
+
+    assert SlurmStep("42", os.getpid(), run=squeue).step_ids() == ["42.1"]

@@ -85,6 +85,11 @@ def test_spare_nodes_keep_the_job_alive_when_a_node_dies() -> None:
         "job.sbatch"]
     assert "#SBATCH --no-kill\n" in script and f"#SBATCH --nodes={loaded.recipe.cluster.nodes + 2}\n" in script
     assert 'srun --kill-on-bad-exit=1 "${step_args[@]}" ' in script and "  step_args=(--overlap)\n" in script
+    # the keeper's step carries the name by which `job watch` leaves it (and its srun) alone
+    from megalaunch.runtime.health.slurm_step import KEEPER_STEP
+
+    assert f"setsid srun --overlap --job-name={KEEPER_STEP} " in script
+    assert "MEGALAUNCH_STEP_NODES=$step_nodes" in script  # the step's nodes, for `job watch`'s node loss
 
 
 def test_header_explains_no_requeue_next_to_auto_requeue() -> None:

@@ -25,10 +25,9 @@ import argparse
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +37,18 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
 from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
 from megalaunch.runtime.health.node_loss import LOST_LINE, StepNodes
-from megalaunch.runtime.health.procs import proc_stats
+from megalaunch.runtime.health.slurm_step import (
+    SRUN_ABORT_WAIT_S,
+    SlurmStep,
+    alive,
+    kill_step,
+    log,
+    wait_gone,
+)
 from megalaunch.runtime.health.watchdog import backstop_after_s
 
 OUTER_MARGIN_S = 30.0  # after the in-Python watchdog's backstop: it had its chance
 STACKS_WAIT_S = 5.0  # for faulthandler to write every rank's stacks
-SLURM_TIMEOUT_S = 15.0  # one squeue/scancel call
-KILL_TRIES = 3
-KILL_RETRY_S = 5.0
-SRUN_EXIT_WAIT_S = 30.0
 
 # what a segment does after each phase: a hang "after setup_done" is stuck in the rendezvous
 NEXT = {"step_start": "srun starting the tasks", "task_start": "the trainer's start",
@@ -57,9 +59,6 @@ NEXT = {"step_start": "srun starting the tasks", "task_start": "the trainer's st
         "data_start": "building the datasets", "data_end": "the first iteration",
         "first_iteration_end": "an iteration", "iteration": "an iteration", "save_start": "a checkpoint save",
         "save_end": "an iteration"}
-
-Run = Callable[..., subprocess.CompletedProcess[str]]
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -169,90 +168,6 @@ def _non_empty(path: Path) -> bool:
         return False
 
 
-def log(message: str) -> None:
-    print(f"megalaunch hangwatch: {message}", file=sys.stderr, flush=True)
-
-
-class SlurmStep:
-    """The job's step as Slurm and this node see it; every Slurm call is timed and may fail (None/False)."""
-
-    def __init__(self, job_id: str, shell_pid: int, run: Run = subprocess.run) -> None:
-        self.job_id = job_id
-        self.shell_pid = shell_pid
-        self._run = run
-
-    def _slurm(self, args: Sequence[str]) -> str | None:
-        try:
-            p = self._run(list(args), capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            log(f"{args[0]} did not answer: {e}")
-            return None
-        if p.returncode != 0:
-            log(f"{' '.join(args)} failed ({p.returncode}): {(p.stderr or '').strip()[:200]}")
-            return None
-        return p.stdout
-
-    def job_state(self) -> str | None:
-        out = self._slurm(["squeue", "--noheader", "--jobs", self.job_id, "--format=%T"])
-        return out.split()[0] if out and out.split() else None
-
-    def step_ids(self) -> list[str]:
-        out = self._slurm(["squeue", "--noheader", "--steps", "--jobs", self.job_id, "--format=%i"]) or ""
-        return [s for s in out.split() if s.partition(".")[2].isdigit()]
-
-    def signal(self, sig: str, step: str) -> bool:
-        return self._slurm(["scancel", f"--signal={sig}", step]) is not None
-
-    def srun_pids(self) -> list[int]:
-        """The job script's srun (its child: the step's launcher on this node)."""
-        return [pid for pid, name, fields in proc_stats()
-                if name == b"srun" and len(fields) > 1 and int(fields[1]) == self.shell_pid]
-
-
-def _wait_gone(pids: list[int], timeout_s: float, sleep: Callable[[float], None]) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        sleep(0.5)
-    return not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
-def kill_step(step: SlurmStep, step_ids: list[str], sleep: Callable[[float], None] = time.sleep) -> str:
-    """Kill the step through Slurm; else through the local srun. Returns how it went."""
-    sruns = step.srun_pids()
-    for attempt in range(KILL_TRIES):
-        if step_ids and all(step.signal("KILL", s) for s in step_ids):
-            if _wait_gone(sruns, SRUN_EXIT_WAIT_S, sleep):
-                return f"killed step {', '.join(step_ids)} (scancel --signal=KILL)"
-            log("srun still runs after the step was killed")
-            break
-        if attempt + 1 < KILL_TRIES:
-            sleep(KILL_RETRY_S)
-            step_ids = step_ids or step.step_ids()
-    # Slurm did not answer (or never named the step): srun ends the step itself on two SIGINTs within
-    # a second; as the last resort, srun is killed (the job script then goes on to `job end`).
-    for pid in sruns:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGINT)
-            time.sleep(0.2)
-            os.kill(pid, signal.SIGINT)
-    if _wait_gone(sruns, SRUN_EXIT_WAIT_S, sleep):
-        return "srun ended the step (two SIGINTs)"
-    for pid in sruns:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return "killed srun (SIGKILL)"
-
-
 def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
           check_s: float | None = None, clock: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep, loss: StepNodes | None = None) -> str:
@@ -265,7 +180,7 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
     told_unknown = False  # said once per silent spell that the evidence is unknown
     while True:
         sleep(min(check_s, 1.0) if nodes is not None else check_s)
-        if step.shell_pid and not _alive(step.shell_pid):
+        if step.shell_pid and not alive(step.shell_pid):
             return "the job script is gone"
         now = clock()
         if nodes is not None and (lost := nodes.check(now)):
@@ -296,7 +211,20 @@ def _end_lost(paths: RunPaths, job_id: str, lost: list[str], grace_s: float, hw:
     with contextlib.suppress(OSError):
         append_jsonl(paths.ledger, {"event": "step_nodes_lost", "time": time.time(), "job_id": job_id,
                                     "step": os.environ.get("MEGALAUNCH_STEP"), "nodes": lost, "grace_s": grace_s})
-    how = kill_step(step, [f"{job_id}.{hw.step_id}"] if hw.step_id else step.step_ids(), sleep)
+    # Cancelled, not signalled: Slurm ends the step's tasks wherever it reaches them. srun itself then still
+    # waits KillWait + 2 s for the lost node's tasks ("Job step aborted: Waiting up to 32 seconds" with
+    # Slurm's default KillWait): nothing of this step is left for it to tell, so it is ended after a moment.
+    step_ids = [f"{job_id}.{hw.step_id}"] if hw.step_id else step.step_ids()
+    sruns = step.srun_pids()
+    if step_ids and all(step.cancel(s) for s in step_ids):
+        how = f"cancelled step {', '.join(step_ids)} (scancel)"
+        if not wait_gone(sruns, SRUN_ABORT_WAIT_S, sleep):
+            for pid in sruns:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            how += f", then ended srun, which waits for the lost node's tasks ({SRUN_ABORT_WAIT_S:g} s after)"
+    else:
+        how = kill_step(step, step_ids, sleep)
     log(f"{how}; `job step-end` decides what follows")
     return how
 
