@@ -17,6 +17,7 @@ from scale import (
     conf_values,
     expand_hostlist,
     kill_node,
+    node_processes,
     node_states,
     revive_node,
     scale_nodes,
@@ -86,6 +87,10 @@ def _submit_four_node_job(slurm_tmp: Path, step_command: str, after_step: str) -
     job = sbatch(["--nodes=4", "--ntasks-per-node=1", "--no-kill", "--job-name=ml-scale-kill", f"--output={out}",
                   str(script)], user=USER, cwd=slurm_tmp)
     wait_for(lambda: _steps(job).get(f"{job}.0") == "RUNNING", 60, interval=0.2, what=f"step {job}.0 running")
+    # RUNNING to slurmctld is not yet a task on every node: each node's slurmstepd forks its own (CI run: a
+    # node killed in between had a slurmstepd and no task)
+    nodes = expand_hostlist(show_job(job)["NodeList"])
+    wait_for(lambda: all(node_processes(n)[2] for n in nodes), 60, interval=0.2, what=f"step {job}.0's task on each node")
     return job, out
 
 
