@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh kernels            # liger-kernel vs Megatron: ops, 1B end to end, tests (~8 min)
 #   bash bench/gpu_session.sh mfu8b              # llama3-8b on all GPUs, planner's first layout, profiled (~5 min)
 #   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
+#   bash bench/gpu_session.sh fp8                # FP8 GEMMs without TE beside bf16: GEMMs, 1B end to end (~6 min)
+#   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8, fp8's exact resume (~8 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -185,12 +187,34 @@ stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoi
   rm -rf "$WORK/sft"
 }
 
+stage_fp8() {  # issue 34: FP8 GEMMs without transformer-engine beside bf16: GEMMs, 1B end to end, loss curves, tests
+  need_liger
+  timeout "${FP8_GEMM_S:-120}" "$PY" bench/fp8.py --stage gemm --out "$OUT/fp8" 2>&1 | tee "$OUT/fp8_gemm.txt" \
+    | grep -vE "warn|Warn" || true
+  # shellcheck disable=SC2086
+  timeout "${FP8_E2E_S:-330}" "$PY" bench/fp8.py --stage e2e --out "$WORK/fp8" ${FP8_E2E_ARGS:-} 2>&1 \
+    | tee "$OUT/fp8_e2e.txt" | grep -v "^  {" || true
+  cp "$WORK"/fp8/*.json "$OUT"/ 2>/dev/null || true
+  tar -czf "$OUT/fp8_logs.tgz" -C "$WORK" --exclude runs fp8 2>/dev/null || true
+}
+
+stage_fp8loss() {  # issue 34: llama3-1b trained bf16 and fp8 side by side, then fp8's exact resume (GPU test)
+  need_liger
+  # shellcheck disable=SC2086
+  timeout "${FP8_LOSS_S:-420}" "$PY" bench/fp8.py --stage loss --out "$WORK/fp8loss" ${FP8_LOSS_ARGS:-} 2>&1 \
+    | tee "$OUT/fp8_loss.txt" | grep -v "^  {" || true
+  cp "$WORK"/fp8loss/*.json "$WORK"/fp8loss/*.jsonl "$OUT"/ 2>/dev/null || true
+  timeout "${FP8_TESTS_S:-150}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
+    --basetemp="$OUT/pytest-fp8" --junitxml="$OUT/fp8-tests.xml" 2>&1 | tee "$OUT/fp8-tests.txt" \
+    | grep -E "^\[|passed|failed|error|Error" || true
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8loss) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8loss, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

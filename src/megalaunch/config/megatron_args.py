@@ -15,7 +15,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
 
 # Fields that are megalaunch's own, not Megatron flags.
-_TRAINING_OWN = {"precision", "attention", "kernels", "recompute", "fused_kernels", "log_interval", "eval_interval",
+_TRAINING_OWN = {"precision", "fp8_recipe", "attention", "kernels", "recompute", "fused_kernels", "log_interval", "eval_interval",
                  "eval_iters", "flow"}
 _CHECKPOINT_OWN = {"keep_last", "milestone_interval", "save_time_estimate_s", "load", "from_hf", "allow_blend_change",
                    "async_save", "disk_check", "writer_threads"}
@@ -90,8 +90,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     _section(out, t, _TRAINING_OWN | {"lr_decay_iters", "transformer_impl"})
     _emit(out, "lr_decay_iters", t.lr_decay_iters or t.train_iters)
     _emit(out, "transformer_impl", t.transformer_impl)
-    if t.precision != "fp32":
-        out.append(flag(t.precision))
+    out += precision_args(recipe)
     out += recompute_args(t.recompute)
     _emit(out, "log_interval", t.log_interval)
     _emit(out, "eval_interval", t.eval_interval)
@@ -103,7 +102,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
                 "--no-rope-fusion"]
         if not fused:  # torch.compile'd (megatron.core.jit): no apex/TE, but a compiler on the GPU
             out += ["--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
-    if fused and t.precision == "bf16":
+    if fused and working_precision(recipe) == "bf16":
         # Megatron refuses TE's (unstable), and the native one is torch.compile'd like the rest. bf16 only:
         # its backward hands the logits' gradient back in bf16, which fp32 and fp16 training would not want.
         out += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
@@ -152,3 +151,22 @@ def async_save(recipe: Recipe) -> bool:
     if c.async_save == "auto":
         return recipe.cluster.gpus_per_node > 0 and c.ckpt_format == "torch_dist"
     return bool(c.async_save)
+
+
+def working_precision(recipe: Recipe) -> str:
+    """The weights' and activations' precision: fp8 computes the transformer layers' GEMMs in FP8 on bf16
+    (runtime/model/fp8.py), on fp32 in a CPU-only job (where bf16 is refused: config/preflight.py)."""
+    t = recipe.training
+    if t.precision == "fp8":
+        return "fp32" if recipe.cluster.gpus_per_node == 0 else "bf16"
+    return t.precision
+
+
+def precision_args(recipe: Recipe) -> list[str]:
+    """Megatron's precision flags; with fp8 on transformer-engine's layers, TE's own FP8 recipe (hybrid: e4m3
+    forward, e5m2 gradients; the job's own path renders nothing more: runtime.json carries the recipe)."""
+    t = recipe.training
+    out = [] if working_precision(recipe) == "fp32" else [flag(working_precision(recipe))]
+    if t.precision == "fp8" and t.transformer_impl == "transformer_engine":
+        out += ["--fp8-format", "hybrid", "--fp8-recipe", t.fp8_recipe]
+    return out

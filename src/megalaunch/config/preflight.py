@@ -70,8 +70,8 @@ def check_cluster(recipe: Recipe) -> None:
         _require(recipe.checkpoint.async_save is not True, "checkpoint.async_save",
                  "asynchronous saves need a GPU (Megatron's persistent save worker fails on CPU)",
                  "false or auto when gpus_per_node is 0", "--set checkpoint.async_save=auto")
-        _require(t.precision == "fp32", "training.precision",
-                 f"{t.precision} on a CPU-only job", "fp32 when gpus_per_node is 0", "--set training.precision=fp32")
+        _require(t.precision in ("fp32", "fp8"), "training.precision", f"{t.precision} on a CPU-only job",
+                 "fp32 (or fp8, on fp32 weights) when gpus_per_node is 0", "--set training.precision=fp32")
         _require(t.kernels != "liger", "training.kernels", "liger-kernel's Triton kernels need a GPU",
                  "auto or megatron when gpus_per_node is 0", "--set training.kernels=auto")
     te = t.transformer_impl == "transformer_engine"
@@ -81,6 +81,9 @@ def check_cluster(recipe: Recipe) -> None:
     _require(t.kernels != "te" or te, "training.kernels", "te means transformer-engine's layers",
              "te with transformer_impl: transformer_engine; auto, liger or megatron with local",
              "--set training.kernels=auto (or --set training.transformer_impl=transformer_engine)")
+    _require(t.precision != "fp8" or not te or t.fp8_recipe == "tensorwise", "training.fp8_recipe",
+             "rowwise is megalaunch's own FP8 path (transformer_impl: local); transformer-engine's is tensorwise here",
+             "tensorwise with transformer_impl: transformer_engine", "--set training.fp8_recipe=tensorwise")
     lead = signal_lead_s(recipe)
     period = check_period_s(recipe)
     room = cl.time_limit_s - lead - period

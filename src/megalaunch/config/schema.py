@@ -78,7 +78,9 @@ class TrainingConfig:
     adam_eps: float = doc("Adam epsilon", 1e-8)
     clip_grad: float = doc("gradient-norm clip", 1.0)
     init_method_std: float = doc("weight init std", 0.02)
-    precision: Literal["bf16", "fp16", "fp32"] = doc("training precision", "bf16")
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = doc(
+        "training precision; fp8: the transformer layers' GEMMs in FP8 on bf16 weights (docs/training.md)", "bf16")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = doc("FP8 scaling with precision fp8: per tensor, per row", "tensorwise")
     seed: int = doc("random seed", 1234)
     log_interval: int = doc("iterations between log lines and progress.json", 10)
     eval_interval: int = doc("iterations between evaluations", 1000)
@@ -90,15 +92,13 @@ class TrainingConfig:
         "RMSNorm, RoPE, SwiGLU and the output layer's cross entropy: auto (chosen in the job: te with "
         "transformer_impl transformer_engine, else liger-kernel's where importable on a GPU and measured faster, "
         "else Megatron's; recorded in the ledger), megatron, liger (needs liger-kernel and a GPU), te", "auto")
-    recompute: Literal["none", "selective", "full"] = doc(
-        "activation recomputation: none, selective (the core attention) or full (every layer; ~1/3 more "
-        "compute, least memory)", "none")
+    recompute: Literal["none", "selective", "full"] = doc("activation recomputation: none, selective (the core "
+                                                          "attention) or full (every layer; ~1/3 more compute)", "none")
     transformer_impl: Literal["local", "transformer_engine"] = doc("Megatron layer implementation", "local")
     flow: str | None = doc("a user-defined training step, 'module:Class' importable in the job (runtime/flows/flow.py); "
                            "null: next-token loss on the loss mask", None)
-    fused_kernels: bool | Literal["auto"] = doc(
-        "Megatron's torch.compile'd fusions, which need neither transformer-engine nor apex: SwiGLU/GELU with "
-        "its bias, bias-dropout-add, and the cross entropy; auto: on with GPUs, off on the CPU", "auto")
+    fused_kernels: bool | Literal["auto"] = doc("Megatron's torch.compile'd fusions (no TE or apex needed): SwiGLU/GELU "
+                                                "with bias, bias-dropout-add, cross entropy; auto: on with GPUs", "auto")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):

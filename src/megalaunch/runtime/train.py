@@ -38,6 +38,7 @@ from megalaunch.runtime.checkpoint import resume
 from megalaunch.runtime.health.health import UnhealthyNode
 from megalaunch.runtime.loop.step import megatron_argv, run_pretrain
 from megalaunch.runtime.model import wgrad_fusion
+from megalaunch.runtime.model.fp8 import Fp8Choice, node_fp8
 from megalaunch.runtime.model.kernels import KernelChoice, resolve_kernels, with_wgrad_fusion
 from megalaunch.runtime.observation.startup_profile import StartupProfile
 from megalaunch.runtime.rank.dist_env import export_rank_env
@@ -119,7 +120,7 @@ def _start_readahead(session: Session, local_rank: int, resume_from: int | None)
         session.ctx.log(f"checkpoint read-ahead: {why}")
 
 
-def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str, KernelChoice]:
+def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str, KernelChoice, Fp8Choice]:
     """Everything before Megatron starts: blend check, CPU mode, seams, W&B."""
     ctx, observe = session.ctx, session.observe
     try:
@@ -157,6 +158,10 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
         f"; {op}: Megatron's ({why})" for op, why in kernels.fallbacks.items() if kernels.library == "liger")
         + (f"; gradient-accumulation fusion {kernels.wgrad_fusion}" if kernels.wgrad_fusion else ""))
     ctx.ledger("kernels", **kernels.ledger())
+    fp8 = node_fp8(settings.fp8, argv, cpu=cpu)  # asked for and impossible here: config_error, now
+    if fp8.recipe is not None:
+        ctx.log(f"fp8: {fp8.recipe} through {fp8.path} ({fp8.why})")
+        ctx.ledger("fp8", **fp8.ledger())
     from megalaunch.runtime.loop import megatron_seams
 
     megatron_seams.install(session)
@@ -170,7 +175,18 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not settings.cpu else None
     observe.timeline.mark("setup_done", gpu=gpu, attention=attention, kernels=kernels.library)
     maybe_skip_rendezvous(ctx)
-    return argv, attention, kernels
+    return argv, attention, kernels, fp8
+
+
+def _fp8_report(session: Session) -> Any:
+    """What the model provider tells of the FP8 layers: a log line and the ledger's `fp8_layers`."""
+    ctx = session.ctx
+
+    def report(done: list[str], kept: dict[str, str]) -> None:
+        ctx.log(f"fp8: {len(done)} linear layers take FP8 GEMMs" + "".join(f"; {k}: {v}" for k, v in kept.items()))
+        ctx.ledger("fp8_layers", fp8=len(done), kept=kept)
+
+    return report
 
 
 @dataclass
@@ -209,9 +225,10 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
     """Set up, run Megatron's loop, and tell how it ended: whatever it raises becomes the Ending."""
     end = Ending()
     try:
-        argv, attention, kernels = _setup(session, settings)
+        argv, attention, kernels, fp8 = _setup(session, settings)
         run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format,
-                     flow=settings.flow, liger_ops=kernels.liger_ops)
+                     flow=settings.flow, liger_ops=kernels.liger_ops, fp8=fp8 if fp8.ours else None,
+                     on_fp8=_fp8_report(session))
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger

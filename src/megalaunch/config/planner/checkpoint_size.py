@@ -184,13 +184,14 @@ def disk_peak(checkpoint: CheckpointSize, shape: ModelShape, *, train_iters: int
 
 def recipe_peak(recipe: Recipe, vocab_size: int | None) -> DiskPeak:
     """The checkpoint size and disk peak of a recipe (`vocab_size`: the tokenizer's, None: 32,000)."""
+    from megalaunch.config.megatron_args import working_precision
     from megalaunch.config.planner.fit import model_shape
     from megalaunch.config.preflight import eval_interval
 
     shape = model_shape(recipe, vocab_size)
     p, c = recipe.parallel, recipe.checkpoint
     sgd = str(recipe.megatron_args.get("optimizer", "adam")).lower() == "sgd"
-    size = checkpoint_size(shape, precision=recipe.training.precision,
+    size = checkpoint_size(shape, precision=working_precision(recipe),
                            distributed_optimizer=p.use_distributed_optimizer, tp=p.tensor_model_parallel_size,
                            pp=p.pipeline_model_parallel_size, world=recipe.cluster.world_size, moments=1 if sgd else 2)
     return disk_peak(size, shape, train_iters=recipe.training.train_iters, save_interval=c.save_interval,

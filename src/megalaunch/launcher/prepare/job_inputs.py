@@ -41,6 +41,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         startup_timeout_s=recipe.chain.startup_timeout_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
         cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention, kernels=recipe.training.kernels,
+        fp8=recipe.training.fp8_recipe if recipe.training.precision == "fp8" else None,
         allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,
         run_name=recipe.name, wandb_project=recipe.logging.wandb_project, wandb_entity=recipe.logging.wandb_entity,
         wandb_mode=recipe.logging.wandb_mode, backend=recipe.cluster.backend, auto_requeue=recipe.chain.auto_requeue,

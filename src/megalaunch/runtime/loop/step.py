@@ -5,11 +5,15 @@ forward step (with the trainer's step hooks, runtime/hooks.StepHooks), and the c
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from megalaunch.rundir.files import read_args_file
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.hooks import StepHooks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megalaunch.runtime.model.fp8 import Fp8Choice
 
 
 def megatron_argv(paths: RunPaths) -> list[str]:
@@ -116,7 +120,8 @@ def make_forward_step(session: StepHooks | None, *, skip_masked_labels: bool = F
 
 
 def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, data_format: str = "tokens",
-                 flow: str | None = None, liger_ops: frozenset[str] = frozenset()) -> None:
+                 flow: str | None = None, liger_ops: frozenset[str] = frozenset(), fp8: Fp8Choice | None = None,
+                 on_fp8: Callable[[list[str], dict[str, str]], None] | None = None) -> None:
     """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain` (with the recipe's
     data format, the kernels resolved for this node and, when named, a user flow's step: runtime/flows/flow.py)."""
     from functools import partial
@@ -136,7 +141,7 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
         sys.argv = saved_argv
     provide_data: Any = partial(dataset_provider, data_format=data_format, flow=flow)
     provide_data.is_distributed = True
-    provide_model = model_provider(attention, liger_ops)
+    provide_model = model_provider(attention, liger_ops, fp8=fp8, on_fp8=on_fp8)
     if session is not None:
         provide_model = _timed(provide_model, session, "model_build")
         provide_data = _timed(provide_data, session, "data")

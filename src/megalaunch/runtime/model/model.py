@@ -9,6 +9,7 @@ Heavy imports (torch, megatron) happen inside functions: importing this module i
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.runtime.model.attention import ATTENTIONS, flash_attention_class, sdpa_attention_class
@@ -18,6 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megalaunch.runtime.model.fp8 import Fp8Choice
 
 
 def layer_spec(config: TransformerConfig, *, attention: str = "local", transformer_impl: str = "local",
@@ -73,10 +76,12 @@ def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | N
 
 # --- inside Megatron's loop -------------------------------------------------------------------
 
-def model_provider(attention: str, liger_ops: frozenset[str] = frozenset()) -> Any:
+def model_provider(attention: str, liger_ops: frozenset[str] = frozenset(), fp8: Fp8Choice | None = None,
+                   on_fp8: Callable[[list[str], dict[str, str]], None] | None = None) -> Any:
     """Megatron's `model_provider(pre_process, post_process, vp_stage, config, pg_collection)` for
-    a GPT built from the parsed Megatron arguments, with the given attention implementation and the
-    ops liger-kernel computes (runtime/model/kernels.py)."""
+    a GPT built from the parsed Megatron arguments, with the given attention implementation, the
+    ops liger-kernel computes (runtime/model/kernels.py) and, with `fp8`, FP8 GEMMs in the transformer
+    layers (runtime/model/fp8_linear.py; `on_fp8` hears which layers took them and which did not)."""
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                 config: Any = None, pg_collection: Any = None) -> GPTModel:
@@ -87,7 +92,7 @@ def model_provider(attention: str, liger_ops: frozenset[str] = frozenset()) -> A
         cfg = config if config is not None else core_transformer_config_from_args(args)
         spec = layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
                           normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops)
-        return gpt_class(cfg, liger_ops)(
+        model = gpt_class(cfg, liger_ops)(
             config=cfg,
             transformer_layer_spec=decoder_spec(cfg, spec, vp_stage),
             vocab_size=args.padded_vocab_size,
@@ -105,6 +110,14 @@ def model_provider(attention: str, liger_ops: frozenset[str] = frozenset()) -> A
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
+        if fp8 is not None and fp8.recipe is not None:
+            from megalaunch.runtime.model import fp8_linear
+            from megalaunch.runtime.model.fp8 import Formats
+
+            done, kept = fp8_linear.install(model, Formats.of(fp8.recipe, fused=fp8.fused_casts))
+            if on_fp8 is not None:
+                on_fp8(done, kept)
+        return model
 
     return provide
 

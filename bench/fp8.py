@@ -1,0 +1,178 @@
+"""`training.precision: fp8` measured on one GPU, side by side with bf16 in the same call.
+
+    PYTHONPATH=src python bench/fp8.py --stage gemm   # the linear layers' three GEMMs at 1B and 8B shapes (~1 min)
+    PYTHONPATH=src python bench/fp8.py --stage e2e    # llama3-1b end to end: bf16, fp8 tensorwise, fp8 rowwise
+    PYTHONPATH=src python bench/fp8.py --stage loss   # llama3-1b loss curves, bf16 against fp8, N iterations
+
+`gemm`: for each linear layer of llama3-1b and llama3-8b at 8192 tokens, forward (x @ W^T), data gradient
+(dy @ W) and weight gradient (dy^T @ x): bf16 torch.matmul against megalaunch's FP8 path (runtime/model/fp8.py:
+casts with amax torch.compile'd, then torch._scaled_mm), the same with eager casts, and _scaled_mm alone on
+pre-cast operands (the ceiling). Median of 20 repetitions with CUDA events; TFLOP/s = 2 M N K / time.
+`e2e`: bench/memory_calib.py's runs (real trainer, mock data, sdpa attention, `training.kernels: auto`); tokens/s
+and Megatron's TFLOP/s per GPU, which counts bf16-equivalent FLOPs (its formula knows no FP8), MFU against the
+dense bf16 peak (`--peak`).
+`loss`: the same model trained `--iters` iterations per case from the same seed on the same mock data; the loss
+of every iteration (MEGALAUNCH_LOSS_LOG), the gap of the last 10 % mean, written to OUT/fp8_loss.json.
+Writes OUT/fp8_<stage>.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory_calib as calib
+
+SHAPES = {"1b": dict(h=2048, qkv=3072, ffn=8192), "8b": dict(h=4096, qkv=6144, ffn=14336)}
+TOKENS = 8192
+CASES = {"bf16": ["training.precision=bf16"],
+         "fp8": ["training.precision=fp8", "training.fp8_recipe=tensorwise"],
+         "fp8-rowwise": ["training.precision=fp8", "training.fp8_recipe=rowwise"]}
+
+
+def cuda_ms(fn: Any, reps: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def stage_gemm() -> list[dict[str, Any]]:
+    import torch
+
+    from megalaunch.runtime.model import fp8
+
+    bf, e4, e5 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+    rows = []
+    for model, s in SHAPES.items():
+        layers = {"qkv": (s["qkv"], s["h"]), "proj": (s["h"], s["h"]), "fc1": (2 * s["ffn"], s["h"]),
+                  "fc2": (s["h"], s["ffn"])}
+        for layer, (n, k) in layers.items():
+            x = torch.randn(TOKENS, k, device="cuda", dtype=bf)
+            w = torch.randn(n, k, device="cuda", dtype=bf) * 0.02
+            dy = torch.randn(TOKENS, n, device="cuda", dtype=bf) * 1e-3
+            # each GEMM as a @ b.T with both operands contiguous along the reduction, as the layer computes it
+            gemms = {"fwd": (x, w, e4), "dgrad": (dy, w.t(), e5), "wgrad": (dy.t(), x.t(), e5)}
+            for gemm, (a, b, a_dtype) in gemms.items():
+                m_, r = a.shape
+                flops = 2 * m_ * b.shape[0] * r
+                row: dict[str, Any] = {"model": model, "layer": layer, "gemm": gemm, "shape": [m_, b.shape[0], r]}
+                row["bf16_ms"] = cuda_ms(lambda a=a, b=b: a @ b.t())
+                for name, rowwise, fused in (("fp8_fused", False, True), ("fp8_rowwise_fused", True, True),
+                                             ("fp8_eager", False, False)):
+                    ad = e4 if rowwise else a_dtype
+                    row[f"{name}_ms"] = cuda_ms(lambda a=a, b=b, ad=ad, rw=rowwise, f=fused: fp8.gemm_nt(
+                        a, b, a_dtype=ad, b_dtype=e4, rowwise=rw, out_dtype=bf, fused=f))
+                qa, sa = fp8.quantize(a, a_dtype, False)
+                qb, sb = fp8.quantize(b, e4, False)
+                row["scaled_mm_only_ms"] = cuda_ms(lambda qa=qa, qb=qb, sa=sa, sb=sb: torch._scaled_mm(
+                    qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=bf))
+                for key in [k for k in row if k.endswith("_ms")]:
+                    row[key.replace("_ms", "_tflops")] = flops / (row[key] / 1e3) / 1e12
+                rows.append(row)
+                print(f"  {model} {layer:4s} {gemm:5s} {row['shape']!s:22s} bf16 {row['bf16_tflops']:6.0f}  "
+                      f"fp8 fused {row['fp8_fused_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_fused_ms']:.2f})  "
+                      f"rowwise {row['fp8_rowwise_fused_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_rowwise_fused_ms']:.2f})  "
+                      f"eager {row['fp8_eager_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_eager_ms']:.2f})  "
+                      f"_scaled_mm alone {row['scaled_mm_only_tflops']:6.0f} TFLOP/s", flush=True)
+    for model in SHAPES:
+        mine = [r for r in rows if r["model"] == model]
+        total = {k: sum(r[k] for r in mine) for k in ("bf16_ms", "fp8_fused_ms", "fp8_rowwise_fused_ms", "fp8_eager_ms")}
+        print(f"  {model} all GEMMs of a layer: bf16 {total['bf16_ms']:.2f} ms, fp8 fused {total['fp8_fused_ms']:.2f} "
+              f"(x{total['bf16_ms'] / total['fp8_fused_ms']:.2f}), rowwise {total['fp8_rowwise_fused_ms']:.2f} "
+              f"(x{total['bf16_ms'] / total['fp8_rowwise_fused_ms']:.2f}), eager {total['fp8_eager_ms']:.2f}", flush=True)
+    return rows
+
+
+def defs(a: argparse.Namespace, cases: list[str], extra: list[str]) -> dict[str, tuple[Any, ...]]:
+    out = {}
+    for name in cases:
+        sets = [f"model.seq_length={a.seq}", f"training.global_batch_size={a.gbs}", f"training.micro_batch_size={a.mb}",
+                "training.kernels=auto", "training.fused_kernels=true", "parallel.tensor_model_parallel_size=1",
+                "parallel.sequence_parallel=false", *CASES[name], *extra]
+        env = {"MEGALAUNCH_LOSS_LOG": str(a.out / f"loss-{name}.jsonl")}
+        out[name] = (a.recipe, 1, sets, env)
+    return out
+
+
+def stage_e2e(a: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = a.cases.split(",")
+    rows = calib.run_cases(cases, a.out, a.iters, 1, a.timeout, cases=defs(a, cases, []))
+    for r in rows:
+        if "ms_per_iteration" in r:
+            r["tokens_per_s"] = a.gbs * a.seq / (r["ms_per_iteration"] / 1000)
+            r["mfu"] = r["tflops_per_gpu"] / a.peak
+            print(f"  {r['case']:12s} seq {a.seq} {r['ms_per_iteration'] / 1000:6.3f} s/iter {r['tokens_per_s']:>9,.0f} "
+                  f"tokens/s {r['tflops_per_gpu']:6.1f} TFLOP/s (bf16-equivalent) MFU {100 * r['mfu']:5.1f} % "
+                  f"max {r['max_allocated_gib']:5.1f} GiB", flush=True)
+        else:
+            print(f"  {r['case']:12s} {r['error']}", flush=True)
+    return rows
+
+
+def stage_loss(a: argparse.Namespace) -> dict[str, Any]:
+    cases = a.cases.split(",")
+    for name in cases:
+        (a.out / f"loss-{name}.jsonl").unlink(missing_ok=True)
+    calib.run_cases(cases, a.out, a.iters, 1, a.timeout, cases=defs(a, cases, ["training.log_interval=1"]))
+    curves: dict[str, dict[int, float]] = {}
+    for name in cases:
+        path = a.out / f"loss-{name}.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        curves[name] = {r["iteration"]: r["loss"] for r in recs}
+    tail = max(1, a.iters // 10)
+    result: dict[str, Any] = {"iters": a.iters, "tail": tail, "curves": curves, "tail_mean": {}}
+    for name, c in curves.items():
+        last = [c[i] for i in sorted(c)[-tail:]]
+        result["tail_mean"][name] = statistics.mean(last) if last else None
+    ref = result["tail_mean"].get("bf16")
+    for name, m in result["tail_mean"].items():
+        gap = None if ref is None or m is None else (m - ref) / ref
+        result.setdefault("gap", {})[name] = gap
+        print(f"  {name:12s} {len(curves[name])} iterations, mean loss of the last {tail}: {m}"
+              + (f", against bf16 {100 * gap:+.2f} %" if gap is not None else ""), flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=("gemm", "e2e", "loss"), default="gemm")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--recipe", default="train/llama3-1b")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--mb", type=int, default=1)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--peak", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100/H200 SXM)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "fp8")
+    a = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    print(f"== fp8 {a.stage} on {device} (torch {torch.__version__})", flush=True)
+    result: Any = stage_gemm() if a.stage == "gemm" else stage_e2e(a) if a.stage == "e2e" else stage_loss(a)
+    (a.out / f"fp8_{a.stage}.json").write_text(json.dumps({"device": device, "result": result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

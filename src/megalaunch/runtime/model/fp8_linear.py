@@ -1,0 +1,144 @@
+"""Megatron's local linear layers with FP8 GEMMs (runtime/model/fp8.py): the transformer layers'
+ColumnParallelLinear and RowParallelLinear get an `_forward_impl` that does what Megatron's
+`linear_with_grad_accumulation_and_async_allreduce` does (the sequence-parallel all-gather of the input and
+reduce-scatter of its gradient, the tensor-parallel all-reduce of the input gradient, the weight gradient
+accumulated into `main_grad`), with the three GEMMs in FP8. The embedding and the output layer are left alone.
+
+A call it does not cover (a frozen weight, deferred embedding gradients, gathered tensor-parallel weights, a
+token count that is not a multiple of 16) goes to Megatron's own implementation.
+
+Heavy imports (torch, megatron) happen inside functions: importing this module is cheap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megalaunch.runtime.model.fp8 import Formats, aligned, gemm_nt
+
+OUTPUT_LAYERS = ("output_layer",)  # the vocabulary projection: its logits stay in the working precision
+
+
+def _gather(x: Any, group: Any) -> Any:
+    """The sequence-parallel input, gathered along the sequence from the tensor-parallel group."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty((x.shape[0] * group.size(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _dummy_wgrad(weight: Any, x: Any) -> Any:
+    """Megatron's convention once the gradient is in main_grad: a dummy gradient (zeros where the weight
+    asks for it) keeps the backward hooks on the main thread; None where the weight keeps no such flag."""
+    import torch
+
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.main_grad.shape, dtype=x.dtype, device=x.device)
+
+
+def _function() -> Any:
+    """The autograd function (built once torch is imported)."""
+    import torch
+    import torch.distributed as dist
+
+    class Fp8Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: bool, allreduce_dgrad: bool,
+                    sequence_parallel: bool, tp_group: Any) -> Any:
+            ctx.save_for_backward(x, weight)
+            ctx.main_grad = weight.main_grad if fusion and hasattr(weight, "main_grad") else None
+            ctx.fmt, ctx.fusion, ctx.use_bias = fmt, fusion, bias is not None
+            ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+            total = _gather(x, tp_group) if sequence_parallel else x
+            rows = total.reshape(-1, total.shape[-1])
+            out = gemm_nt(rows, weight, a_dtype=fmt.act, b_dtype=fmt.act, rowwise=fmt.rowwise,
+                          out_dtype=x.dtype, fused=fmt.fused)
+            out = out.view(*total.shape[:-1], weight.shape[0])
+            return out + bias if bias is not None else out
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: Any) -> Any:
+            x, weight = ctx.saved_tensors
+            fmt = ctx.fmt
+            total = _gather(x, ctx.tp_group) if ctx.sequence_parallel else x
+            dy = grad_output.reshape(-1, grad_output.shape[-1])
+            rows = total.reshape(-1, total.shape[-1])
+            grad_input = gemm_nt(dy, weight.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=fmt.rowwise,
+                                 out_dtype=grad_output.dtype, fused=fmt.fused).view(total.shape)
+            handle = None
+            if ctx.allreduce_dgrad:
+                handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+            if ctx.sequence_parallel:
+                sub = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                handle = dist.reduce_scatter_tensor(sub, grad_input, group=ctx.tp_group, async_op=True)
+                grad_input = sub
+            main_grad = ctx.main_grad
+            wgrad = gemm_nt(dy.t(), rows.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=fmt.rowwise,
+                            out_dtype=fmt.wgrad_dtype(main_grad, x.dtype), fused=fmt.fused)
+            if ctx.fusion and main_grad is not None:
+                weight.main_grad = main_grad
+                main_grad.add_(wgrad)
+                grad_weight = _dummy_wgrad(weight, x)
+            else:
+                grad_weight = wgrad.to(weight.dtype)
+            grad_bias = dy.sum(dim=0) if ctx.use_bias else None
+            if handle is not None:
+                handle.wait()
+            return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+    return Fp8Linear
+
+
+_FUNCTION: list[Any] = []
+
+
+def forward_impl(fmt: Formats, original: Any) -> Any:
+    """A layer's `_forward_impl`: FP8 where the call is covered, `original` (Megatron's) where not."""
+    if not _FUNCTION:
+        _FUNCTION.append(_function())
+    fn = _FUNCTION[0]
+
+    def impl(input: Any, weight: Any, bias: Any = None, gradient_accumulation_fusion: bool = False,
+             allreduce_dgrad: bool = False, sequence_parallel: bool = False, grad_output_buffer: Any = None,
+             wgrad_deferral_limit: Any = None, tp_group: Any = None, gtp_remat_size: int = 1, **extra: Any) -> Any:
+        tokens = input.numel() // input.shape[-1] * (tp_group.size() if sequence_parallel else 1)
+        if (not weight.requires_grad or grad_output_buffer is not None or gtp_remat_size > 1 or extra
+                or not aligned(tokens)):
+            return original(input=input, weight=weight, bias=bias,
+                            gradient_accumulation_fusion=gradient_accumulation_fusion,
+                            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                            grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
+                            tp_group=tp_group, gtp_remat_size=gtp_remat_size, **extra)
+        return fn.apply(input, weight, bias, fmt, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                        tp_group)
+
+    impl.fp8 = True  # type: ignore[attr-defined]
+    return impl
+
+
+def install(model: Any, fmt: Formats) -> tuple[list[str], dict[str, str]]:
+    """Give the transformer layers' linear layers of `model` (a module, or Megatron's list of model chunks)
+    FP8 GEMMs. Returns the layers converted and, for the rest, why each stayed in the working precision."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    done: list[str] = []
+    kept: dict[str, str] = {}
+    chunks = model if isinstance(model, list) else [model]
+    for i, chunk in enumerate(chunks):
+        for name, module in chunk.named_modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            label = f"{i}.{name}" if len(chunks) > 1 else name
+            if name.rsplit(".", 1)[-1] in OUTPUT_LAYERS:
+                kept[label] = "the output layer: logits and loss stay in the working precision"
+            elif module.weight is None or not aligned(*module.weight.shape):
+                shape = "no weight" if module.weight is None else "x".join(map(str, module.weight.shape))
+                kept[label] = f"weight {shape}: FP8 GEMMs need multiples of {16}"
+            elif not getattr(module._forward_impl, "fp8", False):
+                module._forward_impl = forward_impl(fmt, module._forward_impl)
+                done.append(label)
+    return done, kept

@@ -1,0 +1,47 @@
+"""`training.precision: fp8` on a GPU (runtime/model/fp8.py; skipped without CUDA or FP8 tensor cores): the
+tiny recipe in fp8, tensorwise and rowwise, with torch.compile'd casts, stopped twice by SIGUSR2 and resumed
+at the iteration it stopped, with the losses of an uninterrupted fp8 run; the ledger names the path. The speed
+and the 1B loss curves are bench/fp8.py (docs/results.md, "FP8 without transformer-engine").
+
+    PYTHONPATH=src python -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)", allow_module_level=True)
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+from harness import ledger, losses, make_run  # noqa: E402
+from test_train_gpu import GPU, _segments  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_signal_resume(tmp_path: Path, recipe: str) -> None:
+    sets = (*GPU, "training.precision=fp8", f"training.fp8_recipe={recipe}", "training.train_iters=40",
+            "checkpoint.save_interval=1000", "training.attention=sdpa", "training.lr_warmup_iters=2")
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "chain.jsonl"
+    straight = make_run(tmp_path / "a", *sets, name="straight")
+    (ref,) = _segments(straight, ref_log, (None,), 100)
+    [choice] = ledger(straight, "fp8")
+    assert (choice["path"], choice["recipe"], choice["fused_casts"]) == ("torch_scaled_mm", recipe, True)
+    assert ledger(straight, "fp8_layers")[0]["fp8"] == 8
+    chain = make_run(tmp_path / "b", *sets, name="chain")
+    outs = _segments(chain, log, (10, 10, None), 200)
+    assert ref["status"] == outs[-1]["status"] == "finished"
+    stops = [o["iteration"] for o in outs[:2]]
+    assert [r["iteration"] for r in ledger(chain, "resumed")] == stops
+    a, b = losses(ref_log), losses(log)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    worst = max(abs(a[i] - b[i]) / abs(a[i]) for i in a)
+    print(f"\n[tiny fp8 {recipe}] stops at {stops}; max relative loss difference vs uninterrupted: {worst:.2e}")
+    assert worst < 2e-2  # as bf16's (tests/gpu/test_train_gpu.py): GPU kernels need not be bit-reproducible
