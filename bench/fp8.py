@@ -4,10 +4,11 @@
     PYTHONPATH=src python bench/fp8.py --stage e2e    # llama3-1b end to end: bf16, fp8 tensorwise, fp8 rowwise
     PYTHONPATH=src python bench/fp8.py --stage loss   # llama3-1b loss curves, bf16 against fp8, N iterations
 
-`gemm`: for each linear layer of llama3-1b and llama3-8b at 8192 tokens, forward (x @ W^T), data gradient
-(dy @ W) and weight gradient (dy^T @ x): bf16 torch.matmul against megalaunch's FP8 path (runtime/model/fp8.py:
-casts with amax torch.compile'd, then torch._scaled_mm), the same with eager casts, and _scaled_mm alone on
-pre-cast operands (the ceiling). Median of 20 repetitions with CUDA events; TFLOP/s = 2 M N K / time.
+`gemm`: each linear layer of llama3-1b and llama3-8b at 8192 tokens, forward and backward (its three GEMMs: x @ W^T,
+dy @ W, dy^T @ x) through the autograd function Megatron's layers call (runtime/model/fp8_linear.py): bf16's
+autograd matmul against FP8 tensorwise (Triton casts, the weight cast once per optimizer step), the same recasting
+the weight every call (a step's first micro-batch), rowwise (torch.compile'd casts), and the three _scaled_mm
+alone on pre-cast operands (the ceiling). Median of 20 repetitions with CUDA events; TFLOP/s = 3 x 2 M N K / time.
 `e2e`: bench/memory_calib.py's runs (real trainer, mock data, sdpa attention, `training.kernels: auto`); tokens/s
 and Megatron's TFLOP/s per GPU, which counts bf16-equivalent FLOPs (its formula knows no FP8), MFU against the
 dense bf16 peak (`--peak`).
@@ -51,50 +52,68 @@ def cuda_ms(fn: Any, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def stage_gemm() -> list[dict[str, Any]]:
+def layer_row(model: str, layer: str, n: int, k: int) -> dict[str, Any]:
+    """One linear layer (n outputs, k inputs) at TOKENS tokens, forward and backward, each way."""
     import torch
 
-    from megalaunch.runtime.model import fp8
+    from megalaunch.runtime.model import fp8, fp8_linear
 
     bf, e4, e5 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+    x = torch.randn(TOKENS, k, device="cuda", dtype=bf, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(n, k, device="cuda", dtype=bf) * 0.02)
+    dy = torch.randn(TOKENS, n, device="cuda", dtype=bf) * 1e-3
+    row: dict[str, Any] = {"model": model, "layer": layer, "shape": [TOKENS, n, k]}
+
+    def step(impl: Any, recast: bool = False) -> None:
+        if recast:  # as the first micro-batch after an optimizer step
+            fp8_linear._GENERATION[0] += 1
+        impl().backward(dy)
+
+    row["bf16_ms"] = cuda_ms(lambda: step(lambda: x @ w.t()))
+    for name, recipe, recast in (("fp8_ms", "tensorwise", False), ("fp8_recast_ms", "tensorwise", True),
+                                 ("fp8_rowwise_ms", "rowwise", False)):
+        impl = fp8_linear.forward_impl(fp8.Formats.of(recipe, fused=True), None)
+        row[name] = cuda_ms(lambda impl=impl, recast=recast: step(lambda: impl(input=x, weight=w), recast))
+    qx, sx = fp8.quantize(x.detach(), e4, False)
+    qw, sw = fp8.quantize(w.detach(), e4, False)
+    qd, sd = fp8.quantize(dy, e5, False)
+    qwt, qdt, qxt = qw.t().contiguous(), qd.t().contiguous(), qx.t().contiguous()
+
+    def gemms_only() -> None:
+        torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=bf)
+        torch._scaled_mm(qd, qwt.t(), scale_a=sd, scale_b=sw, out_dtype=bf)
+        torch._scaled_mm(qdt, qxt.t(), scale_a=sd, scale_b=sx, out_dtype=bf)
+
+    row["scaled_mm_only_ms"] = cuda_ms(gemms_only)
+    flops = 3 * 2 * TOKENS * n * k
+    for key in [key for key in row if key.endswith("_ms")]:
+        row[key.replace("_ms", "_tflops")] = flops / (row[key] / 1e3) / 1e12
+    return row
+
+
+def stage_gemm() -> list[dict[str, Any]]:
+    """Each linear layer's forward and backward (its three GEMMs and their casts) through the autograd function
+    Megatron's layers call (runtime/model/fp8_linear.py), against bf16's autograd matmul."""
     rows = []
     for model, s in SHAPES.items():
         layers = {"qkv": (s["qkv"], s["h"]), "proj": (s["h"], s["h"]), "fc1": (2 * s["ffn"], s["h"]),
                   "fc2": (s["h"], s["ffn"])}
         for layer, (n, k) in layers.items():
-            x = torch.randn(TOKENS, k, device="cuda", dtype=bf)
-            w = torch.randn(n, k, device="cuda", dtype=bf) * 0.02
-            dy = torch.randn(TOKENS, n, device="cuda", dtype=bf) * 1e-3
-            # each GEMM as a @ b.T with both operands contiguous along the reduction, as the layer computes it
-            gemms = {"fwd": (x, w, e4), "dgrad": (dy, w.t(), e5), "wgrad": (dy.t(), x.t(), e5)}
-            for gemm, (a, b, a_dtype) in gemms.items():
-                m_, r = a.shape
-                flops = 2 * m_ * b.shape[0] * r
-                row: dict[str, Any] = {"model": model, "layer": layer, "gemm": gemm, "shape": [m_, b.shape[0], r]}
-                row["bf16_ms"] = cuda_ms(lambda a=a, b=b: a @ b.t())
-                for name, rowwise, fused in (("fp8_fused", False, True), ("fp8_rowwise_fused", True, True),
-                                             ("fp8_eager", False, False)):
-                    ad = e4 if rowwise else a_dtype
-                    row[f"{name}_ms"] = cuda_ms(lambda a=a, b=b, ad=ad, rw=rowwise, f=fused: fp8.gemm_nt(
-                        a, b, a_dtype=ad, b_dtype=e4, rowwise=rw, out_dtype=bf, fused=f))
-                qa, sa = fp8.quantize(a, a_dtype, False)
-                qb, sb = fp8.quantize(b, e4, False)
-                row["scaled_mm_only_ms"] = cuda_ms(lambda qa=qa, qb=qb, sa=sa, sb=sb: torch._scaled_mm(
-                    qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=bf))
-                for key in [k for k in row if k.endswith("_ms")]:
-                    row[key.replace("_ms", "_tflops")] = flops / (row[key] / 1e3) / 1e12
-                rows.append(row)
-                print(f"  {model} {layer:4s} {gemm:5s} {row['shape']!s:22s} bf16 {row['bf16_tflops']:6.0f}  "
-                      f"fp8 fused {row['fp8_fused_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_fused_ms']:.2f})  "
-                      f"rowwise {row['fp8_rowwise_fused_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_rowwise_fused_ms']:.2f})  "
-                      f"eager {row['fp8_eager_tflops']:6.0f} (x{row['bf16_ms'] / row['fp8_eager_ms']:.2f})  "
-                      f"_scaled_mm alone {row['scaled_mm_only_tflops']:6.0f} TFLOP/s", flush=True)
+            row = layer_row(model, layer, n, k)
+            rows.append(row)
+            print(f"  {model} {layer:4s} {row['shape']!s:20s} fwd+bwd: bf16 {row['bf16_tflops']:5.0f}  "
+                  f"fp8 {row['fp8_tflops']:5.0f} (x{row['bf16_ms'] / row['fp8_ms']:.2f})  "
+                  f"fp8 recasting the weight {row['fp8_recast_tflops']:5.0f} (x{row['bf16_ms'] / row['fp8_recast_ms']:.2f})  "
+                  f"rowwise {row['fp8_rowwise_tflops']:5.0f} (x{row['bf16_ms'] / row['fp8_rowwise_ms']:.2f})  "
+                  f"3 x _scaled_mm alone {row['scaled_mm_only_tflops']:5.0f} TFLOP/s", flush=True)
     for model in SHAPES:
         mine = [r for r in rows if r["model"] == model]
-        total = {k: sum(r[k] for r in mine) for k in ("bf16_ms", "fp8_fused_ms", "fp8_rowwise_fused_ms", "fp8_eager_ms")}
-        print(f"  {model} all GEMMs of a layer: bf16 {total['bf16_ms']:.2f} ms, fp8 fused {total['fp8_fused_ms']:.2f} "
-              f"(x{total['bf16_ms'] / total['fp8_fused_ms']:.2f}), rowwise {total['fp8_rowwise_fused_ms']:.2f} "
-              f"(x{total['bf16_ms'] / total['fp8_rowwise_fused_ms']:.2f}), eager {total['fp8_eager_ms']:.2f}", flush=True)
+        t = {k: sum(r[k] for r in mine) for k in ("bf16_ms", "fp8_ms", "fp8_recast_ms", "fp8_rowwise_ms",
+                                                  "scaled_mm_only_ms")}
+        print(f"  {model} a layer's linear layers, fwd+bwd: bf16 {t['bf16_ms']:.2f} ms, fp8 {t['fp8_ms']:.2f} "
+              f"(x{t['bf16_ms'] / t['fp8_ms']:.2f}), recasting weights {t['fp8_recast_ms']:.2f} "
+              f"(x{t['bf16_ms'] / t['fp8_recast_ms']:.2f}), rowwise {t['fp8_rowwise_ms']:.2f} "
+              f"(x{t['bf16_ms'] / t['fp8_rowwise_ms']:.2f}), GEMMs alone {t['scaled_mm_only_ms']:.2f}", flush=True)
     return rows
 
 

@@ -45,3 +45,19 @@ def test_fp8_signal_resume(tmp_path: Path, recipe: str) -> None:
     worst = max(abs(a[i] - b[i]) / abs(a[i]) for i in a)
     print(f"\n[tiny fp8 {recipe}] stops at {stops}; max relative loss difference vs uninterrupted: {worst:.2e}")
     assert worst < 2e-2  # as bf16's (tests/gpu/test_train_gpu.py): GPU kernels need not be bit-reproducible
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 3000), (64, 16)])
+def test_triton_casts_are_torchs(dtype: str, shape: tuple[int, int]) -> None:
+    """The Triton kernels (runtime/model/fp8_cast.py) give torch's cast bit for bit, in both layouts, at
+    shapes that fill, overhang and undershoot their tiles."""
+    from megalaunch.runtime.model import fp8_cast
+
+    t = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 7
+    fmt = getattr(torch, dtype)
+    q, qt, inv = fp8_cast.cast_both_triton(t, fmt)
+    q0, qt0, inv0 = fp8_cast.cast_both_torch(t, fmt)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), qt0.view(torch.uint8))
+    assert torch.allclose(inv, inv0, rtol=1e-6)

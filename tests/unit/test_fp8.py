@@ -144,3 +144,26 @@ def test_fp8_that_cannot_run_is_a_config_error_with_its_fix(recipe, capability, 
     with pytest.raises(ConfigFailure) as e:
         fp8.resolve_fp8(recipe, [], cpu=False, capability=capability, has_scaled_mm=has)
     assert says in str(e.value) and fix in (e.value.fix or "")
+
+
+def test_the_cached_fp8_weight_is_recast_after_every_optimizer_step() -> None:
+    """Tensorwise layers cast their weight once per optimizer step (micro-batches share it). As in Megatron's
+    mixed precision, the optimizer updates a main copy and the model's weight is overwritten through `.data`
+    (no version bump): the step of any torch optimizer makes the cache stale all the same."""
+    impl, _ = _linear("tensorwise")
+    w = torch.nn.Parameter(torch.randn(48, 64))
+    main = torch.nn.Parameter(w.detach().clone())
+    opt = torch.optim.SGD([main], lr=0.5)
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        y = impl(input=x, weight=w)
+        assert rel_err(y, x @ w.detach().t()) < 0.06  # the weight of this step, not a cached older one
+        y.square().sum().backward()
+        main.grad = w.grad
+        opt.step()
+        w.data.copy_(main.data)
+        w.grad = None
+    impl(input=x, weight=w)
+    cached = w._megalaunch_fp8[1][0]
+    impl(input=x, weight=w)
+    assert w._megalaunch_fp8[1][0] is cached  # within a step (no optimizer step since): cast once

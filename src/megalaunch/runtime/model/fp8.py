@@ -1,11 +1,12 @@
 """`training.precision: fp8` without transformer-engine: the transformer layers' linear GEMMs (forward, data
 gradient, weight gradient) through `torch._scaled_mm` with dynamic scaling, the casts and amax reductions fused
-by torch.compile on the GPU. Master weights, gradients, optimizer state and the checkpoint are as under bf16 (no
+on the GPU (Triton kernels for tensorwise, runtime/model/fp8_cast.py; torch.compile for rowwise). Master weights, gradients, optimizer state and the checkpoint are as under bf16 (no
 scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other way round); attention, norms,
 the embedding and the output layer with its loss stay in the working precision.
 
 Recipes (`training.fp8_recipe`):
 - `tensorwise`: one scale per tensor; e4m3 for activations and weights, e5m2 for gradients (the "hybrid" format);
+  each operand is cast once, in both layouts its two GEMMs need, the weight once per optimizer step;
 - `rowwise`:    one scale per row of each GEMM operand along its reduction dimension; e4m3 throughout (torch's
   rowwise kernel takes e4m3 only), the finer scale giving the range e5m2 would.
 
@@ -69,7 +70,8 @@ def resolve_fp8(recipe: str | None, argv: list[str], *, cpu: bool, capability: t
         raise ConfigFailure(f"training.precision: fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
                             f"Hopper, Blackwell); this GPU's is {cap}", BF16_FIX)
     return Fp8Choice(recipe, "torch_scaled_mm", f"torch._scaled_mm on compute capability "
-                     f"{'.'.join(map(str, capability))}, casts fused by torch.compile", fused_casts=True)
+                     f"{'.'.join(map(str, capability))}, fused casts ({'torch.compile' if recipe == 'rowwise' else 'Triton'})",
+                     fused_casts=True)
 
 
 def node_fp8(recipe: str | None, argv: list[str], *, cpu: bool) -> Fp8Choice:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from megalaunch.runtime.model.fp8 import Formats, aligned, gemm_nt
+from megalaunch.runtime.model.fp8_cast import cast_both
 
 OUTPUT_LAYERS = ("output_layer",)  # the vocabulary projection: its logits stay in the working precision
 
@@ -28,7 +29,7 @@ def _gather(x: Any, group: Any) -> Any:
     return out
 
 
-def _dummy_wgrad(weight: Any, x: Any) -> Any:
+def _dummy_wgrad(weight: Any, dtype: Any, device: Any) -> Any:
     """Megatron's convention once the gradient is in main_grad: a dummy gradient (zeros where the weight
     asks for it) keeps the backward hooks on the main thread; None where the weight keeps no such flag."""
     import torch
@@ -37,58 +38,109 @@ def _dummy_wgrad(weight: Any, x: Any) -> Any:
         return None
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.main_grad.shape, dtype=x.dtype, device=x.device)
+    return make(weight.main_grad.shape, dtype=dtype, device=device)
+
+
+_GENERATION = [0]  # bumped after every optimizer step (any torch optimizer): cached FP8 weights are stale
+
+
+def weight_cast(weight: Any, fmt: Formats) -> tuple[Any, Any, Any]:
+    """The weight in FP8, row-major and transposed, and its inverse scale: cast once per optimizer step and
+    kept on the parameter for the step's other micro-batches (an in-place update or a new storage recasts it)."""
+    key = (_GENERATION[0], weight.data_ptr(), weight._version)
+    cached = getattr(weight, "_megalaunch_fp8", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]  # type: ignore[no-any-return]
+    result = cast_both(weight, fmt.act, True, triton=fmt.fused)
+    weight._megalaunch_fp8 = (key, result)
+    return result
+
+
+def _watch_optimizer_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if not _GENERATION[1:]:
+        register_optimizer_step_post_hook(lambda *_: _GENERATION.__setitem__(0, _GENERATION[0] + 1))
+        _GENERATION.append(1)  # installed
+
+
+def _forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: bool, allreduce_dgrad: bool,
+             sequence_parallel: bool, tp_group: Any) -> Any:
+    import torch
+
+    ctx.main_grad = weight.main_grad if fusion and hasattr(weight, "main_grad") else None
+    ctx.fmt, ctx.fusion, ctx.use_bias = fmt, fusion, bias is not None
+    ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+    ctx.x_meta = (x.shape, x.dtype, x.device)
+    total = _gather(x, tp_group) if sequence_parallel else x
+    ctx.total_shape = total.shape
+    rows = total.reshape(-1, total.shape[-1])
+    if fmt.rowwise:  # one scale per row along each GEMM's reduction: each GEMM casts its own operands
+        ctx.save_for_backward(x, weight)
+        out = gemm_nt(rows, weight, a_dtype=fmt.act, b_dtype=fmt.act, rowwise=True, out_dtype=x.dtype,
+                      fused=fmt.fused)
+    else:  # one scale per tensor: each operand cast once, in both layouts; the FP8 input kept for backward
+        xq, xqt, sx = cast_both(rows, fmt.act, True, triton=fmt.fused)
+        wq, wqt, sw = weight_cast(weight, fmt)
+        ctx.save_for_backward(weight, xqt, sx, wqt, sw)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    out = out.view(*total.shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+def _backward(ctx: Any, grad_output: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    fmt = ctx.fmt
+    dy = grad_output.reshape(-1, grad_output.shape[-1])
+    if fmt.rowwise:
+        x, weight = ctx.saved_tensors
+        total = _gather(x, ctx.tp_group) if ctx.sequence_parallel else x
+        rows = total.reshape(-1, total.shape[-1])
+        grad_input = gemm_nt(dy, weight.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=True,
+                             out_dtype=grad_output.dtype, fused=fmt.fused)
+
+        def wgrad_gemm(out_dtype: Any) -> Any:
+            return gemm_nt(dy.t(), rows.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=True, out_dtype=out_dtype,
+                           fused=fmt.fused)
+    else:
+        weight, xqt, sx, wqt, sw = ctx.saved_tensors
+        dyq, dyqt, sdy = cast_both(dy, fmt.grad, True, triton=fmt.fused)
+        grad_input = torch._scaled_mm(dyq, wqt.t(), scale_a=sdy, scale_b=sw, out_dtype=grad_output.dtype)
+
+        def wgrad_gemm(out_dtype: Any) -> Any:
+            return torch._scaled_mm(dyqt, xqt.t(), scale_a=sdy, scale_b=sx, out_dtype=out_dtype)
+    grad_input = grad_input.view(ctx.total_shape)
+    shape, dtype, device = ctx.x_meta
+    handle = None
+    if ctx.allreduce_dgrad:
+        handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+    if ctx.sequence_parallel:
+        sub = torch.empty(shape, dtype=dtype, device=device)
+        handle = dist.reduce_scatter_tensor(sub, grad_input, group=ctx.tp_group, async_op=True)
+        grad_input = sub
+    main_grad = ctx.main_grad
+    wgrad = wgrad_gemm(fmt.wgrad_dtype(main_grad, dtype))
+    if ctx.fusion and main_grad is not None:
+        weight.main_grad = main_grad
+        main_grad.add_(wgrad)
+        grad_weight = _dummy_wgrad(weight, dtype, device)
+    else:
+        grad_weight = wgrad.to(weight.dtype)
+    grad_bias = dy.sum(dim=0) if ctx.use_bias else None
+    if handle is not None:
+        handle.wait()
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _function() -> Any:
     """The autograd function (built once torch is imported)."""
     import torch
-    import torch.distributed as dist
 
     class Fp8Linear(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: bool, allreduce_dgrad: bool,
-                    sequence_parallel: bool, tp_group: Any) -> Any:
-            ctx.save_for_backward(x, weight)
-            ctx.main_grad = weight.main_grad if fusion and hasattr(weight, "main_grad") else None
-            ctx.fmt, ctx.fusion, ctx.use_bias = fmt, fusion, bias is not None
-            ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
-            total = _gather(x, tp_group) if sequence_parallel else x
-            rows = total.reshape(-1, total.shape[-1])
-            out = gemm_nt(rows, weight, a_dtype=fmt.act, b_dtype=fmt.act, rowwise=fmt.rowwise,
-                          out_dtype=x.dtype, fused=fmt.fused)
-            out = out.view(*total.shape[:-1], weight.shape[0])
-            return out + bias if bias is not None else out
-
-        @staticmethod
-        def backward(ctx: Any, grad_output: Any) -> Any:
-            x, weight = ctx.saved_tensors
-            fmt = ctx.fmt
-            total = _gather(x, ctx.tp_group) if ctx.sequence_parallel else x
-            dy = grad_output.reshape(-1, grad_output.shape[-1])
-            rows = total.reshape(-1, total.shape[-1])
-            grad_input = gemm_nt(dy, weight.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=fmt.rowwise,
-                                 out_dtype=grad_output.dtype, fused=fmt.fused).view(total.shape)
-            handle = None
-            if ctx.allreduce_dgrad:
-                handle = dist.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
-            if ctx.sequence_parallel:
-                sub = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-                handle = dist.reduce_scatter_tensor(sub, grad_input, group=ctx.tp_group, async_op=True)
-                grad_input = sub
-            main_grad = ctx.main_grad
-            wgrad = gemm_nt(dy.t(), rows.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=fmt.rowwise,
-                            out_dtype=fmt.wgrad_dtype(main_grad, x.dtype), fused=fmt.fused)
-            if ctx.fusion and main_grad is not None:
-                weight.main_grad = main_grad
-                main_grad.add_(wgrad)
-                grad_weight = _dummy_wgrad(weight, x)
-            else:
-                grad_weight = wgrad.to(weight.dtype)
-            grad_bias = dy.sum(dim=0) if ctx.use_bias else None
-            if handle is not None:
-                handle.wait()
-            return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        forward = staticmethod(_forward)
+        backward = staticmethod(_backward)
 
     return Fp8Linear
 
@@ -100,6 +152,7 @@ def forward_impl(fmt: Formats, original: Any) -> Any:
     """A layer's `_forward_impl`: FP8 where the call is covered, `original` (Megatron's) where not."""
     if not _FUNCTION:
         _FUNCTION.append(_function())
+        _watch_optimizer_steps()
     fn = _FUNCTION[0]
 
     def impl(input: Any, weight: Any, bias: Any = None, gradient_accumulation_fusion: bool = False,
