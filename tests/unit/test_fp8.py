@@ -167,3 +167,24 @@ def test_the_cached_fp8_weight_is_recast_after_every_optimizer_step() -> None:
     cached = w._megalaunch_fp8[1][0]
     impl(input=x, weight=w)
     assert w._megalaunch_fp8[1][0] is cached  # within a step (no optimizer step since): cast once
+
+
+@pytest.mark.parametrize("fmt", ["fp8e4nv", "fp8e5"])
+def test_the_triton_cast_kernels_compile_for_hopper(fmt) -> None:
+    """The GPU's casts (runtime/model/fp8_cast.py) compiled to PTX for compute capability 9.0 without a GPU:
+    what Triton refuses (an unknown global, a bad annotation) fails here, not in the job. Their results are
+    compared with torch's bit for bit on a GPU (tests/gpu/test_fp8_gpu.py)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megalaunch.runtime.model import fp8_cast
+
+    amax, cast = fp8_cast._kernels()
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    assert ".entry amax_kernel" in triton.compile(ASTSource(amax, sig, constexprs={"BLOCK": 4096}), target=target).asm["ptx"]
+    sig = {"x_ptr": "*bf16", "q_ptr": f"*{fmt}", "qt_ptr": f"*{fmt}", "amax_ptr": "*fp32", "inv_ptr": "*fp32",
+           "rows": "i32", "cols": "i32", "FMAX": "constexpr", "EPS": "constexpr", "T": "constexpr", "TRANSPOSED": "constexpr"}
+    consts = {"FMAX": 448.0, "EPS": 1e-12, "T": fp8_cast.TILE, "TRANSPOSED": True}
+    assert ".entry cast_kernel" in triton.compile(ASTSource(cast, sig, constexprs=consts), target=target).asm["ptx"]

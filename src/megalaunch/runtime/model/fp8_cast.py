@@ -37,14 +37,14 @@ def _kernels() -> tuple[Any, Any]:
         import triton.language as tl
 
         @triton.jit
-        def amax_kernel(x_ptr: Any, amax_ptr: Any, n: Any, BLOCK: tl.constexpr) -> None:
+        def amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
 
         @triton.jit
-        def cast_kernel(x_ptr: Any, q_ptr: Any, qt_ptr: Any, amax_ptr: Any, inv_ptr: Any, rows: Any, cols: Any,
-                        FMAX: tl.constexpr, EPS: tl.constexpr, T: tl.constexpr, TRANSPOSED: tl.constexpr) -> None:
+        def cast_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, inv_ptr, rows, cols,  # type: ignore[no-untyped-def]
+                        FMAX: tl.constexpr, EPS: tl.constexpr, T: tl.constexpr, TRANSPOSED: tl.constexpr):
             r = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
             c = tl.program_id(1).to(tl.int64) * T + tl.arange(0, T)
             mask = (r[:, None] < rows) & (c[None, :] < cols)
@@ -57,6 +57,7 @@ def _kernels() -> tuple[Any, Any]:
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(inv_ptr, 1.0 / scale)
 
+        # (no annotations on the kernels' arguments: Triton reads them, and `Any` is not one of its types)
         _KERNELS["amax"], _KERNELS["cast"] = amax_kernel, cast_kernel
     return _KERNELS["amax"], _KERNELS["cast"]
 
