@@ -16,7 +16,8 @@
 #   bash bench/gpu_session.sh mfu8b              # llama3-8b on all GPUs, planner's first layout, profiled (~5 min)
 #   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
 #   bash bench/gpu_session.sh fp8                # FP8 GEMMs without TE beside bf16: GEMMs, 1B end to end (~6 min)
-#   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8, fp8's exact resume (~8 min)
+#   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8 on a corpus with a loss floor (~6 min)
+#   bash bench/gpu_session.sh fp8tests           # fp8's GPU tests: Triton casts, exact resume (~5 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -187,7 +188,7 @@ stage_sft() {  # issue 26: tokens/s and MFU of SFT (from a converted 1B checkpoi
   rm -rf "$WORK/sft"
 }
 
-stage_fp8() {  # issue 34: FP8 GEMMs without transformer-engine beside bf16: GEMMs, 1B end to end, loss curves, tests
+stage_fp8() {  # issue 34: FP8 GEMMs without transformer-engine beside bf16: per layer, then llama3-1b end to end
   need_liger
   timeout "${FP8_GEMM_S:-120}" "$PY" bench/fp8.py --stage gemm --out "$OUT/fp8" 2>&1 | tee "$OUT/fp8_gemm.txt" \
     | grep -vE "warn|Warn" || true
@@ -198,13 +199,18 @@ stage_fp8() {  # issue 34: FP8 GEMMs without transformer-engine beside bf16: GEM
   tar -czf "$OUT/fp8_logs.tgz" -C "$WORK" --exclude runs fp8 2>/dev/null || true
 }
 
-stage_fp8loss() {  # issue 34: llama3-1b trained bf16 and fp8 side by side, then fp8's exact resume (GPU test)
+stage_fp8loss() {  # issue 34: llama3-1b trained bf16 and fp8 side by side on a corpus with a known loss floor
   need_liger
+  [ -f "$WORK/corpus/bigram.idx" ] || "$PY" bench/entropy_corpus.py --out "$WORK/corpus/bigram" --tokens 60000000
   # shellcheck disable=SC2086
-  timeout "${FP8_LOSS_S:-420}" "$PY" bench/fp8.py --stage loss --out "$WORK/fp8loss" ${FP8_LOSS_ARGS:-} 2>&1 \
+  timeout "${FP8_LOSS_S:-560}" "$PY" bench/fp8.py --stage loss --data "$WORK/corpus/bigram" --seq 2048 --mb 4 \
+    --gbs 8 --iters "${FP8_LOSS_ITERS:-400}" --cases bf16,fp8 --timeout 280 --out "$WORK/fp8loss" ${FP8_LOSS_ARGS:-} 2>&1 \
     | tee "$OUT/fp8_loss.txt" | grep -v "^  {" || true
-  cp "$WORK"/fp8loss/*.json "$WORK"/fp8loss/*.jsonl "$OUT"/ 2>/dev/null || true
-  timeout "${FP8_TESTS_S:-150}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
+  cp "$WORK"/fp8loss/*.json "$WORK"/fp8loss/*.jsonl "$WORK"/corpus/*.json "$OUT"/ 2>/dev/null || true
+}
+
+stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, exact resume (tensorwise, rowwise)
+  timeout "${FP8_TESTS_S:-500}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
     --basetemp="$OUT/pytest-fp8" --junitxml="$OUT/fp8-tests.xml" 2>&1 | tee "$OUT/fp8-tests.txt" \
     | grep -E "^\[|passed|failed|error|Error" || true
 }
@@ -212,9 +218,9 @@ stage_fp8loss() {  # issue 34: llama3-1b trained bf16 and fp8 side by side, then
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8loss) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8loss|fp8tests) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8loss, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8loss, fp8tests, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.
