@@ -2,7 +2,7 @@
 GPU's speed and numerics are bench/fp8.py and docs/results.md): the transformer layers' linear layers take FP8
 GEMMs and the output layer does not (the ledger says which), the losses stay within FP8's rounding of fp32's,
 an fp8 chain resumes exactly, and the checkpoint format is unchanged (an fp32 checkpoint resumes under fp8
-rowwise; tensor parallelism's gradient all-reduce goes through the FP8 layers)."""
+rowwise and that one under fp32 again; tensor parallelism's gradient all-reduce goes through the FP8 layers)."""
 
 from __future__ import annotations
 
@@ -51,22 +51,23 @@ def test_fp8_trains_close_to_fp32_resumes_exactly_and_shares_the_checkpoint_form
     assert run_segment(chain, "202", log, None).outcome()["status"] == "finished"
     assert losses(log) == ref, (losses(log), ref)
 
-    # fp32 for three iterations, then resumed from that checkpoint under fp8 rowwise
-    mixed = make_run(tmp_path / "c", *SETS, name="fp32-then-fp8")
+    # the checkpoint format is one: fp32 for two iterations, fp8 rowwise for two from that checkpoint, then fp32
+    # again from the fp8 segment's checkpoint
+    mixed = make_run(tmp_path / "c", *SETS, name="fp32-fp8-fp32")
     mlog = tmp_path / "mixed.jsonl"
-    assert run_segment(mixed, "301", mlog, stop_after=3).outcome()["status"] == "saved"
-    stopped = last_iteration(mlog)
-    assert not ledger(mixed, "fp8")
-    fp8_settings(mixed, "rowwise")
-    assert run_segment(mixed, "302", mlog, None).outcome()["status"] == "finished"
-    assert [r["recipe"] for r in ledger(mixed, "fp8")] == ["rowwise"]
-    [resumed] = [r for r in ledger(mixed, "resumed") if r["job_id"] == "302"]
-    assert resumed["iteration"] == stopped
-    fp32_then_fp8 = losses(mlog)
-    assert sorted(fp32_then_fp8) == sorted(ref) == list(range(1, ITERS + 1))
-    for it in ref:  # fp32 before the stop, fp8 rowwise after it: within FP8's rounding of the fp8 reference
-        assert fp32_then_fp8[it] == pytest.approx(ref[it], rel=LOSS_RTOL), (it, fp32_then_fp8, ref)
-    assert fp32_then_fp8 != ref  # different arithmetic: the comparison above is not vacuous
+    stops = []
+    for job, recipe, stop_after in (("301", None, 2), ("302", "rowwise", 2), ("303", None, None)):
+        fp8_settings(mixed, recipe)
+        out = run_segment(mixed, job, mlog, stop_after=stop_after).outcome()
+        assert out["status"] == ("finished" if stop_after is None else "saved"), out
+        stops.append(last_iteration(mlog))
+        assert [r["recipe"] for r in ledger(mixed, "fp8") if r["job_id"] == job] == ([recipe] if recipe else [])
+    assert [r["iteration"] for r in ledger(mixed, "resumed")] == stops[:2]
+    mixed_losses = losses(mlog)
+    assert sorted(mixed_losses) == sorted(ref) == list(range(1, ITERS + 1))
+    for it in ref:  # fp32, fp8 rowwise, fp32: within FP8's rounding of the fp8 reference throughout
+        assert mixed_losses[it] == pytest.approx(ref[it], rel=LOSS_RTOL), (it, mixed_losses, ref)
+    assert mixed_losses != ref  # different arithmetic: the comparison above is not vacuous
 
 
 def test_fp8_under_tensor_parallelism_matches_one_rank(tmp_path: Path) -> None:
