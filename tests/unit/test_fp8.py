@@ -185,6 +185,6 @@ def test_the_triton_cast_kernels_compile_for_hopper(fmt) -> None:
     sig = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
     assert ".entry amax_kernel" in triton.compile(ASTSource(amax, sig, constexprs={"BLOCK": 4096}), target=target).asm["ptx"]
     sig = {"x_ptr": "*bf16", "q_ptr": f"*{fmt}", "qt_ptr": f"*{fmt}", "amax_ptr": "*fp32", "inv_ptr": "*fp32",
-           "rows": "i32", "cols": "i32", "FMAX": "constexpr", "EPS": "constexpr", "T": "constexpr", "TRANSPOSED": "constexpr"}
-    consts = {"FMAX": 448.0, "EPS": 1e-12, "T": fp8_cast.TILE, "TRANSPOSED": True}
+           "rows": "i32", "cols": "i32", "FMAX": "constexpr", "EPS": "constexpr", "T": "constexpr"}
+    consts = {"FMAX": 448.0, "EPS": 1e-12, "T": fp8_cast.TILE}
     assert ".entry cast_kernel" in triton.compile(ASTSource(cast, sig, constexprs=consts), target=target).asm["ptx"]

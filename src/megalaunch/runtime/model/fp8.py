@@ -18,7 +18,7 @@ Standard library only at module level (the launcher reads RECIPES); torch is imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.runtime.rank.failures import ConfigFailure, flag_value
@@ -36,16 +36,14 @@ class Fp8Choice:
     recipe: str | None                  # training.fp8_recipe, None: precision is not fp8
     path: str                           # off | torch_scaled_mm | transformer_engine
     why: str
-    fused_casts: bool = False           # torch.compile'd casts (GPU); eager on the CPU
-    bf16_layers: dict[str, str] = field(default_factory=dict)  # layer -> why it stayed in the working precision
+    fused_casts: bool = False           # Triton / torch.compile'd casts (GPU); eager on the CPU
 
     @property
     def ours(self) -> bool:
         return self.path == "torch_scaled_mm"
 
     def ledger(self) -> dict[str, object]:
-        return {"recipe": self.recipe, "path": self.path, "why": self.why, "fused_casts": self.fused_casts,
-                "bf16_layers": dict(self.bf16_layers)}
+        return {"recipe": self.recipe, "path": self.path, "why": self.why, "fused_casts": self.fused_casts}
 
 
 def resolve_fp8(recipe: str | None, argv: list[str], *, cpu: bool, capability: tuple[int, int] | None = None,

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.runtime.model.fp8 import EPS
+from megalaunch.runtime.model.fp8 import EPS, quantize
 
 _KERNELS: dict[str, Any] = {}
 AMAX_BLOCK = 4096
 TILE = 64  # the cast kernel's square tile: a transposed store stays within one tile
 
 
-def cast_both_torch(t: Any, dtype: Any, transposed: bool = True) -> tuple[Any, Any, Any]:
-    """(t scaled into `dtype`, its transpose as a contiguous tensor or None, the inverse scale), in torch ops."""
-    import torch
-
-    fmax = torch.finfo(dtype).max
-    scale = fmax / t.abs().amax().float().clamp(min=EPS)
-    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return q, q.t().contiguous() if transposed else None, scale.reciprocal()
+def cast_both_torch(t: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """(t scaled into `dtype`, its transpose as a contiguous tensor, the inverse scale), in torch ops."""
+    q, inv = quantize(t, dtype, rowwise=False)
+    return q, q.t().contiguous(), inv
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -44,7 +40,7 @@ def _kernels() -> tuple[Any, Any]:
 
         @triton.jit
         def cast_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, inv_ptr, rows, cols,  # type: ignore[no-untyped-def]
-                        FMAX: tl.constexpr, EPS: tl.constexpr, T: tl.constexpr, TRANSPOSED: tl.constexpr):
+                        FMAX: tl.constexpr, EPS: tl.constexpr, T: tl.constexpr):
             r = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
             c = tl.program_id(1).to(tl.int64) * T + tl.arange(0, T)
             mask = (r[:, None] < rows) & (c[None, :] < cols)
@@ -52,8 +48,7 @@ def _kernels() -> tuple[Any, Any]:
             scale = FMAX / tl.maximum(tl.load(amax_ptr), EPS)
             y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX).to(q_ptr.dtype.element_ty)
             tl.store(q_ptr + r[:, None] * cols + c[None, :], y, mask=mask)
-            if TRANSPOSED:
-                tl.store(qt_ptr + c[None, :] * rows + r[:, None], y, mask=mask)
+            tl.store(qt_ptr + c[None, :] * rows + r[:, None], y, mask=mask)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(inv_ptr, 1.0 / scale)
 
@@ -62,7 +57,7 @@ def _kernels() -> tuple[Any, Any]:
     return _KERNELS["amax"], _KERNELS["cast"]
 
 
-def cast_both_triton(t: Any, dtype: Any, transposed: bool = True) -> tuple[Any, Any, Any]:
+def cast_both_triton(t: Any, dtype: Any) -> tuple[Any, Any, Any]:
     """cast_both_torch's result from the two Triton kernels (`t`: 2-D; made contiguous first)."""
     import torch
     import triton
@@ -73,12 +68,12 @@ def cast_both_triton(t: Any, dtype: Any, transposed: bool = True) -> tuple[Any, 
     amax = torch.zeros(1, dtype=torch.float32, device=t.device)
     inv = torch.empty((), dtype=torch.float32, device=t.device)
     q = torch.empty((rows, cols), dtype=dtype, device=t.device)
-    qt = torch.empty((cols, rows), dtype=dtype, device=t.device) if transposed else q
+    qt = torch.empty((cols, rows), dtype=dtype, device=t.device)
     amax_kernel[(triton.cdiv(t.numel(), AMAX_BLOCK),)](t, amax, t.numel(), BLOCK=AMAX_BLOCK)
     cast_kernel[(triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))](
-        t, q, qt, amax, inv, rows, cols, FMAX=float(torch.finfo(dtype).max), EPS=EPS, T=TILE, TRANSPOSED=transposed)
-    return q, qt if transposed else None, inv
+        t, q, qt, amax, inv, rows, cols, FMAX=float(torch.finfo(dtype).max), EPS=EPS, T=TILE)
+    return q, qt, inv
 
 
-def cast_both(t: Any, dtype: Any, transposed: bool = True, *, triton: bool) -> tuple[Any, Any, Any]:
-    return (cast_both_triton if triton else cast_both_torch)(t, dtype, transposed)
+def cast_both(t: Any, dtype: Any, *, triton: bool) -> tuple[Any, Any, Any]:
+    return (cast_both_triton if triton else cast_both_torch)(t, dtype)

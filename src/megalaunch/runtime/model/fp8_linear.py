@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.runtime.model.fp8 import Formats, aligned, gemm_nt
+from megalaunch.runtime.model.fp8 import ALIGN, Formats, aligned, gemm_nt
 from megalaunch.runtime.model.fp8_cast import cast_both
 
 OUTPUT_LAYERS = ("output_layer",)  # the vocabulary projection: its logits stay in the working precision
@@ -51,17 +51,13 @@ def weight_cast(weight: Any, fmt: Formats) -> tuple[Any, Any, Any]:
     cached = getattr(weight, "_megalaunch_fp8", None)
     if cached is not None and cached[0] == key:
         return cached[1]  # type: ignore[no-any-return]
-    result = cast_both(weight, fmt.act, True, triton=fmt.fused)
+    result = cast_both(weight, fmt.act, triton=fmt.fused)
     weight._megalaunch_fp8 = (key, result)
     return result
 
 
-def _watch_optimizer_steps() -> None:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    if not _GENERATION[1:]:
-        register_optimizer_step_post_hook(lambda *_: _GENERATION.__setitem__(0, _GENERATION[0] + 1))
-        _GENERATION.append(1)  # installed
+def _optimizer_stepped(*_: Any) -> None:
+    _GENERATION[0] += 1
 
 
 def _forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: bool, allreduce_dgrad: bool,
@@ -80,7 +76,7 @@ def _forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: boo
         out = gemm_nt(rows, weight, a_dtype=fmt.act, b_dtype=fmt.act, rowwise=True, out_dtype=x.dtype,
                       fused=fmt.fused)
     else:  # one scale per tensor: each operand cast once, in both layouts; the FP8 input kept for backward
-        xq, xqt, sx = cast_both(rows, fmt.act, True, triton=fmt.fused)
+        xq, xqt, sx = cast_both(rows, fmt.act, triton=fmt.fused)
         wq, wqt, sw = weight_cast(weight, fmt)
         ctx.save_for_backward(weight, xqt, sx, wqt, sw)
         out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
@@ -106,7 +102,7 @@ def _backward(ctx: Any, grad_output: Any) -> Any:
                            fused=fmt.fused)
     else:
         weight, xqt, sx, wqt, sw = ctx.saved_tensors
-        dyq, dyqt, sdy = cast_both(dy, fmt.grad, True, triton=fmt.fused)
+        dyq, dyqt, sdy = cast_both(dy, fmt.grad, triton=fmt.fused)
         grad_input = torch._scaled_mm(dyq, wqt.t(), scale_a=sdy, scale_b=sw, out_dtype=grad_output.dtype)
 
         def wgrad_gemm(out_dtype: Any) -> Any:
@@ -151,8 +147,10 @@ _FUNCTION: list[Any] = []
 def forward_impl(fmt: Formats, original: Any) -> Any:
     """A layer's `_forward_impl`: FP8 where the call is covered, `original` (Megatron's) where not."""
     if not _FUNCTION:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
         _FUNCTION.append(_function())
-        _watch_optimizer_steps()
+        register_optimizer_step_post_hook(_optimizer_stepped)  # once, with the function
     fn = _FUNCTION[0]
 
     def impl(input: Any, weight: Any, bias: Any = None, gradient_accumulation_fusion: bool = False,
@@ -169,7 +167,6 @@ def forward_impl(fmt: Formats, original: Any) -> Any:
         return fn.apply(input, weight, bias, fmt, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                         tp_group)
 
-    impl.fp8 = True  # type: ignore[attr-defined]
     return impl
 
 
@@ -190,8 +187,8 @@ def install(model: Any, fmt: Formats) -> tuple[list[str], dict[str, str]]:
                 kept[label] = "the output layer: logits and loss stay in the working precision"
             elif module.weight is None or not aligned(*module.weight.shape):
                 shape = "no weight" if module.weight is None else "x".join(map(str, module.weight.shape))
-                kept[label] = f"weight {shape}: FP8 GEMMs need multiples of {16}"
-            elif not getattr(module._forward_impl, "fp8", False):
+                kept[label] = f"weight {shape}: FP8 GEMMs need multiples of {ALIGN}"
+            else:
                 module._forward_impl = forward_impl(fmt, module._forward_impl)
                 done.append(label)
     return done, kept
