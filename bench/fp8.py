@@ -3,6 +3,7 @@
     PYTHONPATH=src python bench/fp8.py --stage gemm   # the linear layers' three GEMMs at 1B and 8B shapes (~1 min)
     PYTHONPATH=src python bench/fp8.py --stage e2e    # llama3-1b end to end: bf16, fp8 tensorwise, fp8 rowwise
     PYTHONPATH=src python bench/fp8.py --stage loss   # llama3-1b loss curves, bf16 against fp8, N iterations
+    python bench/fp8.py --stage plot --out DIR --png F  # the loss stage's DIR/fp8_loss.json as a figure (no GPU)
 
 `gemm`: each linear layer of llama3-1b and llama3-8b at 8192 tokens, forward and backward (its three GEMMs: x @ W^T,
 dy @ W, dy^T @ x) through the autograd function Megatron's layers call (runtime/model/fp8_linear.py): bf16's
@@ -120,25 +121,27 @@ def stage_gemm() -> list[dict[str, Any]]:
 
 
 def defs(a: argparse.Namespace, cases: list[str], extra: list[str]) -> dict[str, tuple[Any, ...]]:
+    """Each case on `--per-case` GPUs, TP 1 unless `--sets` says otherwise (later overrides win)."""
     out = {}
     for name in cases:
         sets = [f"model.seq_length={a.seq}", f"training.global_batch_size={a.gbs}", f"training.micro_batch_size={a.mb}",
                 "training.kernels=auto", "training.fused_kernels=true", "parallel.tensor_model_parallel_size=1",
-                "parallel.sequence_parallel=false", *CASES[name], *extra]
+                "parallel.sequence_parallel=false", *CASES[name], *extra, *a.sets]
         env = {"MEGALAUNCH_LOSS_LOG": str(a.out / f"loss-{name}.jsonl")}
-        out[name] = (a.recipe, 1, sets, env)
+        out[name] = (a.recipe, a.per_case, sets, env)
     return out
 
 
 def stage_e2e(a: argparse.Namespace) -> list[dict[str, Any]]:
     cases = a.cases.split(",")
-    rows = calib.run_cases(cases, a.out, a.iters, 1, a.timeout, cases=defs(a, cases, []))
+    rows = calib.run_cases(cases, a.out, a.iters, a.gpus, a.timeout, cases=defs(a, cases, []))
     for r in rows:
         if "ms_per_iteration" in r:
             r["tokens_per_s"] = a.gbs * a.seq / (r["ms_per_iteration"] / 1000)
             r["mfu"] = r["tflops_per_gpu"] / a.peak
-            print(f"  {r['case']:12s} seq {a.seq} {r['ms_per_iteration'] / 1000:6.3f} s/iter {r['tokens_per_s']:>9,.0f} "
-                  f"tokens/s {r['tflops_per_gpu']:6.1f} TFLOP/s (bf16-equivalent) MFU {100 * r['mfu']:5.1f} % "
+            r["tokens_per_s_per_gpu"] = r["tokens_per_s"] / a.per_case
+            print(f"  {r['case']:12s} {a.recipe} on {a.per_case} GPU(s) seq {a.seq} {r['ms_per_iteration'] / 1000:6.3f} "
+                  f"s/iter {r['tokens_per_s_per_gpu']:>9,.0f} tokens/s/GPU {r['tflops_per_gpu']:6.1f} TFLOP/s (bf16-equivalent) MFU {100 * r['mfu']:5.1f} % "
                   f"max {r['max_allocated_gib']:5.1f} GiB", flush=True)
         else:
             print(f"  {r['case']:12s} {r['error']}", flush=True)
@@ -162,7 +165,7 @@ def stage_loss(a: argparse.Namespace) -> dict[str, Any]:
         extra += ["data.mock=false", f"data.blend=[{{path: {a.data}}}]", "data.tokenizer_type=NullTokenizer",
                   f"data.vocab_size={meta['vocab']}"]
         print(f"  data: {a.data} ({meta['tokens']:,} tokens), loss floor {floor:.4f} nats", flush=True)
-    calib.run_cases(cases, a.out, a.iters, 1, a.timeout, cases=defs(a, cases, extra))
+    calib.run_cases(cases, a.out, a.iters, a.gpus, a.timeout, cases=defs(a, cases, extra))
     curves: dict[str, dict[int, float]] = {}
     for name in cases:
         path = a.out / f"loss-{name}.jsonl"
@@ -185,9 +188,46 @@ def stage_loss(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def plot(result_json: Path, png: Path) -> None:
+    """The loss stage's curves (top) and each case's gap to bf16, smoothed over 20 iterations (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(result_json.read_text())
+    r = data["result"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    ref = {int(i): v for i, v in r["curves"]["bf16"].items()}
+    for n, (name, curve) in enumerate(r["curves"].items()):
+        c = {int(i): v for i, v in curve.items()}
+        its = sorted(c)
+        top.plot(its, [c[i] for i in its], label=name, linewidth=0.8, color=f"C{n}")
+        if name != "bf16":
+            common = [i for i in its if i in ref]
+            gap = [100 * (c[i] - ref[i]) / ref[i] for i in common]
+            smooth = [statistics.mean(gap[max(0, k - 19):k + 1]) for k in range(len(gap))]
+            bottom.plot(common, smooth, label=f"{name} - bf16", linewidth=0.8, color=f"C{n}")
+    if r.get("floor_nats"):
+        top.axhline(r["floor_nats"], color="grey", linestyle=":", label=f"loss floor {r['floor_nats']:.3f}")
+    top.set_ylabel("training loss (nats)")
+    top.set_title(f"{data['device']}: bf16 and fp8 from the same seed and data")
+    top.legend()
+    bottom.axhline(0, color="grey", linewidth=0.5)
+    for sign in (1, -1):
+        bottom.axhline(sign * 100 * r["rtol"], color="red", linestyle="--", linewidth=0.6)
+    bottom.set_ylabel("gap to bf16, % (20-iter mean)")
+    bottom.set_xlabel("iteration")
+    bottom.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=("gemm", "e2e", "loss"), default="gemm")
+    parser.add_argument("--stage", choices=("gemm", "e2e", "loss", "plot"), default="gemm")
+    parser.add_argument("--png", type=Path, help="--stage plot: the figure to write from OUT/fp8_loss.json")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--recipe", default="train/llama3-1b")
     parser.add_argument("--seq", type=int, default=8192)
@@ -195,15 +235,23 @@ def main() -> int:
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--per-case", type=int, default=1, help="GPUs per case (cases run side by side where they fit)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all of this node's)")
+    parser.add_argument("--sets", type=lambda v: [x for x in v.split(",") if x], default=[],
+                        help="overrides for every case, comma-separated (e.g. the layout)")
     parser.add_argument("--data", default=None, help="--stage loss: a corpus prefix from bench/entropy_corpus.py")
     parser.add_argument("--peak", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100/H200 SXM)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "fp8")
     a = parser.parse_args()
+    if a.stage == "plot":  # no GPU needed: the loss stage's JSON, drawn
+        plot(a.out / "fp8_loss.json", a.png or a.out / "fp8_loss.png")
+        return 0
     import torch
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.gpus = a.gpus or torch.cuda.device_count()
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     print(f"== fp8 {a.stage} on {device} (torch {torch.__version__})", flush=True)

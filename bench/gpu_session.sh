@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh sft                # 1B SFT from a converted checkpoint beside pre-training (~4 min)
 #   bash bench/gpu_session.sh fp8                # FP8 GEMMs without TE beside bf16: GEMMs, 1B end to end (~6 min)
 #   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8 on a corpus with a loss floor (~6 min)
+#   bash bench/gpu_session.sh fp8_8b             # 4 GPUs: llama3-8b bf16 beside fp8, one layout (FP8_8B_SETS) (~8 min)
 #   bash bench/gpu_session.sh fp8tests           # fp8's GPU tests: Triton casts, exact resume (~5 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
@@ -209,6 +210,17 @@ stage_fp8loss() {  # issue 34: llama3-1b trained bf16 and fp8 side by side on a 
   cp "$WORK"/fp8loss/*.json "$WORK"/fp8loss/*.jsonl "$WORK"/corpus/*.json "$OUT"/ 2>/dev/null || true
 }
 
+stage_fp8_8b() {  # issue 34: llama3-8b on all GPUs, bf16 beside fp8 in one layout (FP8_8B_SETS; default the H100 one)
+  need_liger
+  # shellcheck disable=SC2086
+  timeout "${FP8_8B_S:-560}" "$PY" bench/fp8.py --stage e2e --recipe train/llama3-8b --per-case "$(nvidia-smi -L | wc -l)" \
+    --seq 8192 --gbs "${FP8_8B_GBS:-32}" --iters "${FP8_8B_ITERS:-6}" --cases "${FP8_8B_CASES:-bf16,fp8}" \
+    --sets "${FP8_8B_SETS:-parallel.tensor_model_parallel_size=2,parallel.sequence_parallel=true}" --timeout 270 \
+    --out "$WORK/fp8_8b" 2>&1 | tee -a "$OUT/fp8_8b.txt" | grep -v "^  {" || true
+  for f in "$WORK"/fp8_8b/fp8_e2e.json; do cp "$f" "$OUT/fp8_8b-$(date +%H%M%S).json" 2>/dev/null || true; done
+  tar -czf "$OUT/fp8_8b_logs-$(date +%H%M%S).tgz" -C "$WORK" --exclude runs fp8_8b 2>/dev/null || true
+}
+
 stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, exact resume (tensorwise, rowwise)
   timeout "${FP8_TESTS_S:-500}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
     --basetemp="$OUT/pytest-fp8" --junitxml="$OUT/fp8-tests.xml" 2>&1 | tee "$OUT/fp8-tests.txt" \
@@ -218,9 +230,9 @@ stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, 
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8loss|fp8tests) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8loss, fp8tests, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.
