@@ -36,10 +36,13 @@ class Run:
     kernels: str  # megatron | liger (training.kernels auto with liger-kernel: RoPE, SwiGLU, loss, wgrad fusion)
     step_s: float
     note: str
+    precision: str = "bf16"  # bf16 | fp8 (tensorwise) | fp8-rowwise
 
 
 L8 = ("model.num_layers=8",)
 S2K = ("model.seq_length=2048",)
+S4K = ("model.seq_length=4096",)
+LIGER_1B = ((), 1, 16, True, "liger")  # sets, GPUs, GBS, fused, kernels
 
 
 def _tok(tokens_per_gpu: float, gbs: int, gpus: int, seq: int = 8192) -> float:
@@ -81,14 +84,44 @@ MEASURED: list[Run] = [
     # H100, 4 GPUs, llama3-8b TP 2 x DP 2 + SP, GBS 32 (bench/gpu_session.sh mfu8b)
     Run("H100", "train/llama3-8b", (), 4, 32, (2, 1, None, 1, "none", True), True, "megatron", 7.509, "8b TP2 SP"),
     Run("H100", "train/llama3-8b", (), 4, 32, (2, 1, None, 1, "none", True), True, "liger", 6.951, "8b TP2 SP auto"),
+    # H200, issue #34 (bench/fp8.py --stage e2e, training.kernels auto, seq 8192 unless S2K/S4K): bf16 and fp8 side by
+    # side in one call each. The first session's one-H200 calls (s1), this session's 4 x H200 node (4 GPUs for the
+    # 8B; the 1B one GPU per case, two cases at once)
+    *[Run("H200", "train/llama3-8b", (), 4, 32, lay, True, "liger", t, f"8b {name} auto fp8-issue", prec)
+      for name, lay, pairs in [("TP2 SP", (2, 1, None, 1, "none", True), (6.725, 5.327)),
+                               ("TP1", (1, 1, None, 1, "none", False), (6.328, 4.645))]
+      for prec, t in zip(("bf16", "fp8"), pairs, strict=True)],
+    *[Run("H200", "train/llama3-1b", sets, 1, gbs, (1, 1, None, mb, "none", False), True, "liger", t,
+          f"1b {note} mb{mb} auto fp8-issue", prec)
+      for sets, gbs, mb, note, pairs in [((), 16, 1, "s8k", (2.402, 2.143)), ((), 16, 2, "s8k", (2.348, 2.047)),
+                                         ((), 16, 4, "s8k", (2.310, 2.002)), ((), 24, 6, "s8k", (3.430, 2.937)),
+                                         (S4K, 16, 4, "s4k", (1.061, 0.916)), (S4K, 32, 8, "s4k", (2.041, 1.719)),
+                                         ((), 8, 1, "s8k s1", (1.224, 1.098)), (S2K, 32, 4, "s2k s1", (1.022, 0.960))]
+      for prec, t in zip(("bf16", "fp8"), pairs, strict=True)],
+    Run("H200", "train/llama3-1b", (), 1, 8, (1, 1, None, 1, "none", False), True, "liger", 1.416,
+        "1b s8k s1 mb1 auto fp8-issue rowwise", "fp8-rowwise"),
 ]
 
+# Measured, reported, neither fitted nor held to 8 %: the loss comparison's step times (bench/gpu_session.sh
+# fp8loss: two micro-batches per step, log_interval 1, three runs at once on three GPUs of a node). There fp8
+# tensorwise was slower than bf16 (0.299 against 0.272 s), where every other run has it faster: a fixed ~55 ms
+# per step that the model has no term for and that no other run shows (not understood; docs/results.md).
+UNEXPLAINED: list[Run] = [
+    Run("H200", "train/llama3-1b", S2K, 1, 8, (1, 1, None, 4, "none", False), True, "liger", t,
+        f"1b s2k mb4 loss-run{' rowwise' if 'rowwise' in prec else ''}", prec)
+    for prec, t in (("bf16", 0.2723), ("fp8", 0.2991), ("fp8-rowwise", 0.4009))]
+
+# The bf16 constants are fitted to the bf16 runs measured before issue #34 (its bf16 runs are held out: predicted,
+# not fitted); the FP8 casts' bytes, to the fp8 runs with the bf16 constants fixed.
 KNOBS = ["GEMM_EFFICIENCY", "ELEMENTWISE_BYTES.unfused", "ELEMENTWISE_BYTES.fused", "ELEMENTWISE_BYTES.liger",
          "LOSS_BYTES.megatron", "LOSS_BYTES.liger"]
+FP8_KNOBS = ["FP8_CAST_BYTES.tensorwise", "FP8_CAST_BYTES.rowwise", "FP8_LAYER_US"]
 # Not fitted, measured: the fp32 adds of the weight gradients in the H100 profiles (bench/trace_summary.py):
 # 303 ms per step for llama3-8b TP 2 (3.5 G parameters per GPU, 16 micro-batches), 23.9 ms for llama3-1b at
-# micro-batch 8 (0.97 G, 4): ~19 bytes per parameter and micro-batch at the HBM's nominal bandwidth.
-FIXED = {"WGRAD_ACCUM_BYTES": 19.0}
+# micro-batch 8 (0.97 G, 4): ~19 bytes per parameter and micro-batch at the HBM's nominal bandwidth. The FP8
+# GEMMs' time against bf16's: the three `_scaled_mm` of a layer's linears on pre-cast operands against bf16's
+# matmuls (bench/fp8.py --stage gemm, one H200): 8.16 / 15.93 ms for an 8B layer, 2.34 / 4.37 for a 1B one.
+FIXED = {"WGRAD_ACCUM_BYTES": 19.0, "FP8_GEMM_TIME": 0.52}
 
 
 def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
@@ -101,7 +134,9 @@ def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
     tp, pp, vpp, mb, rc, sp = run.layout
     dp = run.gpus // (tp * pp)
     layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch=mb, num_microbatches=run.gbs // (dp * mb),
-                    recompute=rc, sequence_parallel=sp, fused=run.fused, kernels=run.kernels)
+                    recompute=rc, sequence_parallel=sp, fused=run.fused, kernels=run.kernels,
+                    precision=run.precision.split("-")[0], fp8_recipe="rowwise" if "rowwise" in run.precision
+                    else "tensorwise")
     return model_shape(recipe, recipe.data.vocab_size), layout, gpu_spec(run.gpu)
 
 
@@ -122,47 +157,55 @@ def _set(name: str, value: float) -> None:
         setattr(plan, name, value)
 
 
-def fit(hold_out: tuple[str, ...] = ()) -> dict[str, float]:
+def _solve(knobs: list[str], runs: list[Run], hold_out: tuple[str, ...]) -> dict[str, float]:
     """Least squares on the relative error: the step is constant + sum(knob_i x feature_i), with
-    1 / GEMM_EFFICIENCY as the first knob's value. Runs whose note contains a `hold_out` word are left out."""
+    1 / GEMM_EFFICIENCY as that knob's value. Runs whose note contains a `hold_out` word are left out."""
     import numpy as np
 
-    for name, v in FIXED.items():
-        _set(name, v)
-
     def with_knobs(values: list[float]) -> list[float]:
-        for name, v in zip(KNOBS, values, strict=True):
+        for name, v in zip(knobs, values, strict=True):
             _set(name, 1 / v if name == "GEMM_EFFICIENCY" else v)
-        return [predicted(r) for r in MEASURED]
+        return [predicted(r) for r in runs]
 
-    zero = [1e-30] + [0.0] * (len(KNOBS) - 1)
+    zero = [1e-30 if name == "GEMM_EFFICIENCY" else 0.0 for name in knobs]
     base = np.array(with_knobs(zero))
     cols = []
-    for i in range(len(KNOBS)):
+    for i in range(len(knobs)):
         one = list(zero)
         one[i] = 1.0
         cols.append(np.array(with_knobs(one)) - base)
-    meas = np.array([r.step_s for r in MEASURED])
-    keep = np.array([not any(w in r.note for w in hold_out) for r in MEASURED])
+    meas = np.array([r.step_s for r in runs])
+    keep = np.array([not any(w in r.note for w in hold_out) for r in runs])
     a = np.stack(cols, axis=1) / meas[:, None]
     theta, *_ = np.linalg.lstsq(a[keep], ((meas - base) / meas)[keep], rcond=None)
-    out = {name: (1 / v if name == "GEMM_EFFICIENCY" else v) for name, v in zip(KNOBS, theta, strict=True)}
+    out = {name: float(1 / v if name == "GEMM_EFFICIENCY" else v) for name, v in zip(knobs, theta, strict=True)}
     for name, v in out.items():
         _set(name, v)
     return out
 
 
+def fit(hold_out: tuple[str, ...] = ()) -> dict[str, float]:
+    """The bf16 constants on the bf16 runs before issue #34, then the FP8 casts' on the fp8 runs."""
+    for name, v in FIXED.items():
+        _set(name, v)
+    out = _solve(KNOBS, [r for r in MEASURED if r.precision == "bf16" and "fp8-issue" not in r.note], hold_out)
+    return out | _solve(FP8_KNOBS, [r for r in MEASURED if r.precision != "bf16"], hold_out)
+
+
 def report() -> float:
+    """The table of MEASURED (and UNEXPLAINED, marked) with the current constants; the worst error of MEASURED."""
     worst = 0.0
-    print(f"{'run':<24} {'GPU':<5} {'layout':<22} {'kernels':<8} {'measured s':>10} {'predicted':>10} {'error':>7}")
-    for r in MEASURED:
+    print(f"{'run':<38} {'GPU':<5} {'layout':<22} {'kernels':<7} {'precision':<11} {'measured s':>10} {'predicted':>10} "
+          f"{'error':>7}")
+    for r in [*MEASURED, *UNEXPLAINED]:
         p = predicted(r)
         err = p / r.step_s - 1
-        worst = max(worst, abs(err))
+        worst = max(worst, abs(err)) if r in MEASURED else worst
         tp, pp, vpp, mb, rc, sp = r.layout
         lay = f"TP{tp} PP{pp}{f' V{vpp}' if vpp else ''} mb{mb}{' SP' if sp else ''}{'' if rc == 'none' else ' ' + rc[:3]}"
-        print(f"{r.note:<24} {r.gpu:<5} {lay:<22} {r.kernels:<8} {r.step_s:>10.3f} {p:>10.3f} {100 * err:>+6.1f}%")
-    print(f"worst |error|: {100 * worst:.1f} %")
+        print(f"{r.note + ('' if r in MEASURED else ' (*)'):<38} {r.gpu:<5} {lay:<22} {r.kernels:<7} {r.precision:<11} {r.step_s:>10.3f} {p:>10.3f} "
+              f"{100 * err:>+6.1f}%")
+    print(f"worst |error|: {100 * worst:.1f} % ((*): not in the regression set: UNEXPLAINED)")
     return worst
 
 

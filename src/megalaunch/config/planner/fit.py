@@ -29,7 +29,7 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
-                  distributed_optimizer=p.use_distributed_optimizer, precision=t.precision,
+                  distributed_optimizer=p.use_distributed_optimizer, precision=t.precision, fp8_recipe=t.fp8_recipe,
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
                   fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
                   kernels=speed_kernels(recipe))

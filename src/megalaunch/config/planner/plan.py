@@ -47,6 +47,15 @@ SELECTIVE_RECOMPUTE_COST = 0.03  # of compute: the core attention's forward agai
 ELEMENTWISE_BYTES = {"unfused": 92.0, "fused": 47.0, "liger": 16.5}
 LOSS_BYTES = {"megatron": 67.0, "liger": 40.0}
 WGRAD_ACCUM_BYTES = 19.0
+# training.precision fp8 (runtime/model/fp8_linear.py): the transformer linears' GEMMs take FP8_GEMM_TIME of their
+# bf16 time (measured: bench/fp8.py --stage gemm, the GEMMs alone); each linear's input and output gradient is
+# cast, per token and element of their widths, and the weights once per step (tensorwise: an amax pass and one
+# cast writing both layouts) or twice per micro-batch (rowwise: torch.compile'd casts per GEMM); and a fixed time
+# per layer and micro-batch (the casts' launches). Fitted (bench/plan_fit.py --fit) to 19 runs of llama3-1b and
+# llama3-8b on H200s, bf16 and fp8 side by side; held out, the 8B's two fp8 runs were predicted within 4.8 %.
+FP8_GEMM_TIME = 0.52
+FP8_CAST_BYTES = {"tensorwise": 19.7, "rowwise": 43.7}
+FP8_LAYER_US = 693.0  # microseconds per layer and micro-batch (forward and backward): the casts' launches and amax syncs
 PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
 
 
@@ -80,7 +89,7 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
             precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
-            fused_loss: bool = False, kernels: str = "megatron") -> list[Layout]:
+            fused_loss: bool = False, kernels: str = "megatron", fp8_recipe: str = "tensorwise") -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
     micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
@@ -111,7 +120,7 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                                                   num_microbatches=m, recompute=rc, sequence_parallel=sp,
                                                   distributed_optimizer=distributed_optimizer,
                                                   precision=precision, attention=attention, fused=fused,
-                                                  fused_loss=fused_loss, kernels=kernels))
+                                                  fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe))
     return out
 
 
@@ -135,6 +144,10 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     layer_flops, logits_flops = flops_parts(shape)
     stage_flops = (layer_flops * shape.layers / L.pp * recompute_factor + logits_flops) / L.tp
     compute = stage_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
+    if L.fp8:  # the linears' share of the layers' FLOPs (their 6 N per token) runs in FP8
+        linear_flops = 6 * shape.layer_matmul_params() * shape.layers / L.pp * recompute_factor / L.tp
+        compute -= (1 - FP8_GEMM_TIME) * linear_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
+        compute += 1e-6 * FP8_LAYER_US * shape.layers / L.pp * recompute_factor * m
     layers = shape.layers / L.pp
     compute += memory_bound(shape, L, layers * recompute_factor, tokens_mb * m) / (gpu.hbm_tbps * 1e12)
     act_bytes = 2 * tokens_mb * shape.hidden
@@ -168,7 +181,15 @@ def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> 
     loss = LOSS_BYTES["liger" if liger and L.tp == 1 else "megatron"] * shape.padded_vocab(L.tp) / L.tp * tokens
     params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp)
     wgrad = 0.0 if liger else WGRAD_ACCUM_BYTES * params * L.num_microbatches
-    return ELEMENTWISE_BYTES[kind] * width * layers * tokens + loss + wgrad
+    casts = 0.0
+    if L.fp8:  # QKV, proj, FC1, FC2: each input (QKV's and FC1's gathered under SP) and output gradient
+        h, q, kv, t = shape.hidden, shape.q_size, shape.kv_size, L.tp
+        inputs = 2 * h + (q + shape.ffn) / t
+        grads = (q + 2 * kv) / t + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / t
+        # and the weights: once per step (tensorwise keeps them for the step), twice per micro-batch (rowwise)
+        weights = params * (2 * L.num_microbatches if L.fp8 == "rowwise" else 1)
+        casts = FP8_CAST_BYTES[L.fp8] * ((inputs + grads) * layers * tokens + weights)
+    return ELEMENTWISE_BYTES[kind] * width * layers * tokens + loss + wgrad + casts
 
 
 def memory_pressure(used: float) -> float:
@@ -188,12 +209,13 @@ def step_key(step_s: float) -> float:
 
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
-         fused: bool = False, fused_loss: bool = False, kernels: str = "megatron") -> list[Candidate]:
+         fused: bool = False, fused_loss: bool = False, kernels: str = "megatron",
+         fp8_recipe: str = "tensorwise") -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
-                          fused=fused, fused_loss=fused_loss, kernels=kernels):
+                          fused=fused, fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
@@ -281,7 +303,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                          global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                          distributed_optimizer=recipe.parallel.use_distributed_optimizer,
                          fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger",
-                         kernels=speed_kernels(recipe)))
+                         kernels=speed_kernels(recipe), fp8_recipe=t.fp8_recipe))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
