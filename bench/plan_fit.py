@@ -13,6 +13,7 @@ the issue's llama3-1b H200 figures."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ FP8_KNOBS = ["FP8_CAST_BYTES.tensorwise", "FP8_CAST_BYTES.rowwise", "FP8_LAYER_U
 FIXED = {"WGRAD_ACCUM_BYTES": 19.0, "FP8_GEMM_TIME": 0.52}
 
 
+@functools.cache  # the fit predicts every run once per knob: load each recipe once
 def shape_and_layout(run: Run) -> tuple[Any, Any, Any]:
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.planner.fit import model_shape
