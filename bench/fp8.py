@@ -8,7 +8,7 @@
 `gemm`: each linear layer of llama3-1b and llama3-8b at 8192 tokens, forward and backward (its three GEMMs: x @ W^T,
 dy @ W, dy^T @ x) through the autograd function Megatron's layers call (runtime/model/fp8_linear.py): bf16's
 autograd matmul against FP8 tensorwise (Triton casts, the weight cast once per optimizer step), the same recasting
-the weight every call (a step's first micro-batch), rowwise (torch.compile'd casts), and the three _scaled_mm
+the weight every call (a step's first micro-batch), rowwise (per-row scales, Triton casts), and the three _scaled_mm
 alone on pre-cast operands (the ceiling). Median of 20 repetitions with CUDA events; TFLOP/s = 3 x 2 M N K / time.
 `e2e`: bench/memory_calib.py's runs (real trainer, mock data, sdpa attention, `training.kernels: auto`); tokens/s
 and Megatron's TFLOP/s per GPU, which counts bf16-equivalent FLOPs (its formula knows no FP8), MFU against the

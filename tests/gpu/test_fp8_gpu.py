@@ -47,17 +47,21 @@ def test_fp8_signal_resume(tmp_path: Path, recipe: str) -> None:
     assert worst < 2e-2  # as bf16's (tests/gpu/test_train_gpu.py): GPU kernels need not be bit-reproducible
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("shape", [(8192, 2048), (1000, 3000), (64, 16)])
-def test_triton_casts_are_torchs(dtype: str, shape: tuple[int, int]) -> None:
-    """The Triton kernels (runtime/model/fp8_cast.py) give torch's cast bit for bit, in both layouts, at
-    shapes that fill, overhang and undershoot their tiles."""
+def test_triton_casts_are_torchs(dtype: str, shape: tuple[int, int], rowwise: bool) -> None:
+    """The Triton kernels (runtime/model/fp8_cast.py) give torch's cast bit for bit, in both layouts (rowwise:
+    each with its own scales), at shapes that fill, overhang and undershoot their tiles."""
     from megalaunch.runtime.model import fp8_cast
 
     t = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 7
+    t[1] *= 40  # a loud row and column: the rowwise scales differ
+    t[:, 2] *= 25
     fmt = getattr(torch, dtype)
-    q, qt, inv = fp8_cast.cast_both_triton(t, fmt)
-    q0, qt0, inv0 = fp8_cast.cast_both_torch(t, fmt)
+    q, qt, inv, inv_t = fp8_cast.cast_both_triton(t, fmt, rowwise)
+    q0, qt0, inv0, inv_t0 = fp8_cast.cast_both_torch(t, fmt, rowwise)
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), qt0.view(torch.uint8))
-    assert torch.allclose(inv, inv0, rtol=1e-6)
+    assert inv.shape == inv0.shape and inv_t.shape == inv_t0.shape
+    assert torch.allclose(inv, inv0, rtol=1e-6) and torch.allclose(inv_t, inv_t0, rtol=1e-6)

@@ -55,14 +55,35 @@ def test_a_transposed_view_is_cast_into_a_contiguous_tensor_with_the_same_scale(
 
 
 @pytest.mark.parametrize("rowwise", [False, True])
-def test_gemm_nt_is_the_product_within_fp8_rounding(rowwise) -> None:
+def test_both_layouts_are_scaled_along_their_own_rows_and_multiply_back(rowwise) -> None:
+    """cast_both: the row-major cast and the transposed one, each with the scales its GEMM reduces along (rowwise:
+    per row of the tensor, and per column for the transpose; tensorwise: one for both); each layout's product
+    through `_scaled_mm` is the float product within FP8 rounding."""
+    from megalaunch.runtime.model.fp8_cast import cast_both
+
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
-    out = fp8.gemm_nt(a, b, a_dtype=E4M3, b_dtype=E4M3, rowwise=rowwise, out_dtype=torch.float32, fused=False)
-    assert out.shape == (64, 32) and out.dtype == torch.float32
-    assert rel_err(out, a @ b.t()) < 0.06
-    grad = fp8.gemm_nt(a, b, a_dtype=E5M2, b_dtype=E4M3, rowwise=False, out_dtype=torch.float32, fused=False)
-    assert rel_err(grad, a @ b.t()) < 0.1
+    a[3] *= 1e5  # one loud row: tensorwise pushes the others under e4m3's smallest values, rowwise does not
+    qa, qat, sa, sat = cast_both(a, E4M3, triton=False, rowwise=rowwise)
+    q0, s0 = fp8.quantize(a, E4M3, rowwise)
+    assert torch.equal(qa.float(), q0.float()) and torch.equal(sa, s0)
+    qt0, st0 = fp8.quantize(a.t(), E4M3, rowwise)
+    assert qat.is_contiguous() and torch.equal(qat.float(), qt0.float()) and torch.equal(sat, st0)
+    assert (sa.shape, sat.shape) == (((64, 1), (128, 1)) if rowwise else ((), ()))
+    qb, qbt, sb, sbt = cast_both(b, E4M3, triton=False, rowwise=rowwise)
+
+    def col(s):
+        return s.reshape(1, -1) if rowwise else s
+
+    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=col(sb), out_dtype=torch.float32)  # a @ b.T
+    assert out.shape == (64, 32) and rel_err(out, a @ b.t()) < 0.06
+    quiet = [i for i in range(64) if i != 3]
+    quiet_err = rel_err(out[quiet], (a @ b.t())[quiet])
+    assert quiet_err < 0.06 if rowwise else quiet_err > 0.06  # tensorwise: the loud row's scale costs the rest
+    c = torch.randn(64, 48, generator=g)  # a.T @ c: the transposed layout, reduced over a's rows
+    qc, _, sc, _ = cast_both(c.t().contiguous(), E4M3, triton=False, rowwise=rowwise)
+    prod = torch._scaled_mm(qat, qc.t(), scale_a=sat, scale_b=col(sc), out_dtype=torch.float32)
+    assert prod.shape == (128, 48) and rel_err(prod, a.t() @ c) < 0.06
 
 
 def _linear(recipe: str, fusion: bool = False):
@@ -188,3 +209,13 @@ def test_the_triton_cast_kernels_compile_for_hopper(fmt) -> None:
            "rows": "i32", "cols": "i32", "FMAX": "constexpr", "EPS": "constexpr", "T": "constexpr"}
     consts = {"FMAX": 448.0, "EPS": 1e-12, "T": fp8_cast.TILE}
     assert ".entry cast_kernel" in triton.compile(ASTSource(cast, sig, constexprs=consts), target=target).asm["ptx"]
+    amax_rc, cast_rc = fp8_cast._rowwise_kernels()
+    sig = {"x_ptr": "*bf16", "ramax_ptr": "*fp32", "camax_ptr": "*fp32", "rows": "i32", "cols": "i32",
+           "T": "constexpr"}
+    src = ASTSource(amax_rc, sig, constexprs={"T": fp8_cast.TILE})
+    assert ".entry amax_rc_kernel" in triton.compile(src, target=target).asm["ptx"]
+    sig = {"x_ptr": "*bf16", "q_ptr": f"*{fmt}", "qt_ptr": f"*{fmt}", "ramax_ptr": "*fp32", "camax_ptr": "*fp32",
+           "rinv_ptr": "*fp32", "cinv_ptr": "*fp32", "rows": "i32", "cols": "i32", "FMAX": "constexpr",
+           "EPS": "constexpr", "T": "constexpr"}
+    assert ".entry cast_rc_kernel" in triton.compile(ASTSource(cast_rc, sig, constexprs=consts),
+                                                      target=target).asm["ptx"]

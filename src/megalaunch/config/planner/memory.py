@@ -36,12 +36,12 @@ from megalaunch.config.planner.gpus import GIB
 RESERVED_GIB = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: memory the allocator does not count
 FRAGMENTATION = 0.05  # the caching allocator's slack over max allocated (reserved - allocated), as a fraction
 RECOMPUTES = ("none", "selective", "full")
-# training.precision fp8 with the tensorwise recipe (runtime/model/fp8_linear.py): each transformer linear's
-# weight is kept in FP8 row-major and transposed for a step's micro-batches (2 bytes per parameter), and the
-# QKV, FC1 and FC2 inputs are saved for the backward in FP8 (1 byte; QKV's and FC1's gathered under SP) where
-# bf16 saves them in 2 (SP: the local shard). Of that activation difference, `FP8_SAVED_FRACTION` shows at the
-# peak: fitted to llama3-1b at micro-batches 1-6 on one H200 (0.79-0.83), then predicting llama3-8b's TP 1
-# and TP 2 + SP within 0.2 GiB (docs/results.md). Rowwise casts per GEMM and saves what bf16 saves.
+# training.precision fp8 (runtime/model/fp8_linear.py, either recipe): each transformer linear's weight is kept
+# in FP8 row-major and transposed for a step's micro-batches (2 bytes per parameter), and the QKV, FC1 and FC2
+# inputs are saved for the backward in FP8 (1 byte; QKV's and FC1's gathered under SP) where bf16 saves them in
+# 2 (SP: the local shard). Of that activation difference, `FP8_SAVED_FRACTION` shows at the peak: fitted to
+# llama3-1b tensorwise at micro-batches 1-6 on one H200 (0.79-0.83), then predicting llama3-8b's TP 1 and
+# TP 2 + SP within 0.2 GiB (docs/results.md). Rowwise's per-row scales (4 bytes a row) are left out.
 FP8_SAVED_FRACTION = 0.81
 
 
@@ -154,7 +154,7 @@ class MemoryEstimate:
     logits: float  # embedding, final norm, output layer and cross entropy of one micro-batch
     transient: float  # the backward's (or the optimizer step's) temporaries at the peak
     stage: int  # the pipeline stage it describes (0 = first)
-    fp8_weights: float = 0.0  # fp8 tensorwise: the linears' weights cast for the step (row-major and transposed)
+    fp8_weights: float = 0.0  # fp8: the linears' weights cast for the step (row-major and transposed)
 
     @property
     def state(self) -> float:
@@ -220,7 +220,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
     if layout.recompute == "full":
         kept = shape.hidden / (t if sp else 1) * 2 * tokens  # the layer's input only
         return kept, running
-    if layout.fp8 == "tensorwise":  # QKV's and FC1's inputs in FP8 (gathered under SP), FC2's input in FP8
+    if layout.fp8:  # QKV's and FC1's inputs in FP8 (gathered under SP), FC2's input in FP8
         full += FP8_SAVED_FRACTION * tokens * (2 * (shape.hidden - 2 * shape.hidden / (t if sp else 1))
                                                - shape.ffn / t)
     return full, running
@@ -272,7 +272,7 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
     transient = grad_work
     if step_work > acts + logits + grad_work:  # the step runs after the activations are freed
         transient, acts, logits = step_work, 0.0, 0.0
-    fp8_weights = 2.0 * layers * shape.layer_matmul_params() / layout.tp if layout.fp8 == "tensorwise" else 0.0
+    fp8_weights = 2.0 * layers * shape.layer_matmul_params() / layout.tp if layout.fp8 else 0.0
     return MemoryEstimate(params=wb * n, grads=gb * n, optimizer=ob * n, activations=acts, logits=logits,
                           transient=transient, stage=stage, fp8_weights=fp8_weights)
 

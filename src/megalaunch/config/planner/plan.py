@@ -49,9 +49,9 @@ LOSS_BYTES = {"megatron": 67.0, "liger": 40.0}
 WGRAD_ACCUM_BYTES = 19.0
 # training.precision fp8 (runtime/model/fp8_linear.py): the transformer linears' GEMMs take FP8_GEMM_TIME of their
 # bf16 time (measured: bench/fp8.py --stage gemm, the GEMMs alone); each linear's input and output gradient is
-# cast, per token and element of their widths, and the weights once per step (tensorwise: an amax pass and one
-# cast writing both layouts) or twice per micro-batch (rowwise: torch.compile'd casts per GEMM); and a fixed time
-# per layer and micro-batch (the casts' launches). Fitted (bench/plan_fit.py --fit) to the 11 fp8 runs of llama3-1b
+# cast, per token and element of their widths, and the weights once per step (an amax pass and one cast writing
+# both layouts; rowwise with a scale per row of each); and a fixed time per layer and micro-batch (the casts'
+# launches). Fitted (bench/plan_fit.py --fit) to the 11 fp8 runs of llama3-1b
 # and llama3-8b on H200s, the bf16 constants fixed; held out, the 8B's two fp8 runs were predicted within 4.8 %.
 # Modelled on megalaunch's own FP8 path; with transformer-engine (its fused casts) the same terms are an estimate.
 FP8_GEMM_TIME = 0.52
@@ -187,9 +187,8 @@ def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> 
         h, q, kv, t = shape.hidden, shape.q_size, shape.kv_size, L.tp
         inputs = 2 * h + (q + shape.ffn) / t
         grads = (q + 2 * kv) / t + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / t
-        # and the weights: once per step (tensorwise keeps them for the step), twice per micro-batch (rowwise)
-        weights = params * (2 * L.num_microbatches if L.fp8 == "rowwise" else 1)
-        casts = FP8_CAST_BYTES[L.fp8] * ((inputs + grads) * layers * tokens + weights)
+        # and the weights, once per step (kept for the step's micro-batches)
+        casts = FP8_CAST_BYTES[L.fp8] * ((inputs + grads) * layers * tokens + params)
     return ELEMENTWISE_BYTES[kind] * width * layers * tokens + loss + wgrad + casts
 
 

@@ -1,14 +1,15 @@
 """`training.precision: fp8` without transformer-engine: the transformer layers' linear GEMMs (forward, data
 gradient, weight gradient) through `torch._scaled_mm` with dynamic scaling, the casts and amax reductions fused
-on the GPU (Triton kernels for tensorwise, runtime/model/fp8_cast.py; torch.compile for rowwise). Master weights, gradients, optimizer state and the checkpoint are as under bf16 (no
-scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other way round); attention, norms,
+on the GPU (Triton kernels, runtime/model/fp8_cast.py). Master weights, gradients, optimizer state and the
+checkpoint are as under bf16 (no scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other way round); attention, norms,
 the embedding and the output layer with its loss stay in the working precision.
 
 Recipes (`training.fp8_recipe`):
 - `tensorwise`: one scale per tensor; e4m3 for activations and weights, e5m2 for gradients (the "hybrid" format);
-  each operand is cast once, in both layouts its two GEMMs need, the weight once per optimizer step;
-- `rowwise`:    one scale per row of each GEMM operand along its reduction dimension; e4m3 throughout (torch's
-  rowwise kernel takes e4m3 only), the finer scale giving the range e5m2 would.
+- `rowwise`:    one scale per row of each GEMM operand along its reduction dimension (so an operand's two layouts
+  have different scales); e4m3 throughout (torch's rowwise kernel takes e4m3 only), the finer scale giving the
+  range e5m2 would.
+Either way each operand is cast once, in both layouts its two GEMMs need, the weight once per optimizer step.
 
 Every GEMM is written as `a @ b.T` with both operands contiguous along the reduction dimension, which is what
 `_scaled_mm` takes (its second operand column-major); a transposed operand is transposed inside its fused cast.
@@ -68,7 +69,7 @@ def resolve_fp8(recipe: str | None, argv: list[str], *, cpu: bool, capability: t
         raise ConfigFailure(f"training.precision: fp8 needs FP8 tensor cores (compute capability 8.9 or later: Ada, "
                             f"Hopper, Blackwell); this GPU's is {cap}", BF16_FIX)
     return Fp8Choice(recipe, "torch_scaled_mm", f"torch._scaled_mm on compute capability "
-                     f"{'.'.join(map(str, capability))}, fused casts ({'torch.compile' if recipe == 'rowwise' else 'Triton'})",
+                     f"{'.'.join(map(str, capability))}, fused casts (Triton)",
                      fused_casts=True)
 
 
@@ -94,39 +95,6 @@ def quantize(t: Any, dtype: Any, rowwise: bool) -> tuple[Any, Any]:
     scale = fmax / amax.clamp(min=EPS)
     q = (t.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous()
     return q, scale.reciprocal()
-
-
-_compiled: dict[str, Any] = {}
-
-
-def caster(fused: bool) -> Any:
-    """`quantize`, torch.compile'd where `fused` (one reduction and one pointwise kernel per operand, the
-    transpose folded into the cast's writes); the eager function otherwise."""
-    if not fused:
-        return quantize
-    if "quantize" not in _compiled:
-        import torch
-        import torch._dynamo
-
-        # one specialisation per format, scaling, layout (a transposed view) and, once shapes vary, dynamic
-        # shapes: more than dynamo's default limit of 8 before it falls back to eager casts
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), 64))
-        _compiled["quantize"] = torch.compile(quantize, fullgraph=True)
-    return _compiled["quantize"]
-
-
-def gemm_nt(a: Any, b: Any, *, a_dtype: Any, b_dtype: Any, rowwise: bool, out_dtype: Any, fused: bool) -> Any:
-    """a (M, R) @ b (N, R).T in FP8: both operands quantized along R, the product in `out_dtype`."""
-    import torch
-
-    cast = caster(fused)
-    qa, sa = cast(a, a_dtype, rowwise)
-    qb, sb = cast(b, b_dtype, rowwise)
-    if rowwise:
-        sb = sb.reshape(1, -1)
-    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.runtime.model.fp8 import ALIGN, Formats, aligned, gemm_nt
+from megalaunch.runtime.model.fp8 import ALIGN, Formats, aligned
 from megalaunch.runtime.model.fp8_cast import cast_both
 
 OUTPUT_LAYERS = ("output_layer",)  # the vocabulary projection: its logits stay in the working precision
@@ -44,16 +44,21 @@ def _dummy_wgrad(weight: Any, dtype: Any, device: Any) -> Any:
 _GENERATION = [0]  # bumped after every optimizer step (any torch optimizer): cached FP8 weights are stale
 
 
-def weight_cast(weight: Any, fmt: Formats) -> tuple[Any, Any, Any]:
-    """The weight in FP8, row-major and transposed, and its inverse scale: cast once per optimizer step and
+def weight_cast(weight: Any, fmt: Formats) -> tuple[Any, Any, Any, Any]:
+    """The weight in FP8, row-major and transposed, and their inverse scales: cast once per optimizer step and
     kept on the parameter for the step's other micro-batches (an in-place update or a new storage recasts it)."""
-    key = (_GENERATION[0], weight.data_ptr(), weight._version)
+    key = (_GENERATION[0], weight.data_ptr(), weight._version, fmt.rowwise)
     cached = getattr(weight, "_megalaunch_fp8", None)
     if cached is not None and cached[0] == key:
         return cached[1]  # type: ignore[no-any-return]
-    result = cast_both(weight, fmt.act, triton=fmt.fused)
+    result = cast_both(weight, fmt.act, triton=fmt.fused, rowwise=fmt.rowwise)
     weight._megalaunch_fp8 = (key, result)
     return result
+
+
+def _as_b(inv_scale: Any, fmt: Formats) -> Any:
+    """`_scaled_mm`'s scale of its second operand: one per column of it (1, N) when rowwise, else the scalar."""
+    return inv_scale.reshape(1, -1) if fmt.rowwise else inv_scale
 
 
 def _optimizer_stepped(*_: Any) -> None:
@@ -71,15 +76,12 @@ def _forward(ctx: Any, x: Any, weight: Any, bias: Any, fmt: Formats, fusion: boo
     total = _gather(x, tp_group) if sequence_parallel else x
     ctx.total_shape = total.shape
     rows = total.reshape(-1, total.shape[-1])
-    if fmt.rowwise:  # one scale per row along each GEMM's reduction: each GEMM casts its own operands
-        ctx.save_for_backward(x, weight)
-        out = gemm_nt(rows, weight, a_dtype=fmt.act, b_dtype=fmt.act, rowwise=True, out_dtype=x.dtype,
-                      fused=fmt.fused)
-    else:  # one scale per tensor: each operand cast once, in both layouts; the FP8 input kept for backward
-        xq, xqt, sx = cast_both(rows, fmt.act, triton=fmt.fused)
-        wq, wqt, sw = weight_cast(weight, fmt)
-        ctx.save_for_backward(weight, xqt, sx, wqt, sw)
-        out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype)
+    # each operand cast once, in both layouts (rowwise: each scaled along its own GEMM's reduction); the FP8
+    # input, not the bf16 one, kept for the weight gradient
+    xq, xqt, sx, sxt = cast_both(rows, fmt.act, triton=fmt.fused, rowwise=fmt.rowwise)
+    wq, wqt, sw, swt = weight_cast(weight, fmt)
+    ctx.save_for_backward(weight, xqt, sxt, wqt, swt)
+    out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=_as_b(sw, fmt), out_dtype=x.dtype)
     out = out.view(*total.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
 
@@ -90,23 +92,9 @@ def _backward(ctx: Any, grad_output: Any) -> Any:
 
     fmt = ctx.fmt
     dy = grad_output.reshape(-1, grad_output.shape[-1])
-    if fmt.rowwise:
-        x, weight = ctx.saved_tensors
-        total = _gather(x, ctx.tp_group) if ctx.sequence_parallel else x
-        rows = total.reshape(-1, total.shape[-1])
-        grad_input = gemm_nt(dy, weight.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=True,
-                             out_dtype=grad_output.dtype, fused=fmt.fused)
-
-        def wgrad_gemm(out_dtype: Any) -> Any:
-            return gemm_nt(dy.t(), rows.t(), a_dtype=fmt.grad, b_dtype=fmt.act, rowwise=True, out_dtype=out_dtype,
-                           fused=fmt.fused)
-    else:
-        weight, xqt, sx, wqt, sw = ctx.saved_tensors
-        dyq, dyqt, sdy = cast_both(dy, fmt.grad, triton=fmt.fused)
-        grad_input = torch._scaled_mm(dyq, wqt.t(), scale_a=sdy, scale_b=sw, out_dtype=grad_output.dtype)
-
-        def wgrad_gemm(out_dtype: Any) -> Any:
-            return torch._scaled_mm(dyqt, xqt.t(), scale_a=sdy, scale_b=sx, out_dtype=out_dtype)
+    weight, xqt, sxt, wqt, swt = ctx.saved_tensors
+    dyq, dyqt, sdy, sdyt = cast_both(dy, fmt.grad, triton=fmt.fused, rowwise=fmt.rowwise)
+    grad_input = torch._scaled_mm(dyq, wqt.t(), scale_a=sdy, scale_b=_as_b(swt, fmt), out_dtype=grad_output.dtype)
     grad_input = grad_input.view(ctx.total_shape)
     shape, dtype, device = ctx.x_meta
     handle = None
@@ -117,7 +105,9 @@ def _backward(ctx: Any, grad_output: Any) -> Any:
         handle = dist.reduce_scatter_tensor(sub, grad_input, group=ctx.tp_group, async_op=True)
         grad_input = sub
     main_grad = ctx.main_grad
-    wgrad = wgrad_gemm(fmt.wgrad_dtype(main_grad, dtype))
+    # the weight gradient while the input gradient's collective runs
+    wgrad = torch._scaled_mm(dyqt, xqt.t(), scale_a=sdyt, scale_b=_as_b(sxt, fmt),
+                             out_dtype=fmt.wgrad_dtype(main_grad, dtype))
     if ctx.fusion and main_grad is not None:
         weight.main_grad = main_grad
         main_grad.add_(wgrad)
