@@ -37,7 +37,8 @@ def cast_both_torch(t: Any, dtype: Any, rowwise: bool = False) -> tuple[Any, Any
 
 
 def _kernels() -> tuple[Any, Any]:
-    if not _KERNELS:
+    """Tensorwise: the amax of the whole tensor (an atomic max per block), then both layouts with one scale."""
+    if "amax" not in _KERNELS:
         import triton
         import triton.language as tl
 
@@ -60,6 +61,20 @@ def _kernels() -> tuple[Any, Any]:
             tl.store(qt_ptr + c[None, :] * rows + r[:, None], y, mask=mask)
             if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                 tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+
+        # (no annotations on the kernels' arguments: Triton reads them, and `Any` is not one of its types.
+        # Divisions are IEEE (div_rn): Triton's `/` is div.full.f32, approximate, and a scale 1-2 ulp off torch's
+        # moved a few e4m3 values across a rounding boundary on an H200.)
+        _KERNELS.update(amax=amax_kernel, cast=cast_kernel)
+    return _KERNELS["amax"], _KERNELS["cast"]
+
+
+def _rowwise_kernels() -> tuple[Any, Any]:
+    """Rowwise: the amax of every row and every column in one read, then each layout cast with its own scales
+    (the row-major one per row, the transposed one per column of the tensor). Divisions as in _kernels."""
+    if "amax_rc" not in _KERNELS:
+        import triton
+        import triton.language as tl
 
         @triton.jit
         def amax_rc_kernel(x_ptr, ramax_ptr, camax_ptr, rows, cols, T: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -88,15 +103,7 @@ def _kernels() -> tuple[Any, Any]:
             if tl.program_id(0) == 0:
                 tl.store(cinv_ptr + c, tl.math.div_rn(1.0, cscale), mask=c < cols)
 
-        # (no annotations on the kernels' arguments: Triton reads them, and `Any` is not one of its types.
-        # Divisions are IEEE (div_rn): Triton's `/` is div.full.f32, approximate, and a scale 1-2 ulp off torch's
-        # moved a few e4m3 values across a rounding boundary on an H200.)
-        _KERNELS.update(amax=amax_kernel, cast=cast_kernel, amax_rc=amax_rc_kernel, cast_rc=cast_rc_kernel)
-    return _KERNELS["amax"], _KERNELS["cast"]
-
-
-def _rowwise_kernels() -> tuple[Any, Any]:
-    _kernels()
+        _KERNELS.update(amax_rc=amax_rc_kernel, cast_rc=cast_rc_kernel)
     return _KERNELS["amax_rc"], _KERNELS["cast_rc"]
 
 
