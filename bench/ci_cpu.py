@@ -59,10 +59,10 @@ def kind(pid: int, procs: dict[int, tuple[str, int, int, int]]) -> str:
         what = "task"
     elif "megalaunch.cli" in cmd or (len(argv) > 1 and argv[1].endswith("/megalaunch")):
         what = "cli"
+    elif " pip " in f" {cmd} " or "-m pip" in cmd or "pep517" in cmd:  # before pytest: `pip install ... pytest`
+        what = "pip"
     elif "pytest" in cmd:
         what = "pytest"
-    elif " pip " in f" {cmd} " or "-m pip" in cmd:
-        what = "pip"
     elif "mypy" in cmd:
         what = "mypy"
     elif chain and chain[0] in SLURM + TOOLS:
