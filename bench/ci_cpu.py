@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from pathlib import Path
 HZ = os.sysconf("SC_CLK_TCK")
 SLURM = ("slurmd", "slurmctld", "slurmstepd", "slurmdbd")
 TOOLS = ("srun", "sbatch", "squeue", "sacct", "scontrol", "salloc", "scancel")
+# pip (`-m pip`, bin/pip, the isolated build env's `.../site-packages/pip install`) and its build backend
+PIP = re.compile(r"(^|[ /])pip( |$)|-m pip\b|pyproject_hooks|pep517")
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -59,7 +62,7 @@ def kind(pid: int, procs: dict[int, tuple[str, int, int, int]]) -> str:
         what = "task"
     elif "megalaunch.cli" in cmd or (len(argv) > 1 and argv[1].endswith("/megalaunch")):
         what = "cli"
-    elif " pip " in f" {cmd} " or "-m pip" in cmd or "pep517" in cmd:  # before pytest: `pip install ... pytest`
+    elif PIP.search(cmd):  # before pytest: `pip install ... pytest`
         what = "pip"
     elif "pytest" in cmd:
         what = "pytest"

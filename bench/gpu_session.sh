@@ -217,7 +217,7 @@ stage_fp8_8b() {  # issue 34: llama3-8b on all GPUs, bf16 beside fp8 in one layo
     --seq 8192 --gbs "${FP8_8B_GBS:-32}" --iters "${FP8_8B_ITERS:-6}" --cases "${FP8_8B_CASES:-bf16,fp8}" \
     --sets "${FP8_8B_SETS:-parallel.tensor_model_parallel_size=2,parallel.sequence_parallel=true}" --timeout 270 \
     --out "$WORK/fp8_8b" 2>&1 | tee -a "$OUT/fp8_8b.txt" | grep -v "^  {" || true
-  for f in "$WORK"/fp8_8b/fp8_e2e.json; do cp "$f" "$OUT/fp8_8b-$(date +%H%M%S).json" 2>/dev/null || true; done
+  cp "$WORK/fp8_8b/fp8_e2e.json" "$OUT/fp8_8b-$(date +%H%M%S).json" 2>/dev/null || true
   tar -czf "$OUT/fp8_8b_logs-$(date +%H%M%S).tgz" -C "$WORK" --exclude runs fp8_8b 2>/dev/null || true
 }
 

@@ -43,7 +43,6 @@ class Run:
 L8 = ("model.num_layers=8",)
 S2K = ("model.seq_length=2048",)
 S4K = ("model.seq_length=4096",)
-LIGER_1B = ((), 1, 16, True, "liger")  # sets, GPUs, GBS, fused, kernels
 
 
 def _tok(tokens_per_gpu: float, gbs: int, gpus: int, seq: int = 8192) -> float:

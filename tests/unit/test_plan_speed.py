@@ -1,13 +1,16 @@
 """The planner's speed model (config/planner/plan.py) against every step time measured on H100s and H200s
-(bench/plan_fit.py MEASURED: 55 runs of llama3-1b, llama3-8b and its 8-layer cut, 1-4 GPUs, TP/PP/VPP/SP,
+(bench/plan_fit.py MEASURED: 56 runs of llama3-1b, llama3-8b and its 8-layer cut, 1-4 GPUs, TP/PP/VPP/SP,
 recompute, unfused/fused/liger kernels, bf16 and fp8): each predicted within 8 %, the measured orders kept, and
 fp8's constants predicting runs they were not fitted to."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,45 +39,16 @@ def test_the_measured_orders_hold() -> None:
     assert h200["1b mb2 (issue)"] > h200["1b mb8 (issue)"]
 
 
-def test_the_refit_reproduces_the_shipped_constants() -> None:
-    """bench/plan_fit.py --fit on MEASURED gives the constants config/planner/plan.py ships (within rounding)."""
-    pytest.importorskip("numpy")
-    from megalaunch.config.planner import plan
-
-    shipped = {"GEMM_EFFICIENCY": plan.GEMM_EFFICIENCY, **{f"ELEMENTWISE_BYTES.{k}": v for k, v in
-               plan.ELEMENTWISE_BYTES.items()}, **{f"LOSS_BYTES.{k}": v for k, v in plan.LOSS_BYTES.items()},
-               **{f"FP8_CAST_BYTES.{k}": v for k, v in plan.FP8_CAST_BYTES.items()},
-               "FP8_LAYER_US": plan.FP8_LAYER_US}
-    # every constant of the module (fit() also sets the FIXED ones): a later test in this process plans with them
-    saved = {k: copy.deepcopy(v) for k, v in vars(plan).items() if k.isupper()}
-    try:
-        fitted = plan_fit.fit()
-    finally:
-        for k, v in saved.items():
-            if isinstance(v, dict):
-                getattr(plan, k).clear()
-                getattr(plan, k).update(v)  # the same object: other modules may hold it
-            else:
-                setattr(plan, k, v)
-        plan._ranked.cache_clear()  # rankings made with the fitting's constants
-    for name, value in fitted.items():
-        assert value == pytest.approx(shipped[name], rel=0.03, abs=0.6), name
-
-
-def test_fp8_constants_fitted_without_the_8b_predict_its_fp8_runs_within_8_percent() -> None:
-    """Held out: the FP8 terms fitted to the 1B's runs alone predict the 8B's fp8 step on 4 GPUs (TP 2 + SP and
-    TP 1), which the planner ranks for the issue's layouts; and the 1B's seq-8192 series from the others."""
-    pytest.importorskip("numpy")
+@contextlib.contextmanager
+def _plan_constants_restored() -> Iterator[Any]:
+    """config/planner/plan.py as a refit leaves it would plan every later test in this process: every constant
+    of the module (fit() also sets the FIXED ones) put back afterwards, its dicts as the same objects (other
+    modules may hold them), and the rankings made with the fitting's constants dropped."""
     from megalaunch.config.planner import plan
 
     saved = {k: copy.deepcopy(v) for k, v in vars(plan).items() if k.isupper()}
     try:
-        for held in (("8b TP2 SP auto fp8-issue", "8b TP1 auto fp8-issue"), ("1b s8k mb",)):
-            plan_fit.fit(held)
-            out = [r for r in plan_fit.MEASURED if r.precision != "bf16" and any(w in r.note for w in held)]
-            assert len(out) >= 2, held
-            for r in out:
-                assert abs(plan_fit.predicted(r) / r.step_s - 1) < 0.08, (r.note, plan_fit.predicted(r), r.step_s)
+        yield plan
     finally:
         for k, v in saved.items():
             if isinstance(v, dict):
@@ -83,3 +57,29 @@ def test_fp8_constants_fitted_without_the_8b_predict_its_fp8_runs_within_8_perce
             else:
                 setattr(plan, k, v)
         plan._ranked.cache_clear()
+
+
+def test_the_refit_reproduces_the_shipped_constants() -> None:
+    """bench/plan_fit.py --fit on MEASURED gives the constants config/planner/plan.py ships (within rounding)."""
+    pytest.importorskip("numpy")
+    with _plan_constants_restored() as plan:
+        shipped = {"GEMM_EFFICIENCY": plan.GEMM_EFFICIENCY, **{f"ELEMENTWISE_BYTES.{k}": v for k, v in
+                   plan.ELEMENTWISE_BYTES.items()}, **{f"LOSS_BYTES.{k}": v for k, v in plan.LOSS_BYTES.items()},
+                   **{f"FP8_CAST_BYTES.{k}": v for k, v in plan.FP8_CAST_BYTES.items()},
+                   "FP8_LAYER_US": plan.FP8_LAYER_US}
+        fitted = plan_fit.fit()
+    for name, value in fitted.items():
+        assert value == pytest.approx(shipped[name], rel=0.03, abs=0.6), name
+
+
+def test_fp8_constants_fitted_without_the_8b_predict_its_fp8_runs_within_8_percent() -> None:
+    """Held out: the FP8 terms fitted to the 1B's runs alone predict the 8B's fp8 step on 4 GPUs (TP 2 + SP and
+    TP 1), which the planner ranks for the issue's layouts; and the 1B's seq-8192 series from the others."""
+    pytest.importorskip("numpy")
+    with _plan_constants_restored():
+        for held in (("8b TP2 SP auto fp8-issue", "8b TP1 auto fp8-issue"), ("1b s8k mb",)):
+            plan_fit.fit(held)
+            out = [r for r in plan_fit.MEASURED if r.precision != "bf16" and any(w in r.note for w in held)]
+            assert len(out) >= 2, held
+            for r in out:
+                assert abs(plan_fit.predicted(r) / r.step_s - 1) < 0.08, (r.note, plan_fit.predicted(r), r.step_s)

@@ -1,8 +1,8 @@
 """`training.precision: fp8` without transformer-engine: the transformer layers' linear GEMMs (forward, data
 gradient, weight gradient) through `torch._scaled_mm` with dynamic scaling, the casts and amax reductions fused
 on the GPU (Triton kernels, runtime/model/fp8_cast.py). Master weights, gradients, optimizer state and the
-checkpoint are as under bf16 (no scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other way round); attention, norms,
-the embedding and the output layer with its loss stay in the working precision.
+checkpoint are as under bf16 (no scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other
+way round); attention, norms, the embedding and the output layer with its loss stay in the working precision.
 
 Recipes (`training.fp8_recipe`):
 - `tensorwise`: one scale per tensor; e4m3 for activations and weights, e5m2 for gradients (the "hybrid" format);
@@ -37,7 +37,7 @@ class Fp8Choice:
     recipe: str | None                  # training.fp8_recipe, None: precision is not fp8
     path: str                           # off | torch_scaled_mm | transformer_engine
     why: str
-    fused_casts: bool = False           # Triton / torch.compile'd casts (GPU); eager on the CPU
+    fused_casts: bool = False           # Triton casts (GPU); eager torch ops on the CPU
 
     @property
     def ours(self) -> bool:

@@ -8,8 +8,8 @@ bf16 one) for its weight gradient.
   transposed one per column of the tensor: the amax kernel takes both vectors in one read (atomic maxima per
   row and per column of each tile), the cast kernel applies each to its layout.
 
-The kernels are Triton's (CUDA; Triton's interpreter runs them on the CPU for the tests); `cast_both_torch` is
-the same computation in torch ops, which the CPU path uses. Measured against torch.compile'd casts in
+The kernels are Triton's (CUDA: the CPU tests compile them to PTX, tests/gpu/test_fp8_gpu.py compares them with
+torch bit for bit on a GPU); `cast_both_torch` is the same computation in torch ops, which the CPU path uses. Measured against torch.compile'd casts in
 docs/results.md ("FP8 without transformer-engine").
 
 Heavy imports (torch, triton) happen inside functions: importing this module is cheap."""
