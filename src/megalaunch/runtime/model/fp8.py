@@ -92,7 +92,8 @@ def quantize(t: Any, dtype: Any, rowwise: bool) -> tuple[Any, Any]:
     fmax = torch.finfo(dtype).max
     a = t.abs().float()
     amax = a.amax(dim=1, keepdim=True) if rowwise else a.amax()
-    scale = fmax / amax.clamp(min=EPS)
+    # One IEEE division, as the Triton casts do (`fmax / tensor` would be reciprocal-then-multiply: two roundings)
+    scale = torch.full_like(amax, fmax).div_(amax.clamp(min=EPS))
     q = (t.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous()
     return q, scale.reciprocal()
 
