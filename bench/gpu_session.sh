@@ -19,6 +19,7 @@
 #   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8 on a corpus with a loss floor (~6 min)
 #   bash bench/gpu_session.sh fp8_8b             # 4 GPUs: llama3-8b bf16 beside fp8, one layout (FP8_8B_SETS) (~8 min)
 #   bash bench/gpu_session.sh fp8tests           # fp8's GPU tests: Triton casts, exact resume (~5 min)
+#   bash bench/gpu_session.sh fsdp_probe         # 4 GPUs: llama3-8b under Megatron-FSDP (TP 1) via megatron_args, bf16/fp8 (~6 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -221,6 +222,17 @@ stage_fp8_8b() {  # issue 34: llama3-8b on all GPUs, bf16 beside fp8 in one layo
   tar -czf "$OUT/fp8_8b_logs-$(date +%H%M%S).tgz" -C "$WORK" --exclude runs fp8_8b 2>/dev/null || true
 }
 
+stage_fsdp_probe() {  # issue 34: Megatron-FSDP (ZeRO-3, TP 1) through megatron_args, bf16 and fp8, before it is a setting
+  need_liger
+  # shellcheck disable=SC2086
+  BENCH_MAX_CONNECTIONS=8 timeout "${FSDP_S:-400}" "$PY" bench/fp8.py --stage e2e --recipe train/llama3-8b \
+    --per-case "$(nvidia-smi -L | wc -l)" --seq 8192 --gbs 32 --iters "${FSDP_ITERS:-6}" --cases "${FSDP_CASES:-bf16,fp8}" \
+    --sets "megatron_args.use-megatron-fsdp=true,megatron_args.data-parallel-sharding-strategy=optim_grads_params,megatron_args.ckpt-format=fsdp_dtensor" \
+    --timeout 300 --out "$WORK/fsdp" 2>&1 | tee -a "$OUT/fsdp.txt" | grep -v "^  {" || true
+  cp "$WORK/fsdp/fp8_e2e.json" "$OUT/fsdp-$(date +%H%M%S).json" 2>/dev/null || true
+  tar -czf "$OUT/fsdp_logs-$(date +%H%M%S).tgz" -C "$WORK" --exclude runs fsdp 2>/dev/null || true
+}
+
 stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, exact resume (tensorwise, rowwise)
   timeout "${FP8_TESTS_S:-500}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
     --basetemp="$OUT/pytest-fp8" --junitxml="$OUT/fp8-tests.xml" 2>&1 | tee "$OUT/fp8-tests.txt" \
@@ -230,9 +242,9 @@ stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, 
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

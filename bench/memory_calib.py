@@ -93,7 +93,8 @@ def launch(run: Path, devices: list[int], log: Path, port: int,
     f = open(log, "wb")  # noqa: SIM115 (shared by the ranks, closed with the process)
     for rank in range(len(devices)):
         env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
-               "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # as the local backend and the job script set it (TP needs it)
+               # as the local backend and the job script set it (TP needs 1); Megatron-FSDP refuses 1 (BENCH_MAX_CONNECTIONS)
+               "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("BENCH_MAX_CONNECTIONS", "1"),
                "MEGALAUNCH_RUN_DIR": str(run), "MEGALAUNCH_JOB_ID": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
