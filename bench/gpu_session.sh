@@ -19,13 +19,15 @@
 #   bash bench/gpu_session.sh fp8loss            # 1B loss curves bf16 vs fp8 on a corpus with a loss floor (~6 min)
 #   bash bench/gpu_session.sh fp8_8b             # 4 GPUs: llama3-8b bf16 beside fp8, one layout (FP8_8B_SETS) (~8 min)
 #   bash bench/gpu_session.sh fp8tests           # fp8's GPU tests: Triton casts, exact resume (~5 min)
+#   bash bench/gpu_session.sh fsdptests          # 4 GPUs: Megatron-FSDP's GPU tests, bf16 and fp8 side by side (~5 min)
+#   bash bench/gpu_session.sh fsdp_e2e           # parallel.data_sharding=optimizer_grads_params: bf16, fp8 (FSDP_*) (~5 min)
 #   bash bench/gpu_session.sh fsdp_probe         # 4 GPUs: llama3-8b under Megatron-FSDP (TP 1) via megatron_args, bf16/fp8 (~6 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
 # torch is preinstalled there. Wheels needed (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 -d .carry/wheels ...): megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe
-# packaging pytest pluggy iniconfig pytest-timeout (the kernels stage: liger-kernel). numpy must be there already (torch images have it).
+# packaging pytest pluggy iniconfig pytest-timeout einops (Megatron-FSDP's checkpoints) (the kernels stage: liger-kernel). numpy must be there already (torch images have it).
 # The sft stage needs nothing more: its Hugging Face-shaped checkpoint is written and converted by
 # megalaunch's own code (no transformers or safetensors package).
 # The eval stage also needs (same command): typer annotated-doc click rich markdown-it-py mdurl pygments
@@ -47,9 +49,9 @@ stage_setup() {
     "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   } > "$OUT/machine.txt" 2>&1
   cat "$OUT/machine.txt"
-  if ! "$PY" -c "import megatron.core, psutil, yaml, jinja2, pytest" 2>/dev/null; then
+  if ! "$PY" -c "import megatron.core, psutil, yaml, jinja2, pytest, einops" 2>/dev/null; then
     "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" \
-      megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe packaging pytest pluggy iniconfig pytest-timeout \
+      megatron-core==0.19.2 psutil pyyaml jinja2 markupsafe packaging pytest pluggy iniconfig pytest-timeout einops \
       2>&1 | tail -n 3
   fi
   # The package itself (no dependencies, no network); PYTHONPATH=src covers a failure here.
@@ -233,6 +235,28 @@ stage_fsdp_probe() {  # issue 34: Megatron-FSDP (ZeRO-3, TP 1) through megatron_
   tar -czf "$OUT/fsdp_logs-$(date +%H%M%S).tgz" -C "$WORK" --exclude runs fsdp 2>/dev/null || true
 }
 
+stage_fsdptests() {  # issue 34: Megatron-FSDP's GPU tests, bf16 on GPUs 0-1 beside fp8 on 2-3: exact resume, fsdp_dtensor saves
+  local k pids=()
+  for k in bf16 fp8; do
+    local devs=0,1
+    [ "$k" = fp8 ] && devs=2,3
+    CUDA_VISIBLE_DEVICES=$devs timeout "${FSDP_TESTS_S:-420}" "$PY" -m pytest -m gpu tests/gpu/test_fsdp_gpu.py -k "$k" -s -q \
+      -p no:cacheprovider --basetemp="$OUT/pytest-fsdp-$k" --junitxml="$OUT/fsdp-tests-$k.xml" > "$OUT/fsdp-tests-$k.txt" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}" || true
+  grep -hE "^\[|passed|failed|Error" "$OUT"/fsdp-tests-*.txt || true
+}
+
+stage_fsdp_e2e() {  # issue 34: parallel.data_sharding=optimizer_grads_params, bf16 beside fp8 (FSDP_RECIPE, FSDP_PER_CASE GPUs each)
+  need_liger
+  BENCH_MAX_CONNECTIONS=8 timeout "${FSDP_S:-420}" "$PY" bench/fp8.py --stage e2e --recipe "${FSDP_RECIPE:-train/llama3-8b}" \
+    --per-case "${FSDP_PER_CASE:-$(nvidia-smi -L | wc -l)}" --seq "${FSDP_SEQ:-8192}" --gbs "${FSDP_GBS:-32}" --mb "${FSDP_MB:-1}" \
+    --iters "${FSDP_ITERS:-6}" --cases "${FSDP_CASES:-bf16,fp8}" --sets "parallel.data_sharding=optimizer_grads_params" \
+    --timeout 300 --out "$WORK/fsdp_e2e" 2>&1 | tee -a "$OUT/fsdp_e2e.txt" | grep -v "^  {" || true
+  cp "$WORK/fsdp_e2e/fp8_e2e.json" "$OUT/fsdp_e2e-$(date +%H%M%S).json" 2>/dev/null || true
+}
+
 stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, exact resume (tensorwise, rowwise)
   timeout "${FP8_TESTS_S:-500}" "$PY" -m pytest -m gpu tests/gpu/test_fp8_gpu.py -s -q -p no:cacheprovider \
     --basetemp="$OUT/pytest-fp8" --junitxml="$OUT/fp8-tests.xml" 2>&1 | tee "$OUT/fp8-tests.txt" \
@@ -242,9 +266,9 @@ stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, 
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

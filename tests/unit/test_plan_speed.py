@@ -66,7 +66,7 @@ def test_the_refit_reproduces_the_shipped_constants() -> None:
         shipped = {"GEMM_EFFICIENCY": plan.GEMM_EFFICIENCY, **{f"ELEMENTWISE_BYTES.{k}": v for k, v in
                    plan.ELEMENTWISE_BYTES.items()}, **{f"LOSS_BYTES.{k}": v for k, v in plan.LOSS_BYTES.items()},
                    **{f"FP8_CAST_BYTES.{k}": v for k, v in plan.FP8_CAST_BYTES.items()},
-                   "FP8_LAYER_US": plan.FP8_LAYER_US}
+                   "FP8_LAYER_US": plan.FP8_LAYER_US, "FSDP_LAYER_US": plan.FSDP_LAYER_US}
         fitted = plan_fit.fit()
     for name, value in fitted.items():
         assert value == pytest.approx(shipped[name], rel=0.03, abs=0.6), name
@@ -83,3 +83,18 @@ def test_fp8_constants_fitted_without_the_8b_predict_its_fp8_runs_within_8_perce
             assert len(out) >= 2, held
             for r in out:
                 assert abs(plan_fit.predicted(r) / r.step_s - 1) < 0.08, (r.note, plan_fit.predicted(r), r.step_s)
+
+
+def test_fsdp_constant_fitted_on_the_1b_predicts_the_8b_fsdp_runs_within_8_percent() -> None:
+    """Held out: FSDP_LAYER_US fitted to llama3-1b's Megatron-FSDP runs (2 GPUs) predicts llama3-8b's (TP 1 on 4 GPUs,
+    bf16 and fp8), the layout the issue asks for on 80 GB cards; and every FSDP run within 8 % with the shipped value."""
+    pytest.importorskip("numpy")
+    fsdp = [r for r in plan_fit.MEASURED if r.sharding != "optimizer"]
+    eight = [r for r in fsdp if r.recipe == "train/llama3-8b"]
+    assert len(eight) >= 2 and len(fsdp) > len(eight)
+    for r in fsdp:
+        assert abs(plan_fit.predicted(r) / r.step_s - 1) < 0.08, (r.note, r.precision)
+    with _plan_constants_restored():
+        plan_fit.fit(("8b TP1 auto fsdp",))
+        for r in eight:
+            assert abs(plan_fit.predicted(r) / r.step_s - 1) < 0.08, (r.note, r.precision, plan_fit.predicted(r), r.step_s)

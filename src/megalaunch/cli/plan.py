@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from megalaunch.cli.options import ClusterOpt, SetOpt
 from megalaunch.cli.output import say
+
+if TYPE_CHECKING:
+    from megalaunch.config.planner.plan import Candidate, Plan
 
 
 def plan(
@@ -27,7 +30,7 @@ def plan(
     """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute) by predicted tokens/s."""
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.planner.checkpoint_size import peak_lines, recipe_peak
-    from megalaunch.config.planner.plan import plan_recipe, recipe_text, set_lines, table
+    from megalaunch.config.planner.plan import plan_recipe, set_lines
     from megalaunch.config.preflight import tokenizer_vocab_size
     from megalaunch.errors import PreflightError
 
@@ -57,3 +60,36 @@ def plan(
 
 def register(app: typer.Typer) -> None:
     app.command()(plan)
+
+
+def table(cands: list[Candidate], top: int) -> list[str]:
+    lines = [f"{'#':>3} {'layout':<52} {'memory':>9} {'step s':>7} {'tokens/s/GPU':>12} {'TFLOP/s':>8}  "
+             "time: compute/tp/pp/dp"]
+    for i, c in enumerate(cands[:top], 1):
+        p = c.parts
+        lines.append(f"{i:>3} {c.layout.describe():<52} {c.memory.needed_gib():>6.1f} GiB {c.step_s:>7.2f} "
+                     f"{c.tokens_per_s:>12,.0f} {c.tflops:>8.0f}  {p['compute']:.2f}/{p['tp']:.2f}/"
+                     f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}"
+                     + (f" +{p['memory_pressure']:.2f} memory pressure" if p.get("memory_pressure") else "")
+                     + ("" if c.fits else "  (does not fit)"))
+    return lines
+
+
+def recipe_text(source: str, plan: Plan) -> str:
+    """A recipe that includes `source` with the plan's first layout (for `plan --apply --write FILE`)."""
+    from megalaunch.config.planner.plan import set_lines
+
+    assert plan.best is not None
+    c = plan.best
+    lines = [f"# {plan.recipe_name}, ranked first by `megalaunch plan` for {plan.nodes} x {plan.gpus_per_node} "
+             f"{plan.gpu.name}:", f"# {c.layout.describe()}: ~{c.memory.needed_gib():.0f} GiB per GPU, "
+             f"~{c.tokens_per_s:,.0f} tokens/s per GPU predicted", f"include: [{source}]",
+             "cluster:", f"  nodes: {plan.nodes}", f"  gpus_per_node: {plan.gpus_per_node}", f"  gpu: {plan.gpu.name}"]
+    sections: dict[str, list[str]] = {}
+    for line in set_lines(c.layout):
+        key, value = line.split("=", 1)
+        section, field = key.split(".")
+        sections.setdefault(section, []).append(f"  {field}: {value}")
+    for section, items in sections.items():
+        lines += [f"{section}:", *items]
+    return "\n".join(lines) + "\n"

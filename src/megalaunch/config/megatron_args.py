@@ -80,7 +80,11 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     out = _model_args(recipe)
     m = recipe.model
 
-    _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size", "layout"})
+    _section(out, recipe.parallel, {"virtual_pipeline_model_parallel_size", "layout", "data_sharding"})
+    if fsdp(recipe):  # Megatron-FSDP: its own checkpoint format, and the distributed optimizer it needs
+        out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", FSDP_STRATEGY[recipe.parallel.data_sharding]]
+        if not recipe.parallel.use_distributed_optimizer:
+            out.append("--use-distributed-optimizer")
     vpp = recipe.parallel.virtual_pipeline_model_parallel_size
     if vpp:
         layers_per_chunk = m.num_layers // (recipe.parallel.pipeline_model_parallel_size * vpp)
@@ -110,6 +114,7 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     c = recipe.checkpoint
     out += ["--save", str(paths.checkpoints), "--load", str(paths.checkpoints)]
     _section(out, c, _CHECKPOINT_OWN)
+    out[out.index("--ckpt-format") + 1] = checkpoint_format(recipe)
     if c.load:  # weights to start from when RUN/checkpoints holds nothing yet (e.g. a converted HF model)
         out += ["--pretrained-checkpoint", os.path.expanduser(c.load)]
     if c.from_hf:  # converted by the chain's first stage (launcher/chain/first_stage.py) into RUN/pretrained
@@ -135,6 +140,8 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
         out += ["--tensorboard-dir", str(paths.tensorboard)]
     if recipe.cluster.gpus_per_node == 0:  # a CPU job (the runtime hides any GPU from it)
         out += ["--distributed-backend", "gloo", "--use-cpu-initialization"]
+        if fsdp(recipe):  # gloo has no PREMUL_SUM: scale the gradients, then a plain sum (runtime/loop/fsdp_patches.py)
+            out.append("--no-gradient-reduce-div-fusion")
     g = recipe.debug
     if g.nsys:  # the window counts from the iteration each segment resumes from (the runtime shifts it)
         out += ["--profile", "--profile-step-start", str(g.nsys_start_offset),
@@ -149,8 +156,22 @@ def async_save(recipe: Recipe) -> bool:
     auto is on with GPUs and torch_dist (the format Megatron's asynchronous writer supports)."""
     c = recipe.checkpoint
     if c.async_save == "auto":
-        return recipe.cluster.gpus_per_node > 0 and c.ckpt_format == "torch_dist"
+        return recipe.cluster.gpus_per_node > 0 and checkpoint_format(recipe) == "torch_dist"
     return bool(c.async_save)
+
+
+FSDP_STRATEGY = {"optimizer_grads": "optim_grads", "optimizer_grads_params": "optim_grads_params"}
+
+
+def fsdp(recipe: Recipe) -> bool:
+    """Whether the run shards gradients (and weights) with Megatron-FSDP (`parallel.data_sharding`)."""
+    return recipe.parallel.data_sharding in FSDP_STRATEGY
+
+
+def checkpoint_format(recipe: Recipe) -> str:
+    """The format the run saves: Megatron-FSDP saves only fsdp_dtensor (a torch.distributed.checkpoint of
+    one DTensor per parameter); otherwise `checkpoint.ckpt_format`."""
+    return "fsdp_dtensor" if fsdp(recipe) else recipe.checkpoint.ckpt_format
 
 
 def working_precision(recipe: Recipe) -> str:

@@ -56,6 +56,21 @@ def check_schedule(recipe: Recipe) -> None:
              f"0 <= min_lr <= {t.lr}", "lower training.min_lr")
 
 
+def check_sharding(recipe: Recipe) -> None:
+    """Megatron-FSDP (`parallel.data_sharding`) where megalaunch has proven it: no pipeline stages, its own
+    checkpoint format, synchronous saves (the asynchronous writer and its staging are torch_dist's)."""
+    p, c, field = recipe.parallel, recipe.checkpoint, "parallel.data_sharding"
+    if p.data_sharding == "optimizer":
+        return
+    _require(p.pipeline_model_parallel_size == 1, field, f"{p.data_sharding} is not built for pipeline stages "
+             f"(pipeline_model_parallel_size {p.pipeline_model_parallel_size})", "pipeline_model_parallel_size 1",
+             "set parallel.pipeline_model_parallel_size=1, or parallel.data_sharding=optimizer")
+    _require(c.ckpt_format == "torch_dist", "checkpoint.ckpt_format", f"Megatron-FSDP saves fsdp_dtensor, not {c.ckpt_format}",
+             "torch_dist (the default; FSDP runs save fsdp_dtensor)", "remove checkpoint.ckpt_format")
+    _require(c.async_save is not True, "checkpoint.async_save", "asynchronous saves are torch_dist's; "
+             "Megatron-FSDP runs save synchronously", "auto or false", "set checkpoint.async_save=auto")
+
+
 def check_cluster(recipe: Recipe) -> None:
     cl, t = recipe.cluster, recipe.training
     check_sbatch_values(recipe)
@@ -177,6 +192,7 @@ def preflight(recipe: Recipe, *, frozen_blend: Any | None = None) -> tuple[Topol
     check_schedule(recipe)
     topo = topology(recipe)
     check_model_parallel(recipe, topo)
+    check_sharding(recipe)
     counts = check_shrink(recipe)
     check_files(recipe)
     spec = recipe_tokenizer(recipe)

@@ -3,8 +3,10 @@ Face safetensors + config.json, one tensor group after the other (converter.py h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from megalaunch.config.schema import ModelConfig
 from megalaunch.config.tokenizer import TOKENIZER_FILES, TokenizerSpec, resolve_tokenizer
 from megalaunch.conversion import families, transforms
-from megalaunch.conversion.checkpoint_io import mcore_dist, mcore_layout, safetensors_io
+from megalaunch.conversion.checkpoint_io import fsdp_layout, mcore_dist, mcore_layout, safetensors_io
 from megalaunch.conversion.checkpoint_io.mcore_direct import DirectReader
 from megalaunch.conversion.checkpoint_io.progress import Progress
 from megalaunch.conversion.converter import (
@@ -148,7 +150,12 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
     ref = mcore_layout.resolve(Path(checkpoint), iteration)
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise ConversionError(f"{out} already holds safetensors files", fix="choose another --out, or --overwrite")
-    with mcore_dist.process_group():
+    with mcore_dist.process_group(), contextlib.ExitStack() as stack:
+        if fsdp_layout.is_fsdp_dtensor(ref.path):  # Megatron-FSDP's format: its weights as torch_dist first
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".fsdp-weights-", dir=out.parent)))
+            fsdp_layout.to_torch_dist(ref.path, tmp / ref.path.name)
+            ref = mcore_layout.CheckpointRef(tmp / ref.path.name, ref.iteration)
         common = mcore_dist.load_common(ref.path)
         meta = mcore_dist.tensors_metadata(ref.path)
         embed = meta.get("embedding.word_embeddings.weight")

@@ -27,7 +27,8 @@ from megalaunch.errors import MegalaunchError, PreflightError
 
 LAYOUT_FIELDS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                  "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
-                 "parallel.sequence_parallel", "training.micro_batch_size", "training.recompute")
+                 "parallel.sequence_parallel", "training.micro_batch_size", "training.recompute",
+                 "parallel.data_sharding")
 SLOWER = 0.10  # a layout predicted this much slower than the planner's first is named at submit
 SWITCH = "--set parallel=auto"
 
@@ -68,12 +69,12 @@ def layout_values(recipe: Recipe) -> dict[str, Any]:
     p, t = recipe.parallel, recipe.training
     return dict(zip(LAYOUT_FIELDS, (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
-                                    p.sequence_parallel, t.micro_batch_size, t.recompute), strict=True))
+                                    p.sequence_parallel, t.micro_batch_size, t.recompute, p.data_sharding), strict=True))
 
 
 def _candidate_values(layout: Any) -> dict[str, Any]:
     return dict(zip(LAYOUT_FIELDS, (layout.tp, layout.pp, layout.vpp, layout.cp, layout.sequence_parallel,
-                                    layout.micro_batch, layout.recompute), strict=True))
+                                    layout.micro_batch, layout.recompute, layout.sharding), strict=True))
 
 
 def unpin(tree: dict[str, Any], prov: dict[str, str]) -> None:
@@ -201,7 +202,7 @@ def describe_layout(recipe: Recipe) -> str:
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                   dp=max(1, recipe.cluster.world_size // max(mp, 1)), vpp=p.virtual_pipeline_model_parallel_size,
                   micro_batch=t.micro_batch_size, recompute=t.recompute,
-                  sequence_parallel=p.sequence_parallel).describe()
+                  sequence_parallel=p.sequence_parallel, sharding=p.data_sharding).describe()
 
 
 def _nothing_fits(recipe: Recipe, plan: Any, want: dict[str, Any]) -> PreflightError:

@@ -30,6 +30,7 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision, fp8_recipe=t.fp8_recipe,
+                  sharding=p.data_sharding,
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
                   fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
                   kernels=speed_kernels(recipe))

@@ -12,17 +12,26 @@ The throughput model, per optimizer step on one GPU:
 - CP: the KV exchange of the ring attention, half hidden behind compute;
 - PP: the 1F1B bubble (p - 1) / (v m) of the compute, and the point-to-point sends;
 - DP: the gradient reduce-scatter (fp32) and the parameter all-gather (bf16) of the distributed optimizer
-  (an all-reduce without it), not overlapped, over NVLink inside a node and `INTERNODE_GBPS` across;
+  (an all-reduce without it), not overlapped, over NVLink inside a node and `INTERNODE_GBPS` across; FSDP's below;
 - the optimizer step: memory-bound, ~40 bytes per parameter of the shard over the HBM bandwidth."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.config.planner.gpus import GPUSpec, gpu_spec, known_gpus
-from megalaunch.config.planner.memory import RECOMPUTES, Layout, MemoryEstimate, ModelShape, estimate
+from megalaunch.config.planner.memory import (
+    FSDP_NAMES,
+    RECOMPUTES,
+    Layout,
+    MemoryEstimate,
+    ModelShape,
+    estimate,
+    optimizer_shard,
+)
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
@@ -58,6 +67,12 @@ FP8_GEMM_TIME = 0.52
 FP8_CAST_BYTES = {"tensorwise": 19.5, "rowwise": 24.0}
 FP8_LAYER_US = 736.0  # microseconds per layer and micro-batch (forward and backward): the casts' launches and amax syncs
 PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
+# Megatron-FSDP (parallel.data_sharding): ZeRO-3 gathers a layer's weights in each micro-batch's forward and
+# backward and reduce-scatters its gradients beside the compute; the step waits for the traffic the compute does
+# not cover and FSDP_LAYER_US per layer, micro-batch and pass (hooks, waits, copies): fitted (bench/plan_fit.py) to
+# 6 FSDP runs on H200s; fitted to llama3-1b's alone, it predicted the 8B's 4 within -1.4..+0.8 %. FSDP ranks first
+# only FSDP_MARGIN faster than the distributed optimizer (asynchronous saves, no gathers): a guess, not measured.
+FSDP_LAYER_US, FSDP_MARGIN = 648.0, 0.03
 
 
 @dataclass(frozen=True)
@@ -90,10 +105,12 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
             precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
-            fused_loss: bool = False, kernels: str = "megatron", fp8_recipe: str = "tensorwise") -> list[Layout]:
+            fused_loss: bool = False, kernels: str = "megatron", fp8_recipe: str = "tensorwise",
+            fsdp: bool = True) -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
-    micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode."""
+    micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode; with `fsdp`,
+    Megatron-FSDP's ZeRO-3 beside the distributed optimizer where there is no PP and DP x CP > 1."""
     out = []
     for tp in _divisors(min(gpus_per_node, world)):
         if shape.heads % tp or shape.kv_heads % tp or shape.ffn % tp:
@@ -114,14 +131,14 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                     vpps: list[int | None] = [None]
                     if pp > 1:
                         vpps += [v for v in range(2, 9) if shape.layers % (pp * v) == 0 and m % pp == 0]
-                    for vpp in vpps:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for rc in RECOMPUTES:
-                                out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb,
-                                                  num_microbatches=m, recompute=rc, sequence_parallel=sp,
-                                                  distributed_optimizer=distributed_optimizer,
-                                                  precision=precision, attention=attention, fused=fused,
-                                                  fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe))
+                    shardings = ("optimizer", "optimizer_grads_params") if fsdp and pp == 1 and dp * cp > 1 \
+                        else ("optimizer",)
+                    for vpp, sp, rc, sh in itertools.product(vpps, (False, True) if tp > 1 else (False,), RECOMPUTES,
+                                                             shardings):
+                        out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb, num_microbatches=m,
+                                          recompute=rc, sequence_parallel=sp, distributed_optimizer=distributed_optimizer,
+                                          precision=precision, attention=attention, fused=fused, fused_loss=fused_loss,
+                                          kernels=kernels, fp8_recipe=fp8_recipe, sharding=sh))
     return out
 
 
@@ -160,17 +177,22 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     bubble = compute * (L.pp - 1) / ((L.vpp or 1) * m)
     pp_bw = gpu.nvlink_gbps if L.tp * L.cp * L.pp <= gpus_per_node else INTERNODE_GBPS
     pp_comm = (2 * act_bytes / L.tp / (pp_bw * 1e9)) * 2 * m * (L.vpp or 1) if L.pp > 1 else 0.0
-    n = sum(shape.layer_matmul_params() for _ in range(1)) * shape.layers / (L.tp * L.pp) + \
+    n = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp) + \
         shape.padded_vocab(L.tp) * shape.hidden / L.tp * (1 if shape.tied else 2) / L.pp
-    dp_group = L.dp * L.cp
     dp_bw = gpu.nvlink_gbps if L.tp * L.cp * L.pp * L.dp <= gpus_per_node else INTERNODE_GBPS
-    grad_bytes = 4 * n
-    dp_comm = (_ring(grad_bytes, dp_group, dp_bw) / 2 + _ring(2 * n, dp_group, dp_bw) / 2) \
-        if L.distributed_optimizer else _ring(grad_bytes, dp_group, dp_bw)
-    shard = dp_group if L.distributed_optimizer else 1
-    optimizer = 40 * n / shard / (gpu.hbm_tbps * 1e12)
+    dp_comm = _dp_wait(L, n, dp_bw, compute, layers)
+    optimizer = 40 * n / optimizer_shard(L) / (gpu.hbm_tbps * 1e12)
     return {"compute": compute, "tp": tp_comm, "cp": cp_comm, "pp_bubble": bubble + pp_comm, "dp": dp_comm,
             "optimizer": optimizer}
+
+
+def _dp_wait(L: Layout, n: float, bw: float, compute: float, layers: float) -> float:
+    """The step's wait on data parallelism for `n` parameters per GPU (fp32 gradients, bf16 weights)."""
+    g, m = L.dp * L.cp, L.num_microbatches
+    if L.sharding in FSDP_NAMES:
+        traffic = ((2 * m if L.sharding == "optimizer_grads_params" else 1) * _ring(2 * n, g, bw) + m * _ring(4 * n, g, bw)) / 2
+        return max(0.0, traffic - compute) + 1e-6 * FSDP_LAYER_US * layers * m * 2
+    return _ring(4 * n, g, bw) / 2 + _ring(2 * n, g, bw) / 2 if L.distributed_optimizer else _ring(4 * n, g, bw)
 
 
 def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> float:
@@ -207,15 +229,20 @@ def step_key(step_s: float) -> float:
     return float(f"{step_s:.4g}")
 
 
+def rank_key(c: Candidate) -> tuple[bool, float, float]:
+    """Fitting first, then faster (FSDP by FSDP_MARGIN, else the distributed optimizer), then less memory."""
+    return not c.fits, step_key(c.step_s * (1 + FSDP_MARGIN * (c.layout.sharding != "optimizer"))), c.memory.needed_gib()
+
+
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
          fused: bool = False, fused_loss: bool = False, kernels: str = "megatron",
-         fp8_recipe: str = "tensorwise") -> list[Candidate]:
+         fp8_recipe: str = "tensorwise", fsdp: bool = True) -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
-                          fused=fused, fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe):
+                          fused=fused, fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe, fsdp=fsdp):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
@@ -224,7 +251,7 @@ def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus
         out.append(Candidate(layout=layout, memory=mem, step_s=step, tokens_per_s=tokens,
                              tflops=tokens * flops_per_token(shape) / 1e12, parts=parts,
                              fits=mem.needed_gib() <= memory_gib))
-    out.sort(key=lambda c: (not c.fits, step_key(c.step_s), c.memory.needed_gib()))
+    out.sort(key=rank_key)
     return out
 
 
@@ -236,20 +263,7 @@ def set_lines(layout: Layout) -> list[str]:
             f"parallel.context_parallel_size={layout.cp}",
             f"parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
             f"training.micro_batch_size={layout.micro_batch}",
-            f"training.recompute={layout.recompute}"]
-
-
-def table(cands: list[Candidate], top: int) -> list[str]:
-    lines = [f"{'#':>3} {'layout':<52} {'memory':>9} {'step s':>7} {'tokens/s/GPU':>12} {'TFLOP/s':>8}  "
-             "time: compute/tp/pp/dp"]
-    for i, c in enumerate(cands[:top], 1):
-        p = c.parts
-        lines.append(f"{i:>3} {c.layout.describe():<52} {c.memory.needed_gib():>6.1f} GiB {c.step_s:>7.2f} "
-                     f"{c.tokens_per_s:>12,.0f} {c.tflops:>8.0f}  {p['compute']:.2f}/{p['tp']:.2f}/"
-                     f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}"
-                     + (f" +{p['memory_pressure']:.2f} memory pressure" if p.get("memory_pressure") else "")
-                     + ("" if c.fits else "  (does not fit)"))
-    return lines
+            f"training.recompute={layout.recompute}", f"parallel.data_sharding={layout.sharding}"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -303,27 +317,10 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                          global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                          distributed_optimizer=recipe.parallel.use_distributed_optimizer,
                          fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger",
-                         kernels=speed_kernels(recipe), fp8_recipe=t.fp8_recipe))
+                         kernels=speed_kernels(recipe), fp8_recipe=t.fp8_recipe,
+                         fsdp=recipe.checkpoint.async_save is not True and recipe.checkpoint.ckpt_format == "torch_dist"))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
                              valid="a multiple of the data-parallel size", fix="raise training.global_batch_size")
     return Plan(recipe.name, spec, memory, nodes, gpn, cands)
-
-
-def recipe_text(source: str, plan: Plan) -> str:
-    """A recipe that includes `source` with the plan's first layout (for `plan --apply --write FILE`)."""
-    assert plan.best is not None
-    c = plan.best
-    lines = [f"# {plan.recipe_name}, ranked first by `megalaunch plan` for {plan.nodes} x {plan.gpus_per_node} "
-             f"{plan.gpu.name}:", f"# {c.layout.describe()}: ~{c.memory.needed_gib():.0f} GiB per GPU, "
-             f"~{c.tokens_per_s:,.0f} tokens/s per GPU predicted", f"include: [{source}]",
-             "cluster:", f"  nodes: {plan.nodes}", f"  gpus_per_node: {plan.gpus_per_node}", f"  gpu: {plan.gpu.name}"]
-    sections: dict[str, list[str]] = {}
-    for line in set_lines(c.layout):
-        key, value = line.split("=", 1)
-        section, field = key.split(".")
-        sections.setdefault(section, []).append(f"  {field}: {value}")
-    for section, items in sections.items():
-        lines += [f"{section}:", *items]
-    return "\n".join(lines) + "\n"

@@ -4,8 +4,9 @@ complete checkpoint a path means (`resolve`: a run directory, a checkpoint direc
 Layout:
     CKPT/latest_checkpointed_iteration.txt      "N" or "release", written last (atomically)
     CKPT/iter_000000N/ (or CKPT/release/)        metadata.json, .metadata, __0_*.distcp
-An iteration directory is complete when metadata.json names torch_dist and every data file that
-.metadata references is there and long enough (`check_complete`); one newer than the tracker may be
+An iteration directory is complete when metadata.json names torch_dist (or, Megatron-FSDP's fsdp_dtensor,
+there is none: fsdp_layout.py) and every data file that .metadata references is there and long enough
+(`check_complete`); one newer than the tracker may be
 half written. Reading the tensors is mcore_dist.py's and mcore_direct.py's, writing them mcore_save.py's."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megalaunch.conversion.checkpoint_io import fsdp_layout
 from megalaunch.conversion.errors import ConversionError, IncompleteCheckpointError, MissingFileError
 from megalaunch.rundir.paths import RunPaths
 
@@ -75,7 +77,7 @@ def resolve(path: Path, iteration: int | None = None) -> CheckpointRef:
     """Find the complete checkpoint meant by `path`: a run directory, a checkpoint directory (its
     tracker, or `iteration`), or an iteration directory itself."""
     path = Path(path)
-    if (path / "metadata.json").is_file() and iteration is None:
+    if ((path / "metadata.json").is_file() or fsdp_layout.is_fsdp_dtensor(path)) and iteration is None:
         name = path.name
         it = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
         if it is not None:
@@ -102,6 +104,9 @@ def check_complete(ckpt: Path) -> None:
     """metadata.json names torch_dist, .metadata exists, and every data file it references is there
     and long enough."""
     meta = ckpt / "metadata.json"
+    if fsdp_layout.is_fsdp_dtensor(ckpt):  # Megatron-FSDP's: the torch.distributed.checkpoint part alone
+        _check_shards(ckpt)
+        return
     if not meta.is_file():
         raise IncompleteCheckpointError(f"{ckpt} has no metadata.json: the save did not finish")
     try:
@@ -113,6 +118,10 @@ def check_complete(ckpt: Path) -> None:
                               fix="save with --ckpt-format torch_dist (megalaunch's default)")
     if not (ckpt / ".metadata").is_file():
         raise IncompleteCheckpointError(f"{ckpt} has no .metadata: the save did not finish")
+    _check_shards(ckpt)
+
+
+def _check_shards(ckpt: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -26,7 +26,7 @@ from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain.chain import Chain, Verdict
-from megalaunch.launcher.prepare.job_inputs import job_command, task_supervisor
+from megalaunch.launcher.prepare.job_inputs import job_command, max_connections, task_supervisor
 from megalaunch.launcher.prepare.prepare import PreparedRun
 from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
 from megalaunch.launcher.prepare.write import write_run
@@ -95,7 +95,7 @@ def _start_tasks(paths: RunPaths, recipe: Recipe, job_id: str,
     cl = recipe.cluster
     world = cl.ntasks_per_node
     base_env = dict(os.environ)
-    base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    base_env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", max_connections(recipe))
     base_env.update({k: v for k, v in cl.env.items()})
     port = free_port()
     command = [*task_supervisor(recipe), *job_command(recipe, paths)]

@@ -93,4 +93,14 @@ def script_context(recipe: Recipe, paths: RunPaths, chain_name: str, source: str
         "nccl_debug": recipe.debug.nccl_debug, "flight_recorder": recipe.debug.flight_recorder,
         "debug_dir": str(paths.debug), "nsys": recipe.debug.nsys, "master_port": cl.master_port,
         "supervisor": task_supervisor(recipe), "command": job_command(recipe, paths),
+        "max_connections": max_connections(recipe),
     }
+
+
+def max_connections(recipe: Recipe) -> str:
+    """CUDA_DEVICE_MAX_CONNECTIONS' default for the job: 1 (one work queue per device, so that tensor-parallel
+    communication overlaps in order); Megatron-FSDP refuses 1 and overlaps its gathers on more queues (8,
+    CUDA's default). A value in the environment wins."""
+    from megalaunch.config.megatron_args import fsdp
+
+    return "8" if fsdp(recipe) else "1"

@@ -3,7 +3,7 @@
 A `torch_dist` checkpoint is complete when Megatron's `metadata.json` and torch.distributed.checkpoint's
 `.metadata` (written last, when every rank has finished) exist and parse, and every shard file that
 `.metadata` refers to exists and is long enough for the byte ranges it lists (a truncated or missing
-shard fails this). A legacy `torch` checkpoint is complete when each `mp_rank_*` directory holds a
+shard fails this). An `fsdp_dtensor` checkpoint (Megatron-FSDP) has no `metadata.json`: the rest holds. A legacy `torch` checkpoint is complete when each `mp_rank_*` directory holds a
 non-empty `model_optim_rng.pt`. Standard library only (the full check unpickles `.metadata`, which
 needs torch's classes to be importable)."""
 
@@ -20,8 +20,10 @@ def incomplete_reason(directory: Path, *, full: bool = True) -> str | None:
     they are there and not empty, but not how many bytes each must hold; the job checks that."""
     if not directory.is_dir():
         return "missing"
-    if (directory / "metadata.json").exists() or (directory / ".metadata").exists():
+    if (directory / "metadata.json").exists():  # torch_dist: Megatron writes it first, DCP's .metadata last
         return _torch_dist_incomplete(directory, full=full)
+    if (directory / ".metadata").exists():  # fsdp_dtensor (Megatron-FSDP): a torch.distributed.checkpoint alone
+        return _dcp_incomplete(directory, full=full)
     shards = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
     if shards:
         empty = [s for s in shards if s.stat().st_size == 0]
@@ -44,6 +46,13 @@ def _torch_dist_incomplete(directory: Path, *, full: bool = True) -> str | None:
         json.loads((directory / "metadata.json").read_text())
     except (ValueError, OSError) as e:
         return f"unreadable metadata.json ({e})"
+    return _dcp_incomplete(directory, full=full)
+
+
+def _dcp_incomplete(directory: Path, *, full: bool = True) -> str | None:
+    """torch.distributed.checkpoint's part: `.metadata` there, and every shard file it names long enough."""
+    if (directory / ".metadata").stat().st_size == 0:
+        return "empty .metadata"
     if not full:
         return _shards_missing(directory)
     try:

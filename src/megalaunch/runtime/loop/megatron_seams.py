@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from megalaunch.runtime.loop import save_staging
+from megalaunch.runtime.loop.fsdp_patches import complete_optimizer_state, fix_swiglu_state_dict
 from megalaunch.runtime.loop.megatron_patches import (
     check_version,
     fix_optimizer_step,
@@ -59,6 +60,8 @@ def install(hooks: LoopHooks) -> None:
     _mark_init_phases(hooks)
     null_tokenizer_without_transformers()
     fix_optimizer_step()
+    fix_swiglu_state_dict()
+    complete_optimizer_state()
     in_process_write_results()
     _install_signal_handler()
     _wrap_checkpoint_and_decide_exit(hooks)
