@@ -118,3 +118,27 @@ def test_the_fsdp_checkpoint_size_is_what_megatron_fsdp_saved() -> None:
                            ([*GPU, "training.attention=sdpa", "training.global_batch_size=8"], 2_322_409)):
         recipe = load_recipe("tiny", [*sets, "parallel.data_sharding=optimizer_grads_params"]).recipe
         assert recipe_checkpoint_bytes(recipe) == pytest.approx(measured, rel=0.01)
+
+
+def test_a_resume_that_switches_the_checkpoint_format_is_refused(tmp_path: Path) -> None:
+    """Megatron loads only the format it saves: a run with torch_dist checkpoints resumed under Megatron-FSDP (or an
+    FSDP run resumed without it) is refused before anything is queued, naming the setting."""
+    from megalaunch.errors import RunDirError
+    from megalaunch.launcher.prepare.prepare import prepare_run
+    from megalaunch.launcher.prepare.resume_check import check_resumable
+    from megalaunch.launcher.prepare.write import write_run
+
+    for saved, now in (("optimizer", "optimizer_grads_params"), ("optimizer_grads_params", "optimizer")):
+        root = tmp_path / saved
+        paths = write_run(prepare_run(load_recipe("tiny", [f"run.root={root}", f"parallel.data_sharding={saved}"])))
+        d = paths.checkpoints / "iter_0000010"
+        _dcp_dir(d, {"__0_0.distcp": 8})
+        if saved == "optimizer":
+            (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+        paths.tracker.write_text("10\n")
+        same = load_recipe("tiny", [f"run.root={root}", f"parallel.data_sharding={saved}"]).recipe
+        check_resumable(paths, same, from_iteration=None, change=None)  # the format it saved: fine
+        other = load_recipe("tiny", [f"run.root={root}", f"parallel.data_sharding={now}"]).recipe
+        with pytest.raises(RunDirError) as e:
+            check_resumable(paths, other, from_iteration=None, change=None)
+        assert e.value.field == "parallel.data_sharding" and "cannot load one as the other" in str(e.value)

@@ -151,10 +151,30 @@ def check_resumable(paths: RunPaths, recipe: Recipe, *, from_iteration: int | No
         raise RunDirError(f"the chain needs the checkpoint of iteration {tracker} (the tracker names it) but "
                           f"{paths.checkpoints} holds no iter_* directory",
                           fix="restore the checkpoints, or start a new run: megalaunch submit RECIPE")
+    _check_format(paths, recipe, from_iteration if from_iteration is not None else tracker)
     load = recipe.checkpoint.load
     if tracker is None and not checkpoint_iterations(paths) and load and not os.path.isdir(load):
         raise RunDirError(f"the first segment loads {load}, which is not a directory", field="checkpoint.load",
                           fix=f"restore it, or megalaunch resume {paths.root} --set checkpoint.load=DIR")
+
+
+def _check_format(paths: RunPaths, recipe: Recipe, iteration: int | None) -> None:
+    """Megatron loads a checkpoint only in the format it saves: fsdp_dtensor (parallel.data_sharding: Megatron-FSDP)
+    or torch_dist; a resume that switches between them would fail in the job."""
+    from megalaunch.config.megatron_args import checkpoint_format
+    from megalaunch.runtime.checkpoint.resume import iter_dir
+
+    if iteration is None or not iter_dir(paths, iteration).is_dir():
+        return
+    d = iter_dir(paths, iteration)
+    saved = "fsdp_dtensor" if (d / ".metadata").exists() and not (d / "metadata.json").exists() else "torch_dist"
+    wants = checkpoint_format(recipe)
+    if wants in ("torch_dist", "fsdp_dtensor") and saved != wants:
+        raise RunDirError(f"checkpoint iteration {iteration} is {saved} and this run now saves and loads {wants} "
+                          f"(parallel.data_sharding {recipe.parallel.data_sharding}): Megatron cannot load one as the other",
+                          field="parallel.data_sharding",
+                          fix="keep the data_sharding the checkpoints were saved with, or convert the checkpoint to "
+                              "Hugging Face (megalaunch convert) and start a new run from it (submit --from-hf)")
 
 
 def apply_change(paths: RunPaths, change: SettingsChange) -> None:
