@@ -17,8 +17,10 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
 pytest.importorskip("megatron.core")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from harness import Trainer, last_iteration, ledger, losses, make_run, wait_for  # noqa: E402
+from harness import ledger, losses, make_run  # noqa: E402
+from test_train_gpu import _segments  # noqa: E402
 
 from megalaunch.runtime.checkpoint.completeness import incomplete_reason  # noqa: E402
 
@@ -27,20 +29,6 @@ pytestmark = pytest.mark.gpu
 GPU2 = ("cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "parallel.use_distributed_optimizer=true",
         "parallel.data_sharding=optimizer_grads_params", "training.attention=sdpa", "training.global_batch_size=8",
         "training.micro_batch_size=2")
-
-
-def _segments(paths, loss_log: Path, stops: tuple[int | None, ...], job0: int) -> list[dict]:
-    outcomes = []
-    for k, stop_after in enumerate(stops):
-        start = last_iteration(loss_log)
-        t = Trainer(paths, world=2, job_id=str(job0 + k), env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
-        if stop_after is not None:
-            wait_for(lambda s=start, n=stop_after: last_iteration(loss_log) >= s + n, timeout=600,
-                     what=f"{stop_after} iterations", trainer=t)
-            t.signal()
-        assert t.wait(timeout=900) == [0, 0], t.log()[-4000:]
-        outcomes.append(t.outcome())
-    return outcomes
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -52,9 +40,9 @@ def test_fsdp_signal_resume(tmp_path: Path, precision: str) -> None:
             "training.lr_warmup_iters=2")
     ref_log, log = tmp_path / "ref.jsonl", tmp_path / "chain.jsonl"
     straight = make_run(tmp_path / "a", *sets, name="straight")
-    (ref,) = _segments(straight, ref_log, (None,), 100)
+    (ref,) = _segments(straight, ref_log, (None,), 100, world=2)
     chain = make_run(tmp_path / "b", *sets, name="chain")
-    outs = _segments(chain, log, (10, 10, None), 200)
+    outs = _segments(chain, log, (10, 10, None), 200, world=2)
     assert ref["status"] == outs[-1]["status"] == "finished"
     stops = [o["iteration"] for o in outs[:2]]
     assert [r["iteration"] for r in ledger(chain, "resumed")] == stops

@@ -38,16 +38,16 @@ LLAMA_1B = ("model.seq_length=2048", "model.max_position_embeddings=8192", "trai
             "cluster.backend=local", "cluster.nodes=1")
 
 
-def _segments(paths, loss_log: Path, stops: tuple[int | None, ...], job0: int) -> list[dict]:
+def _segments(paths, loss_log: Path, stops: tuple[int | None, ...], job0: int, world: int = 1) -> list[dict]:
     outcomes = []
     for k, stop_after in enumerate(stops):
         start = last_iteration(loss_log)
-        t = Trainer(paths, job_id=str(job0 + k), env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
+        t = Trainer(paths, world=world, job_id=str(job0 + k), env={"MEGALAUNCH_LOSS_LOG": str(loss_log)})
         if stop_after is not None:
             wait_for(lambda s=start, n=stop_after: last_iteration(loss_log) >= s + n, timeout=600,
                      what=f"{stop_after} iterations", trainer=t)
             t.signal()
-        assert t.wait(timeout=900) == [0], t.log()[-4000:]
+        assert t.wait(timeout=900) == [0] * world, t.log()[-4000:]
         outcomes.append(t.outcome())
     return outcomes
 
