@@ -27,7 +27,8 @@ def plan(
     set_: SetOpt = None,
     cluster: ClusterOpt = None,
 ) -> None:
-    """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute) by predicted tokens/s."""
+    """Rank the recipe's valid layouts (TP, PP, VPP, CP, micro-batch, SP, recompute, data sharding) by
+    predicted tokens/s."""
     from megalaunch.config.loader import load_recipe
     from megalaunch.config.planner.checkpoint_size import peak_lines, recipe_peak
     from megalaunch.config.planner.plan import plan_recipe, set_lines
