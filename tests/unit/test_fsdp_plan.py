@@ -70,7 +70,8 @@ def _dcp_dir(d: Path, sizes: dict[str, int]) -> None:
     """What Megatron-FSDP leaves on disk, without torch: shard files and a `.metadata` pickle naming their byte
     ranges (with the attributes torch's classes have; as tests/unit/test_resume_from.py's torch_dist), no metadata.json."""
     d.mkdir(parents=True)
-    storage = {f"key{n}": SimpleNamespace(relative_path=name, offset=0, length=size)
+    storage = {f"model.module.decoder.layers.{n}.mlp.linear_fc2.weight": SimpleNamespace(relative_path=name, offset=0,
+                                                                                       length=size)
                for n, (name, size) in enumerate(sizes.items())}
     for name, size in sizes.items():
         (d / name).write_bytes(b"x" * size)
@@ -87,6 +88,13 @@ def test_an_fsdp_dtensor_checkpoint_is_complete_without_metadata_json(tmp_path: 
     assert incomplete_reason(d) == "missing shard __1_0.distcp"
     (d / ".metadata").unlink()
     assert incomplete_reason(d) is not None
+    # torch_dist writes metadata.json after its .metadata: one without it (keys not model.module.*) is a cut save
+    cut = tmp_path / "iter_0000008"
+    cut.mkdir()
+    storage = {"decoder.layers.mlp.linear_fc2.weight": SimpleNamespace(relative_path="__0_0.distcp", offset=0, length=8)}
+    (cut / "__0_0.distcp").write_bytes(b"x" * 8)
+    (cut / ".metadata").write_bytes(pickle.dumps(SimpleNamespace(storage_data=storage)))
+    assert incomplete_reason(cut) == "missing metadata.json" and incomplete_reason(cut, full=False) == "missing metadata.json"
 
 
 def test_zero3_saves_what_was_measured_on_llama3_8b() -> None:

@@ -318,7 +318,8 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                          distributed_optimizer=recipe.parallel.use_distributed_optimizer,
                          fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger",
                          kernels=speed_kernels(recipe), fp8_recipe=t.fp8_recipe,
-                         fsdp=recipe.checkpoint.async_save is not True and recipe.checkpoint.ckpt_format == "torch_dist"))
+                         fsdp=recipe.parallel.use_distributed_optimizer and recipe.checkpoint.async_save is not True
+                         and recipe.checkpoint.ckpt_format == "torch_dist"))
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",

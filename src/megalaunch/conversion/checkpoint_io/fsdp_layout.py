@@ -36,8 +36,10 @@ TORCH_DIST_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_n
 
 
 def is_fsdp_dtensor(ckpt: Path) -> bool:
-    """A torch.distributed.checkpoint without Megatron's metadata.json: what Megatron-FSDP saves."""
-    return (ckpt / ".metadata").is_file() and not (ckpt / "metadata.json").exists()
+    """What Megatron-FSDP saves: a torch.distributed.checkpoint of `model.module.*` keys without metadata.json."""
+    from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor as by_keys
+
+    return by_keys(ckpt)
 
 
 def _tensor_keys(ckpt: Path) -> dict[str, Any]:

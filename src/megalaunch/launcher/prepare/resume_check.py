@@ -162,12 +162,12 @@ def _check_format(paths: RunPaths, recipe: Recipe, iteration: int | None) -> Non
     """Megatron loads a checkpoint only in the format it saves: fsdp_dtensor (parallel.data_sharding: Megatron-FSDP)
     or torch_dist; a resume that switches between them would fail in the job."""
     from megalaunch.config.megatron_args import checkpoint_format
+    from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor
     from megalaunch.runtime.checkpoint.resume import iter_dir
 
     if iteration is None or not iter_dir(paths, iteration).is_dir():
         return
-    d = iter_dir(paths, iteration)
-    saved = "fsdp_dtensor" if (d / ".metadata").exists() and not (d / "metadata.json").exists() else "torch_dist"
+    saved = "fsdp_dtensor" if is_fsdp_dtensor(iter_dir(paths, iteration)) else "torch_dist"
     wants = checkpoint_format(recipe)
     if wants in ("torch_dist", "fsdp_dtensor") and saved != wants:
         raise RunDirError(f"checkpoint iteration {iteration} is {saved} and this run now saves and loads {wants} "

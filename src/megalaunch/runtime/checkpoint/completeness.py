@@ -3,7 +3,8 @@
 A `torch_dist` checkpoint is complete when Megatron's `metadata.json` and torch.distributed.checkpoint's
 `.metadata` (written last, when every rank has finished) exist and parse, and every shard file that
 `.metadata` refers to exists and is long enough for the byte ranges it lists (a truncated or missing
-shard fails this). An `fsdp_dtensor` checkpoint (Megatron-FSDP) has no `metadata.json`: the rest holds. A legacy `torch` checkpoint is complete when each `mp_rank_*` directory holds a
+shard fails this). An `fsdp_dtensor` checkpoint (Megatron-FSDP) has no `metadata.json`: the rest holds
+(`is_fsdp_dtensor` tells it by its keys). A legacy `torch` checkpoint is complete when each `mp_rank_*` directory holds a
 non-empty `model_optim_rng.pt`. Standard library only (the full check unpickles `.metadata`, which
 needs torch's classes to be importable)."""
 
@@ -20,15 +21,31 @@ def incomplete_reason(directory: Path, *, full: bool = True) -> str | None:
     they are there and not empty, but not how many bytes each must hold; the job checks that."""
     if not directory.is_dir():
         return "missing"
-    if (directory / "metadata.json").exists():  # torch_dist: Megatron writes it first, DCP's .metadata last
-        return _torch_dist_incomplete(directory, full=full)
-    if (directory / ".metadata").exists():  # fsdp_dtensor (Megatron-FSDP): a torch.distributed.checkpoint alone
+    if is_fsdp_dtensor(directory):  # Megatron-FSDP's: a torch.distributed.checkpoint alone
         return _dcp_incomplete(directory, full=full)
+    if (directory / "metadata.json").exists() or (directory / ".metadata").exists():
+        return _torch_dist_incomplete(directory, full=full)
     shards = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
     if shards:
         empty = [s for s in shards if s.stat().st_size == 0]
         return f"empty {empty[0].relative_to(directory)}" if empty else None
     return "no metadata.json, .metadata or mp_rank_*/model_optim_rng.pt"
+
+
+FSDP_KEY = b"model.module."  # how every model tensor's key begins in an fsdp_dtensor checkpoint; torch_dist's do not
+
+
+def is_fsdp_dtensor(directory: Path) -> bool:
+    """Whether `directory` holds Megatron-FSDP's fsdp_dtensor format: a `.metadata` naming `model.module.*` keys and
+    no metadata.json. By content, not by the missing file alone: torch_dist writes metadata.json after its
+    `.metadata`, so a torch_dist save cut between the two must stay incomplete."""
+    meta = directory / ".metadata"
+    if (directory / "metadata.json").exists() or not meta.is_file():
+        return False
+    try:
+        return FSDP_KEY in meta.read_bytes()
+    except OSError:
+        return False
 
 
 def _torch_dist_incomplete(directory: Path, *, full: bool = True) -> str | None:
