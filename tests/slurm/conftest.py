@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,6 +147,7 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         pytest.skip(f"{which} answers{why}: run `{up}`")
     if not private:
         yield
+        _resume_kill_task_drains(request.node.nodeid)
         return
     lock_path = _private_lock(private)
     with open(lock_path, "a") as lock:
@@ -161,8 +163,31 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("SLURM_CONF", str(PRIVATE_CONFS[private]))
         try:
             yield
+            if private != "scale":  # the scale tests resume what their node deaths drain themselves
+                _resume_kill_task_drains(request.node.nodeid)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _resume_kill_task_drains(test: str) -> None:
+    """A node that Slurm drained "Kill task failed" (slurmstepd gave up on a task that outlived its
+    SIGKILL by UnkillableStepTimeout) stays out of service until an administrator resumes it: every later
+    test that needs it would wait in vain (one CI run lost five tests so). Resume it, and warn, naming the
+    test during which it happened (the warning shows in pytest's summary)."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], capture_output=True, text=True,
+                             timeout=15).stdout
+    except (subprocess.TimeoutExpired, OSError):
+        return
+    drained = sorted({name for name, state, reason in (line.split("|", 2) for line in out.splitlines()
+                                                        if line.count("|") == 2)
+                      if state.startswith("drain") and "Kill task failed" in reason})
+    if not drained:
+        return
+    subprocess.run(["scontrol", "update", f"nodename={','.join(drained)}", "state=resume"], capture_output=True,
+                   timeout=15)
+    warnings.warn(f"Slurm drained {', '.join(drained)} 'Kill task failed' during {test} (a task outlived "
+                  "SIGKILL by UnkillableStepTimeout); resumed", stacklevel=1)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
