@@ -24,6 +24,8 @@ LISTED_EVENTS = frozenset({"submitted", "started", "ended", "skipped", "chain_st
 # What `status RUN` never reads of a ledger (a long run holds megabytes of them): the trainer's records of its
 # set-up and acts, and the steps' node lists (the restarts' records say what status shows)
 NOT_SHOWN = frozenset({"attention", "kernels", "decision", "checkpoint_deleted", "step_started", "readahead"})
+# Written once per segment (or per resumed trainer): the segment table and the goodput read them, nothing else
+PER_SEGMENT = frozenset({"submitted", "started", "ended", "resumed"})
 STRAGGLER_RECORDS = 1000  # the newest `stragglers` records read: enough for the latest segments' last ones
 
 
@@ -88,8 +90,11 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     ledger = Ledger(paths)
     events = _shown_events(ledger)  # once: every line below is derived from these
     segments = ledger.segments(events)
+    # The lines below the table read no per-segment record: they go through the rest (a chain of 5,000
+    # segments has 20,000 of those and ~1,000 others), in the ledger's order.
+    rest = [e for e in events if e["event"] not in PER_SEGMENT]
     live, slurm_error = backend_for(recipe.cluster.backend).live(segments)
-    cancelled = _cancelled(events)
+    cancelled = _cancelled(rest)
     numbers = segment_numbers(segments)  # the numbers `logs --segment` and `report` use
     rows = []
     for s in segments:
@@ -99,7 +104,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
                      "end_iteration": (s.ended or {}).get("checkpoint_iteration")})
     progress = read_progress(paths) or {}
     checkpoint = paths.read_tracker()
-    stopped = ledger.stopped(events)
+    stopped = ledger.stopped(rest)
     chain_state = _chain_state(rows, stopped)
     metrics = read_appended(paths.metrics, "metrics", parse_jsonl)  # once, for the goodput, the pace and tokens/s
     rate = tokens_per_s(metrics, running=chain_state == "running")
@@ -118,13 +123,13 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": box.pending(), "consumed_triggers": len(box.consumed()),
         "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
-                             for e in events if e.get("event") == "trigger_refused"],
-        "last_guard": _last(events, "guard"), "last_outcome": read_outcome(paths), "segments": rows,
-        "slurm_error": slurm_error, "nodes": node_decisions(events), "restarts": restart_lines(events),
-        "health": health_lines(events), "stragglers": straggler_lines(events), "stop_signal": stop_lines(events),
-        "resume": resume_summary(paths, events), "storage": checkpoint_usage(paths, recipe, events),
-        "exported": _last(events, "exported"),  # chain.export_hf's last stage (launcher/chain/last_stage.py)
-        "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(events, "exported")),
+                             for e in rest if e.get("event") == "trigger_refused"],
+        "last_guard": _last(rest, "guard"), "last_outcome": read_outcome(paths), "segments": rows,
+        "slurm_error": slurm_error, "nodes": node_decisions(rest), "restarts": restart_lines(rest),
+        "health": health_lines(rest), "stragglers": straggler_lines(rest), "stop_signal": stop_lines(rest),
+        "resume": resume_summary(paths, rest), "storage": checkpoint_usage(paths, recipe, rest),
+        "exported": _last(rest, "exported"),  # chain.export_hf's last stage (launcher/chain/last_stage.py)
+        "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(rest, "exported")),
     }
 
 

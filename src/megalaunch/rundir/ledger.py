@@ -94,7 +94,9 @@ class Ledger:
             if jid is None:
                 continue
             jid = str(jid)
-            seg = by_id.setdefault(jid, Segment(job_id=jid))
+            seg = by_id.get(jid)
+            if seg is None:
+                seg = by_id[jid] = Segment(job_id=jid)
             if e["event"] == "submitted":
                 seg.submitted_by = e.get("by")
                 seg.pid = e.get("pid")

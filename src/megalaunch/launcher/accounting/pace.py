@@ -14,22 +14,83 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
     """Training tokens/s from state/metrics.jsonl: while the chain runs, over the newest segment's last
     (up to) 20 log intervals; otherwise the average over every logged interval of the run. Each line's
     rate leaves its interval's saves out; intervals are weighted by their samples (tokens over time,
-    not a mean of rates). None before two log intervals of one segment."""
-    previous: dict[Any, int] = {}
-    intervals: list[tuple[Any, int, float]] = []  # (job, samples, tokens/s)
-    for r in metrics:
-        job, samples, rate = r.get("job_id"), r.get("consumed_samples"), r.get("tokens_per_s")
-        before = previous.get(job)
-        if isinstance(samples, int):
-            previous[job] = samples
-        if (isinstance(before, int) and isinstance(samples, int) and samples > before
-                and isinstance(rate, (int, float)) and rate > 0):
-            intervals.append((job, samples - before, float(rate)))
-    if running and intervals:
-        intervals = [i for i in intervals if i[0] == intervals[-1][0]][-20:]
+    not a mean of rates). None before two log intervals of one segment. An interval is a line and the
+    line of its job before it that has a sample count; "the newest segment" is the job of the newest
+    interval. While running, the lines are read from the end, as far back as those 20 intervals go (a
+    chain of thousands of segments has tens of thousands of lines)."""
+    intervals = _recent_intervals(metrics, RECENT_INTERVALS) if running else _intervals(metrics)
     if not intervals:
         return None
-    return sum(n for _, n, _ in intervals) / sum(n / rate for _, n, rate in intervals)
+    return sum(i[1] for i in intervals) / sum(i[1] / i[2] for i in intervals)
+
+
+RECENT_INTERVALS = 20
+
+
+def _interval(before: Any, samples: Any, rate: Any) -> int | None:
+    """The samples of an interval from a line with `samples` after one with `before`; None when none."""
+    if (isinstance(before, int) and isinstance(samples, int) and samples > before
+            and isinstance(rate, (int, float)) and rate > 0):
+        return samples - before
+    return None
+
+
+def _intervals(metrics: list[dict[str, Any]], start: int = 0) -> list[tuple[Any, int, float, int]]:
+    """The intervals of the lines from `start` on, oldest first: (job, samples, tokens/s, the closing line's
+    index). From a `start` > 0, each job's first interval there is missing (its opening line is before)."""
+    previous: dict[Any, int] = {}
+    out: list[tuple[Any, int, float, int]] = []
+    for i in range(start, len(metrics)):
+        r = metrics[i]
+        job, samples, rate = r.get("job_id"), r.get("consumed_samples"), r.get("tokens_per_s")
+        n = _interval(previous.get(job), samples, rate)
+        if isinstance(samples, int):
+            previous[job] = samples
+        if n is not None:
+            out.append((job, n, float(r["tokens_per_s"]), i))  # _interval: a positive number
+    return out
+
+
+def _recent_intervals(metrics: list[dict[str, Any]], count: int) -> list[tuple[Any, int, float, int]]:
+    """The newest interval's job's last `count` intervals, oldest first: `_intervals(metrics)` kept to those.
+    The job is found on a tail of the lines (`_newest_job`); its intervals depend on its own lines only."""
+    job = _newest_job(metrics)
+    if job is _NO_JOB:
+        return []
+    return _intervals([r for r in metrics if r.get("job_id") == job])[-count:]
+
+
+_NO_JOB = object()
+
+
+def _newest_job(metrics: list[dict[str, Any]]) -> Any:
+    """The job of the newest interval (by its closing line), or _NO_JOB. Found on a tail of the lines that
+    grows until it settles it: the tail's intervals are exact but for each job's first, so the tail is
+    enough once it has an interval and no job's first line in the tail comes after the newest one (that
+    line might close an interval opened before the tail)."""
+    size = 64
+    while True:
+        start = max(0, len(metrics) - size)
+        found = _intervals(metrics, start)
+        if found and (start == 0 or not _opens_after(metrics, start, found[-1][3])):
+            return found[-1][0]
+        if start == 0:
+            return _NO_JOB
+        size *= 4
+
+
+def _opens_after(metrics: list[dict[str, Any]], start: int, index: int) -> bool:
+    """Whether some job's first line with a sample count at or after `start` comes after `index`."""
+    seen: set[Any] = set()
+    for i in range(start, len(metrics)):
+        r = metrics[i]
+        job = r.get("job_id")
+        if job in seen or not isinstance(r.get("consumed_samples"), int):
+            continue
+        if i > index:
+            return True
+        seen.add(job)
+    return False
 
 
 def efficiency(paths: RunPaths, recipe: Any, it: int | None, metrics: list[dict[str, Any]],
