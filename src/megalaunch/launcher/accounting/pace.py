@@ -27,27 +27,26 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
 RECENT_INTERVALS = 20
 
 
-def _interval(before: Any, samples: Any, rate: Any) -> int | None:
-    """The samples of an interval from a line with `samples` after one with `before`; None when none."""
-    if (isinstance(before, int) and isinstance(samples, int) and samples > before
-            and isinstance(rate, (int, float)) and rate > 0):
-        return samples - before
-    return None
-
-
 def _intervals(metrics: list[dict[str, Any]], start: int = 0) -> list[tuple[Any, int, float, int]]:
     """The intervals of the lines from `start` on, oldest first: (job, samples, tokens/s, the closing line's
-    index). From a `start` > 0, each job's first interval there is missing (its opening line is before)."""
+    index). A line without a sample count neither opens nor closes one; a line closes an interval when its
+    job's line before (with a count) counted fewer samples and its rate is positive. From a `start` > 0, each
+    job's first interval there is missing (its opening line is before). One pass, inlined: it runs over
+    every line of a stopped chain (20,000 for 5,000 segments) on every `status`."""
     previous: dict[Any, int] = {}
     out: list[tuple[Any, int, float, int]] = []
     for i in range(start, len(metrics)):
         r = metrics[i]
-        job, samples, rate = r.get("job_id"), r.get("consumed_samples"), r.get("tokens_per_s")
-        n = _interval(previous.get(job), samples, rate)
-        if isinstance(samples, int):
-            previous[job] = samples
-        if n is not None:
-            out.append((job, n, float(r["tokens_per_s"]), i))  # _interval: a positive number
+        samples = r.get("consumed_samples")
+        if not isinstance(samples, int):
+            continue
+        job = r.get("job_id")
+        before = previous.get(job)
+        previous[job] = samples
+        if before is not None and samples > before:
+            rate = r.get("tokens_per_s")
+            if isinstance(rate, (int, float)) and rate > 0:
+                out.append((job, samples - before, float(rate), i))
     return out
 
 
