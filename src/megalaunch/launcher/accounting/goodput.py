@@ -257,7 +257,8 @@ def chain_goodput(paths: RunPaths, now: float, metrics: list[dict[str, Any]] | N
         done = ended.get(jid)
         if done is not None and (k := known.get(jid)) and k.get("ended_at") == done["time"] \
                 and k.get("restarts") == len(restarts.get(jid, [])):  # as cut at an earlier `job end`: as is
-            out.append({**k, "number": numbers.get(jid)})
+            k["number"] = numbers.get(jid)  # k: this call's own copy (_cut_before parses it for each call)
+            out.append(k)
             previous_end = k["end"] if k.get("end") is not None else now
             continue
         tl = read_json(paths.timeline(jid))
