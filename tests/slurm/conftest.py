@@ -146,6 +146,7 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
                         f"within 5 s){why}: run `{up}`", pytrace=False)
         pytest.skip(f"{which} answers{why}: run `{up}`")
     if not private:
+        _resume_kill_task_drains(f"a test before {request.node.nodeid} (one still running, maybe)")
         yield
         _resume_kill_task_drains(request.node.nodeid)
         return
@@ -173,7 +174,8 @@ def _resume_kill_task_drains(test: str) -> None:
     """A node that Slurm drained "Kill task failed" (slurmstepd gave up on a task that outlived its
     SIGKILL by UnkillableStepTimeout) stays out of service until an administrator resumes it: every later
     test that needs it would wait in vain (one CI run lost five tests so). Resume it, and warn, naming the
-    test during which it happened (the warning shows in pytest's summary)."""
+    test during which it happened (the warning shows in pytest's summary). On the shared cluster each test
+    also looks before it starts: the test that caused a drain may run for minutes more."""
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], capture_output=True, text=True,
                              timeout=15).stdout
