@@ -93,7 +93,7 @@ def main() -> int:
         from megalaunch.runtime.model.megatron_import import import_megatron
 
         import_megatron()
-        import megalaunch.runtime.loop.megatron_seams  # noqa: F401  (what the trainer imports before its loop)
+        import megalaunch.runtime.loop.megatron_seams
         import megalaunch.runtime.train  # noqa: F401
         parent = time.process_time() - t0
         rows: dict[str, list[tuple[float, float, str]]] = {"fresh": [], "forked": []}
