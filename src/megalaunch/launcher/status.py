@@ -71,15 +71,6 @@ def _chain_state(rows: list[dict[str, Any]], stopped: dict[str, Any] | None) -> 
 def run_status(paths: RunPaths) -> dict[str, Any]:
     from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.accounting.pace import efficiency, tokens_per_s
-    from megalaunch.launcher.accounting.storage import checkpoint_usage
-    from megalaunch.launcher.prepare.signal_lead import stop_lines
-    from megalaunch.launcher.status_history import (
-        health_lines,
-        node_decisions,
-        restart_lines,
-        resume_summary,
-        straggler_lines,
-    )
     from megalaunch.rundir import appended
     from megalaunch.rundir.appended import read_appended
     from megalaunch.rundir.files import parse_jsonl
@@ -122,14 +113,31 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "tokens_per_s_over": "recent" if chain_state == "running" else "run",
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": box.pending(), "consumed_triggers": len(box.consumed()),
+        "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
+        **_history(paths, recipe, rest),
+        "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(rest, "exported")),
+    }
+
+
+def _history(paths: RunPaths, recipe: Any, rest: list[dict[str, Any]]) -> dict[str, Any]:
+    """The lines under the segment table, from the ledger's events other than the per-segment ones."""
+    from megalaunch.launcher.accounting.storage import checkpoint_usage
+    from megalaunch.launcher.prepare.signal_lead import stop_lines
+    from megalaunch.launcher.status_history import (
+        health_lines,
+        node_decisions,
+        restart_lines,
+        resume_summary,
+        straggler_lines,
+    )
+
+    return {
         "refused_triggers": [{k: e.get(k) for k in ("name", "kind", "planted_by", "why", "time")}
                              for e in rest if e.get("event") == "trigger_refused"],
-        "last_guard": _last(rest, "guard"), "last_outcome": read_outcome(paths), "segments": rows,
-        "slurm_error": slurm_error, "nodes": node_decisions(rest), "restarts": restart_lines(rest),
+        "last_guard": _last(rest, "guard"), "nodes": node_decisions(rest), "restarts": restart_lines(rest),
         "health": health_lines(rest), "stragglers": straggler_lines(rest), "stop_signal": stop_lines(rest),
         "resume": resume_summary(paths, rest), "storage": checkpoint_usage(paths, recipe, rest),
         "exported": _last(rest, "exported"),  # chain.export_hf's last stage (launcher/chain/last_stage.py)
-        "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(rest, "exported")),
     }
 
 
