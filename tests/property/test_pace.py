@@ -1,5 +1,5 @@
-"""Property: `tokens_per_s` of a running chain, which reads state/metrics.jsonl from the end only as far as
-it must, gives what the whole-file definition gives, whatever the lines hold: jobs interleaved (an in-job
+"""Property: `tokens_per_s` of a running chain, which finds the newest segment on a tail of
+state/metrics.jsonl and pairs only that segment's lines, gives what the whole-file definition gives, whatever the lines hold: jobs interleaved (an in-job
 restart, a late line of an earlier segment), lines without a sample count or rate, samples going back."""
 
 from __future__ import annotations

@@ -72,16 +72,17 @@ def wait_for[T](
 
 
 def cluster_snapshot() -> str:
-    """One line of what Slurm shows now (nodes not idle with their reasons, the queue), for a failed
-    wait's message: CI keeps little more than the assertion."""
+    """One line of what Slurm shows now (the nodes that are not idle, with their reasons; the queue), for a
+    failed wait's message: CI keeps little more than the assertion."""
     parts = []
-    for label, cmd in (("nodes", ["sinfo", "-h", "-N", "-o", "%N %T %E"]),
+    for label, cmd in (("nodes not idle", ["sinfo", "-h", "-N", "-o", "%N %T %E"]),
                        ("queue", ["squeue", "-h", "-o", "%i %u %T %r %N"])):
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
         except (subprocess.TimeoutExpired, OSError) as e:
             out = f"({type(e).__name__})"
-        lines = sorted({line.strip() for line in out.splitlines() if line.strip()})
+        lines = sorted({line.strip() for line in out.splitlines()
+                        if line.strip() and (label == "queue" or line.split()[1:2] != ["idle"])})
         parts.append(f"{label}: " + (" | ".join(lines[:12]) or "-") + (f" | +{len(lines) - 12}" if len(lines) > 12 else ""))
     return "; ".join(parts)
 

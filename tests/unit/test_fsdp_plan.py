@@ -97,6 +97,23 @@ def test_an_fsdp_dtensor_checkpoint_is_complete_without_metadata_json(tmp_path: 
     assert incomplete_reason(cut) == "missing metadata.json" and incomplete_reason(cut, full=False) == "missing metadata.json"
 
 
+def test_the_format_is_told_by_a_key_anywhere_in_the_metadata(tmp_path: Path) -> None:
+    """`.metadata` is read in 1 MiB pieces until the key shows: one cut by a piece's end is still found."""
+    from megalaunch.runtime.checkpoint.completeness import FSDP_KEY, is_fsdp_dtensor
+
+    for at in (0, (1 << 20) - 5, 3 << 20):
+        d = tmp_path / f"at{at}"
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"\0" * at + FSDP_KEY + b"\0" * 10)
+        assert is_fsdp_dtensor(d), at
+        (d / "metadata.json").write_text("{}")  # torch_dist's own file: not fsdp_dtensor, whatever the keys
+        assert not is_fsdp_dtensor(d), at
+    d = tmp_path / "none"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"\0" * (2 << 20) + FSDP_KEY[:-1])
+    assert not is_fsdp_dtensor(d)
+
+
 def test_zero3_saves_what_was_measured_on_llama3_8b() -> None:
     """llama3-8b, seq 8192, TP 1 x DP 4, micro-batch 1, GBS 32, bf16 and fp8 on H200s (bench/gpu_session.sh): the
     distributed optimizer peaked at 107.2 GiB, Megatron-FSDP's ZeRO-3 at 73.2 (bf16); fp8 added +8.5 and +8.7."""

@@ -36,6 +36,7 @@ from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
 from megalaunch.conversion.tables import TABLES, Item, items
 from megalaunch.errors import PreflightError
+from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +152,7 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
     if out.exists() and any(out.glob("*.safetensors")) and not overwrite:
         raise ConversionError(f"{out} already holds safetensors files", fix="choose another --out, or --overwrite")
     with mcore_dist.process_group(), contextlib.ExitStack() as stack:
-        if fsdp_layout.is_fsdp_dtensor(ref.path):  # Megatron-FSDP's format: its weights as torch_dist first
+        if is_fsdp_dtensor(ref.path):  # Megatron-FSDP's format: its weights as torch_dist first
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".fsdp-weights-", dir=out.parent)))
             fsdp_layout.to_torch_dist(ref.path, tmp / ref.path.name)

@@ -35,13 +35,6 @@ TORCH_DIST_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_n
                     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
 
 
-def is_fsdp_dtensor(ckpt: Path) -> bool:
-    """What Megatron-FSDP saves: a torch.distributed.checkpoint of `model.module.*` keys without metadata.json."""
-    from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor as by_keys
-
-    return by_keys(ckpt)
-
-
 def _tensor_keys(ckpt: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 

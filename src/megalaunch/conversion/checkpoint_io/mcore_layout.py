@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalaunch.conversion.checkpoint_io import fsdp_layout
 from megalaunch.conversion.errors import ConversionError, IncompleteCheckpointError, MissingFileError
 from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -77,7 +77,7 @@ def resolve(path: Path, iteration: int | None = None) -> CheckpointRef:
     """Find the complete checkpoint meant by `path`: a run directory, a checkpoint directory (its
     tracker, or `iteration`), or an iteration directory itself."""
     path = Path(path)
-    if ((path / "metadata.json").is_file() or fsdp_layout.is_fsdp_dtensor(path)) and iteration is None:
+    if ((path / "metadata.json").is_file() or is_fsdp_dtensor(path)) and iteration is None:
         name = path.name
         it = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
         if it is not None:
@@ -104,7 +104,7 @@ def check_complete(ckpt: Path) -> None:
     """metadata.json names torch_dist, .metadata exists, and every data file it references is there
     and long enough."""
     meta = ckpt / "metadata.json"
-    if fsdp_layout.is_fsdp_dtensor(ckpt):  # Megatron-FSDP's: the torch.distributed.checkpoint part alone
+    if is_fsdp_dtensor(ckpt):  # Megatron-FSDP's: the torch.distributed.checkpoint part alone
         _check_shards(ckpt)
         return
     if not meta.is_file():

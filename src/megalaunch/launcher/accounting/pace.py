@@ -16,8 +16,8 @@ def tokens_per_s(metrics: list[dict[str, Any]], *, running: bool) -> float | Non
     rate leaves its interval's saves out; intervals are weighted by their samples (tokens over time,
     not a mean of rates). None before two log intervals of one segment. An interval is a line and the
     line of its job before it that has a sample count; "the newest segment" is the job of the newest
-    interval. While running, the lines are read from the end, as far back as those 20 intervals go (a
-    chain of thousands of segments has tens of thousands of lines)."""
+    interval. While running, that segment is found on a tail of the lines, and only its own lines are
+    paired (a chain of thousands of segments has tens of thousands of lines)."""
     intervals = _recent_intervals(metrics, RECENT_INTERVALS) if running else _intervals(metrics)
     if not intervals:
         return None

@@ -42,10 +42,16 @@ def is_fsdp_dtensor(directory: Path) -> bool:
     meta = directory / ".metadata"
     if (directory / "metadata.json").exists() or not meta.is_file():
         return False
-    try:
-        return FSDP_KEY in meta.read_bytes()
+    try:  # read until the key is found (it comes early): `status` checks every checkpoint on disk
+        with open(meta, "rb") as f:
+            tail = b""
+            while chunk := f.read(1 << 20):
+                if FSDP_KEY in tail + chunk:
+                    return True
+                tail = chunk[-(len(FSDP_KEY) - 1):]
     except OSError:
         return False
+    return False
 
 
 def _torch_dist_incomplete(directory: Path, *, full: bool = True) -> str | None:
