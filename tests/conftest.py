@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     import json
     import time
 
-    t0, w0 = os.times(), time.monotonic()
+    def forked() -> float:  # ranks forked by tests/megatron/forkserver.py are the server's children, not ours
+        server = sys.modules.get("forkserver")
+        return float(getattr(getattr(server, "Server", None), "cpu_s", 0.0))
+
+    t0, w0, f0 = os.times(), time.monotonic(), forked()
     yield
     t1, w1 = os.times(), time.monotonic()
     cpu = sum(getattr(t1, f) - getattr(t0, f) for f in ("user", "system", "children_user", "children_system"))
+    cpu += forked() - f0
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     Path(_CPU_LOG).mkdir(parents=True, exist_ok=True)
     with open(Path(_CPU_LOG) / f"{worker}.jsonl", "a") as f:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import forkserver
+
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
@@ -38,22 +40,29 @@ class Trainer:
     a rank (checkpoint writers, resource trackers) as Slurm's signal reaches every process of a step."""
 
     def __init__(self, paths: RunPaths, *, world: int = 1, job_id: str = "1", env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), fresh: bool = False) -> None:
+        """`fresh`: start every rank as a new interpreter (for tests of start-up itself); otherwise each
+        rank's supervisor and trainer are forked from a server that has imported torch and Megatron
+        (tests/megatron/forkserver.py; MEGALAUNCH_TEST_FORK=0: fresh everywhere)."""
         self.paths = paths
         self.job_id = job_id
         port = free_port()
         self.logs = [paths.logs / f"test-{job_id}-rank{r}.log" for r in range(world)]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | forkserver.Rank] = []
+        server = forkserver.Server.get() if not fresh and forkserver.enabled() else None
         for rank in range(world):
             e = {**os.environ, "PYTHONPATH": str(SRC), "MEGALAUNCH_RUN_DIR": str(paths.root),
                  "MEGALAUNCH_JOB_ID": job_id, "RANK": str(rank), "LOCAL_RANK": str(rank),
                  "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                  "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
             e.pop("WANDB_API_KEY", None)
+            argv = ["--signal", "SIGUSR2", "--", sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args]
+            if server is not None:
+                self.procs.append(server.start(argv, env=e, log=self.logs[rank]))
+                continue
             with open(self.logs[rank], "wb") as log:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "megalaunch.runtime.task", "--signal", "SIGUSR2", "--",
-                     sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args],
+                    [sys.executable, "-m", "megalaunch.runtime.task", *argv],
                     env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def signal(self, sig: int = signal.SIGUSR2) -> None:
