@@ -96,8 +96,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     import json
     import time
 
-    def forked() -> float:  # ranks forked by tests/megatron/forkserver.py are the server's children, not ours
-        server = sys.modules.get("forkserver")
+    def forked() -> float:  # ranks forked by tests/support/forkserver.py are the server's children, not ours
+        server = sys.modules.get("tests.support.forkserver")
         return float(getattr(getattr(server, "Server", None), "cpu_s", 0.0))
 
     t0, w0, f0 = os.times(), time.monotonic(), forked()

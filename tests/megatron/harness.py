@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import forkserver
+from tests.support import forkserver
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.prepare.prepare import prepare_run
@@ -43,7 +43,7 @@ class Trainer:
                  args: tuple[str, ...] = (), fresh: bool = False) -> None:
         """`fresh`: start every rank as a new interpreter (for tests of start-up itself); otherwise each
         rank's supervisor and trainer are forked from a server that has imported torch and Megatron
-        (tests/megatron/forkserver.py; MEGALAUNCH_TEST_FORK=0: fresh everywhere)."""
+        (tests/support/forkserver.py; MEGALAUNCH_TEST_FORK=0: fresh everywhere)."""
         self.paths = paths
         self.job_id = job_id
         port = free_port()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +97,28 @@ def megatron_logits(rank: int, world: int, port: int, ckpt: str, model: dict[str
 
 def run_megatron_logits(world: int, ckpt: str, model: dict[str, Any], vocab: int, tokens: list[list[int]],
                         result: str, dtype: str = "float32") -> Any:
-    """Spawn `world` processes of `megatron_logits` (TP = world) and return the logits."""
+    """Start `world` processes of `megatron_logits` (TP = world), forked from the tests' fork server
+    (tests/support/forkserver.py) or spawned fresh, and return the logits."""
     import torch
     import torch.multiprocessing as mp
+    from tests.support import forkserver
 
     from megalaunch.runtime.rank.dist_env import free_port
 
     port = free_port()
-    mp.spawn(megatron_logits, args=(world, port, ckpt, model, vocab, tokens, result, dtype), nprocs=world,
-             join=True)
+    args = (world, port, ckpt, model, vocab, tokens, result, dtype)
+    if not forkserver.enabled():
+        mp.spawn(megatron_logits, args=args, nprocs=world, join=True)
+        return torch.load(result)
+    server = forkserver.Server.get()
+    logs = [Path(f"{result}.rank{rank}.log") for rank in range(world)]
+    procs = [server.call("tests.support.hf_models:megatron_logits", (rank, *args), log=log)
+             for rank, log in enumerate(logs)]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert codes == [0] * world, "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
     return torch.load(result)

@@ -21,9 +21,11 @@ client writes {"env", "cwd", "log", "argv"}, the server answers {"pid"} and, whe
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -33,7 +35,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src"
 ENABLED_ENV = "MEGALAUNCH_TEST_FORK"
 TRAIN = ["-m", "megalaunch.runtime.train"]
 # What a tiny CPU rank imports after Megatron (traced: sys.modules after a segment less before it): W&B
@@ -46,7 +49,7 @@ WARM = ("megalaunch.runtime.task", "megalaunch.runtime.train", "megalaunch.runti
         "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
         "megatron.core.tokenizers.text.models.gpt_tokenizer", "megatron.core.models.mimo",
         "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
-        "torch._dynamo", "numpy.random", "numpy.fft", "numpy.ma", "wandb", "pandas")
+        "megalaunch.conversion.model", "megatron.core.dist_checkpointing", "torch._dynamo", "numpy.random", "numpy.fft", "numpy.ma", "wandb", "pandas")
 
 
 # ---------------------------------------------------------------- the server (its own process)
@@ -92,8 +95,9 @@ class _Forked:
         self.returncode: int | None = None
 
 
-def _run_rank(request: dict[str, Any]) -> int:
-    """In the server's child: become the rank's task supervisor, as the harness would have started it."""
+def _run(request: dict[str, Any]) -> int:
+    """In the server's child: become the rank's task supervisor, as the harness would have started it,
+    or call the function asked for (`call`: "module:function", `args`: pickled, base64)."""
     os.setsid()
     os.environ.clear()
     os.environ.update(request["env"])
@@ -106,6 +110,10 @@ def _run_rank(request: dict[str, Any]) -> int:
     os.close(null)
     os.close(log)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as a fresh interpreter has it
+    if "call" in request:
+        module, name = request["call"].split(":")
+        getattr(importlib.import_module(module), name)(*pickle.loads(base64.b64decode(request["args"])))
+        return 0
     from megalaunch.runtime import task
 
     task.rank_output_start = _trainer_start  # type: ignore[assignment]
@@ -119,7 +127,7 @@ def _spawn(request: dict[str, Any]) -> int:
     if pid == 0:
         code = 1
         try:
-            code = _run_rank(request)
+            code = _run(request)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
         except BaseException:
@@ -208,7 +216,7 @@ class Server:
     cpu_s = 0.0  # CPU seconds of the ranks that ended so far, in this test process
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, text=True, start_new_session=True)
         assert self.proc.stdout is not None and self.proc.stdin is not None
@@ -243,14 +251,22 @@ class Server:
     def start(self, argv: list[str], *, env: dict[str, str], log: Path, cwd: Path | None = None) -> Rank:
         """Fork a rank: `argv` is the task supervisor's (`--signal SIG -- python -m megalaunch.runtime.train
         RUN ...`)."""
+        return self._request({"argv": argv, "env": env, "log": str(log), "cwd": str(cwd or Path.cwd())})
+
+    def _request(self, request: dict[str, Any]) -> Rank:
         assert self.proc.stdin is not None
-        request = {"argv": argv, "env": env, "log": str(log), "cwd": str(cwd or Path.cwd())}
         with self.changed:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             if not self.changed.wait_for(lambda: self.pids or self.proc.poll() is not None, timeout=60) or not self.pids:
                 raise RuntimeError("the fork server did not answer")
             return Rank(self, self.pids.pop(0))
+
+    def call(self, function: str, args: tuple[Any, ...], *, log: Path, env: dict[str, str] | None = None) -> Rank:
+        """Fork a process that calls `function` ("module:name", importable with the repository on the path)
+        with `args`, its output to `log`; exit status 0 when it returned."""
+        return self._request({"call": function, "args": base64.b64encode(pickle.dumps(args)).decode(),
+                              "env": env or dict(os.environ), "log": str(log), "cwd": str(Path.cwd())})
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         with self.changed:
