@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src"), str(REPO / "tests" / "megatron")]
+sys.path[:0] = [str(REPO / "src"), str(REPO), str(REPO / "tests" / "megatron")]
 SETS = ("training.train_iters=3", "training.lr_warmup_iters=1")
 
 
@@ -42,7 +42,7 @@ def fresh(root: Path) -> tuple[float, float, str]:
 
     paths = make_run(root, *SETS)
     cpu, t0 = _children_cpu(), time.perf_counter()
-    trainer = Trainer(paths, world=1)
+    trainer = Trainer(paths, world=1, fresh=True)
     codes = trainer.wait()
     outcome = trainer.outcome()
     assert codes == [0], trainer.log()[-2000:]
