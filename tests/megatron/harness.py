@@ -56,13 +56,14 @@ class Trainer:
                  "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                  "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
             e.pop("WANDB_API_KEY", None)
-            argv = ["--signal", "SIGUSR2", "--", sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args]
+            argv = ["-m", "megalaunch.runtime.task", "--signal", "SIGUSR2", "--",
+                    sys.executable, "-m", "megalaunch.runtime.train", str(paths.root), *args]
             if server is not None:
                 self.procs.append(server.start(argv, env=e, log=self.logs[rank]))
                 continue
             with open(self.logs[rank], "wb") as log:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "megalaunch.runtime.task", *argv],
+                    [sys.executable, *argv],
                     env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def signal(self, sig: int = signal.SIGUSR2) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.support import forkserver
 
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 def _submit(tmp_path: Path, extra: dict, tasks: int = 1) -> tuple[RunPaths, subprocess.CompletedProcess[str]]:
     recipe = {"include": ["tiny"], "name": "cfgerr", "run": {"root": str(tmp_path / "runs")},
-              "cluster": {"tasks_per_node": tasks, "time": "00:05:00", "python": sys.executable,
+              "cluster": {"tasks_per_node": tasks, "time": "00:05:00", "python": forkserver.python(),
                           "env": {"OMP_NUM_THREADS": "1"}},
               "chain": {"max_segments_without_progress": 3}, **extra}
     path = tmp_path / "cfgerr.yaml"

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from tests.support import forkserver
 
 from megalaunch.rundir.evals import EvalPaths, eval_records
 from megalaunch.rundir.files import read_json, read_jsonl
@@ -34,7 +35,7 @@ def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str
             **eval_: Any) -> Path:
     recipe = {
         "include": ["tiny"], "name": "evaltiny", "run": {"root": str(tmp / "runs")},
-        "cluster": {"python": sys.executable, "time": "00:10:00", "env": {"OMP_NUM_THREADS": "1"}},
+        "cluster": {"python": forkserver.python(), "time": "00:10:00", "env": {"OMP_NUM_THREADS": "1"}},
         "data": {"mock": False, "blend": [{"path": str(data.prefix)}], "split": "90,10,0",
                  "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(data.tokenizer)},
         # 8 x 64 tokens per step; Megatron validates once (eval_iters 1) because the split has a valid share

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 import torch
 from safetensors.torch import load_file
+from tests.support import forkserver
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
 from megalaunch.conversion import mcore_to_hf
@@ -31,7 +32,7 @@ def _submit(tmp: Path, hf: Path, data: Path, name: str) -> tuple[subprocess.Comp
     sets = ["training.train_iters=2", "checkpoint.save_interval=2", "training.lr=1e-12", "training.min_lr=1e-12",
             "training.lr_warmup_iters=0", "training.global_batch_size=2", "training.micro_batch_size=2",
             "data.mock=false", f"data.blend=[{{path: {data}}}]", "data.tokenizer_type=HuggingFaceTokenizer",
-            f"data.tokenizer_model={hf}", f"run.root={tmp / 'runs'}", f"cluster.python={sys.executable}",
+            f"data.tokenizer_model={hf}", f"run.root={tmp / 'runs'}", f"cluster.python={forkserver.python()}",
             "cluster.env={OMP_NUM_THREADS: '1'}"]
     args = [a for s in sets for a in ("--set", s)]
     proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "submit", "sft-tiny", "--name", name,

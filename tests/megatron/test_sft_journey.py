@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 from harness import ledger, losses, run_segment
+from tests.support import forkserver
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
 from megalaunch.config.loader import load_recipe, load_run_recipe
@@ -50,7 +51,7 @@ def one_command(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("sft")
     hf = make_chat_model(root / "hf")
     write_jsonl(root / "chats" / "train.jsonl", chat_rows(240))
-    sets = [*CPU, f"run.root={root / 'runs'}", f"cluster.python={sys.executable}", "cluster.env={OMP_NUM_THREADS: '1'}"]
+    sets = [*CPU, f"run.root={root / 'runs'}", f"cluster.python={forkserver.python()}", "cluster.env={OMP_NUM_THREADS: '1'}"]
     command = [sys.executable, "-m", "megalaunch.cli.main", "submit", "sft-llama3-1b", "--from-hf", str(hf),
                "--data", str(root / "chats"), "--cluster", "local", *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,

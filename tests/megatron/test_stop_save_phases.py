@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import wait_for
+from tests.support import forkserver
 
 from megalaunch.launcher.accounting.goodput import chain_goodput
 from megalaunch.rundir.files import read_json
@@ -29,7 +30,7 @@ CLI = [sys.executable, "-m", "megalaunch.cli.main"]
 @pytest.mark.timeout(300)
 def test_a_slow_stop_save_is_checkpoint_save_not_exit(tmp_path: Path) -> None:
     recipe = {"include": ["tiny"], "name": "phases", "run": {"root": str(tmp_path / "runs")},
-              "cluster": {"tasks_per_node": 1, "time": "00:10:00", "python": sys.executable,
+              "cluster": {"tasks_per_node": 1, "time": "00:10:00", "python": forkserver.python(),
                           "env": {"MEGALAUNCH_TEST_SAVE_DELAY_S": f"{DELAY_S:g}:stop", "OMP_NUM_THREADS": "1",
                                   "MEGALAUNCH_TEST_CPU_ASYNC_SAVE": "1", "MEGALAUNCH_TEST_STEP_SLEEP_S": "0.05"}},
               "training": {"train_iters": 100000, "log_interval": 1, "micro_batch_size": 2, "global_batch_size": 2},

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 from harness import Trainer, ledger, make_run, wait_for
+from tests.support import forkserver
 from tests.support.tmpfs import fill, mounted_tmpfs
 
 from megalaunch.rundir.files import read_json, read_jsonl
@@ -50,7 +51,7 @@ def test_a_filesystem_that_fills_during_a_run(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "fs", "16m") as fs:
         recipe = {
             "include": ["tiny"], "name": "full", "run": {"root": str(fs / "runs")},
-            "cluster": {"tasks_per_node": 1, "time": "00:10:00", "python": sys.executable,
+            "cluster": {"tasks_per_node": 1, "time": "00:10:00", "python": forkserver.python(),
                         "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.25", "OMP_NUM_THREADS": "1"}},
             "training": {"train_iters": 1000, "log_interval": 1, "micro_batch_size": 2, "global_batch_size": 2},
             "checkpoint": {"save_interval": 10, "keep_last": 2},

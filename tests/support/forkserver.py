@@ -22,14 +22,20 @@ client writes {"env", "cwd", "log", "argv"}, the server answers {"pid"} and, whe
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import json
 import os
 import pickle
+import runpy
 import select
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from pathlib import Path
@@ -37,11 +43,13 @@ from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
+SHIM = Path(__file__).resolve().parent / "forkshim.py"
 ENABLED_ENV = "MEGALAUNCH_TEST_FORK"
 TRAIN = ["-m", "megalaunch.runtime.train"]
 # What a tiny CPU rank imports after Megatron (traced: sys.modules after a segment less before it): W&B
-# and what it brings (pandas) on rank 0, TorchDynamo (Adam's step imports it), Megatron's datasets,
-# tokenizers and checkpoint reader, megalaunch's runtime. A module missing here costs time, not truth.
+# on rank 0, TorchDynamo (Adam's step imports it), Megatron's datasets, tokenizers and checkpoint reader,
+# megalaunch's runtime. A module missing here costs time, not truth. Not pandas (W&B's): importing it
+# starts a native thread, and the server must stay one thread to fork safely (serve() checks).
 WARM = ("megalaunch.runtime.task", "megalaunch.runtime.train", "megalaunch.runtime.loop.megatron_seams",
         "megalaunch.runtime.loop.parallel_load", "megalaunch.runtime.model.model", "megalaunch.runtime.model.cpu_compat",
         "megalaunch.runtime.observation.wandb_run", "megalaunch.runtime.rank.collectives",
@@ -49,7 +57,7 @@ WARM = ("megalaunch.runtime.task", "megalaunch.runtime.train", "megalaunch.runti
         "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.core.datasets.gpt_dataset",
         "megatron.core.tokenizers.text.models.gpt_tokenizer", "megatron.core.models.mimo",
         "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
-        "megalaunch.conversion.model", "megatron.core.dist_checkpointing", "torch._dynamo", "numpy.random", "numpy.fft", "numpy.ma", "wandb", "pandas")
+        "megalaunch.conversion.model", "megatron.core.dist_checkpointing", "torch._dynamo", "numpy.random", "numpy.fft", "numpy.ma", "wandb")
 
 
 # ---------------------------------------------------------------- the server (its own process)
@@ -77,7 +85,7 @@ def _trainer_start(command: list[str], *, hold: bool, rank: int, preexec_fn: Any
 
             code = train.main(command[3:]) or 0
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            code = _exit_code(e)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -95,94 +103,186 @@ class _Forked:
         self.returncode: int | None = None
 
 
+def _exit_code(e: SystemExit) -> int:
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+def _stdio(request: dict[str, Any]) -> None:
+    """Standard input, output and error: the client's own (passed over the socket), or /dev/null and a log."""
+    fds = request.get("fds") or [os.open(os.devnull, os.O_RDONLY),
+                                 *[os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)] * 2]
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+
+
 def _run(request: dict[str, Any]) -> int:
-    """In the server's child: become the rank's task supervisor, as the harness would have started it,
-    or call the function asked for (`call`: "module:function", `args`: pickled, base64)."""
+    """In the server's child, in a session of its own with the client's environment and directory: call the
+    function asked for (`call`: "module:function", `args`: pickled, base64), or be `python ARGV...`: the
+    task supervisor (forking its trainer), another `-m` module, or anything else by exec'ing Python."""
     os.setsid()
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
+    _stdio(request)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as a fresh interpreter has it
     if "call" in request:
         module, name = request["call"].split(":")
         getattr(importlib.import_module(module), name)(*pickle.loads(base64.b64decode(request["args"])))
         return 0
-    from megalaunch.runtime import task
+    argv = request["argv"]
+    if argv[:2] == ["-m", "megalaunch.runtime.task"]:
+        from megalaunch.runtime import task
 
-    task.rank_output_start = _trainer_start  # type: ignore[assignment]
-    sys.argv = ["megalaunch.runtime.task", *request["argv"]]
-    return task.main(request["argv"])
+        task.rank_output_start = _trainer_start  # type: ignore[assignment]
+        sys.argv = ["megalaunch.runtime.task", *argv[2:]]
+        return task.main(argv[2:])
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
+    os.execv(sys.executable, [sys.executable, *argv])
+    return 127  # not reached
 
 
-def _spawn(request: dict[str, Any]) -> int:
+def _spawn(request: dict[str, Any], close: list[Any]) -> int:
+    """Fork the child for `request`; `close`: the server's sockets, which the child must not hold open."""
     sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            for sock in close:
+                sock.close()
             code = _run(request)
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
+            code = _exit_code(e)
         except BaseException:
             traceback.print_exc()
         finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(code)
+    for fd in request.get("fds") or []:
+        os.close(fd)
     return pid
 
 
-def _reap(out: IO[str]) -> None:
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
+class _Loop:
+    """The server's one thread: requests from the owning test process (stdin, JSON lines) and from shims
+    (a SOCK_SEQPACKET socket: one request with the shim's stdin/stdout/stderr, then the exit status back;
+    the shim's end closing while its child lives means the shim was killed, so the child's session is
+    killed too, as SIGKILL to a process group would have)."""
+
+    def __init__(self, out: IO[str], listener: socket.socket) -> None:
+        self.out, self.listener = out, listener
+        self.conns: dict[int, socket.socket] = {}  # fileno -> a shim's connection
+        self.child_of: dict[int, int] = {}  # fileno -> the child started for it
+        self.conn_of: dict[int, socket.socket] = {}  # child pid -> its shim's connection
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.out.write(json.dumps(message) + "\n")
+        self.out.flush()
+
+    def sockets(self) -> list[Any]:
+        return [self.listener, *self.conns.values()]
+
+    def drop(self, conn: socket.socket) -> None:
+        self.conns.pop(conn.fileno(), None)
+        pid = self.child_of.pop(conn.fileno(), None)
+        if pid is not None and self.conn_of.pop(pid, None) is not None:  # the shim died first
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        conn.close()
+
+    def from_shim(self, conn: socket.socket) -> None:
+        if conn.fileno() in self.child_of:  # only its end closing can come after the request
+            if not conn.recv(64):
+                self.drop(conn)
             return
-        if pid == 0:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not data:
+            self.drop(conn)
             return
-        # the supervisor's CPU with the trainer's it reaped (tests/conftest.py's CPU log counts it)
-        out.write(json.dumps({"exit": pid, "status": status, "cpu": usage.ru_utime + usage.ru_stime}) + "\n")
-        out.flush()
+        pid = _spawn({**json.loads(data), "fds": fds}, self.sockets())
+        self.child_of[conn.fileno()], self.conn_of[pid] = pid, conn
+        conn.send(json.dumps({"pid": pid}).encode())
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.conn_of.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"status": status}).encode())
+                self.child_of.pop(conn.fileno(), None)
+                self.drop(conn)
+            # the child's CPU with what it reaped (tests/conftest.py's CPU log counts it)
+            self.send({"exit": pid, "status": status, "cpu": usage.ru_utime + usage.ru_stime})
 
 
 def serve() -> int:
-    """Import what the trainer imports, then fork a rank per request until stdin closes."""
+    """Import what the trainer imports, then fork a child per request until stdin closes."""
     from megalaunch.runtime.model.megatron_import import import_megatron
 
     import_megatron()
     for name in WARM:
         importlib.import_module(name)
-
-    out = sys.stdout
-    out.write(json.dumps({"ready": os.getpid()}) + "\n")
-    out.flush()
+    threads = len(os.listdir("/proc/self/task"))
+    assert threads == 1, f"the fork server must have one thread to fork safely, it has {threads} (see WARM)"
+    home = Path(tempfile.mkdtemp(prefix="ml-forkserver-"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(home / "sock"))
+    listener.listen(64)
+    shim = home / "python"
+    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -I -S {shlex.quote(str(SHIM))} "
+                    f"{shlex.quote(str(home / 'sock'))} {shlex.quote(sys.executable)} \"$@\"\n")
+    shim.chmod(0o755)
+    loop = _Loop(sys.stdout, listener)
+    loop.send({"ready": os.getpid(), "python": str(shim)})
     buffer = b""
     stdin = sys.stdin.fileno()
-    while True:
-        ready, _, _ = select.select([stdin], [], [], 0.05)
-        _reap(out)
-        if not ready:
-            continue
-        chunk = os.read(stdin, 1 << 16)
-        if not chunk:
-            return 0  # the client went away; its ranks are theirs to end
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            pid = _spawn(json.loads(line))
-            out.write(json.dumps({"pid": pid}) + "\n")
-            out.flush()
+    try:
+        while True:
+            ready, _, _ = select.select([stdin, *loop.sockets()], [], [], 0.05)
+            loop.reap()
+            for item in ready:
+                if item is listener:
+                    conn, _ = listener.accept()
+                    loop.conns[conn.fileno()] = conn
+                elif isinstance(item, socket.socket):
+                    loop.from_shim(item)
+                else:
+                    chunk = os.read(stdin, 1 << 16)
+                    if not chunk:
+                        return 0  # the test process went away; its ranks are its to end
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        loop.send({"pid": _spawn(json.loads(line), loop.sockets())})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the client (the test process)
 
 def enabled() -> bool:
     return os.environ.get(ENABLED_ENV, "1") != "0"
+
+
+def python() -> str:
+    """An interpreter for `cluster.python` in the tests' local-backend recipes: the server's shim (its tasks
+    and trainers forked from the server, tests/support/forkshim.py), or this Python when forking is off."""
+    return Server.get().python if enabled() else sys.executable
 
 
 class Rank:
@@ -217,12 +317,17 @@ class Server:
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True, start_new_session=True)
+        # its own warnings (Megatron's import notes) in a file, not in every test's output
+        self.log = Path(tempfile.mkstemp(prefix="ml-forkserver-", suffix=".log")[1])
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, text=True, start_new_session=True)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         first = self.proc.stdout.readline()
         if not first:
-            raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
+            raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}): "
+                               f"{self.log.read_text(errors='replace')[-3000:]}")
+        self.python = json.loads(first)["python"]  # the shim: `python ARGS` forked from the server
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.pids: list[int] = []
@@ -249,8 +354,8 @@ class Server:
                 self.changed.notify_all()
 
     def start(self, argv: list[str], *, env: dict[str, str], log: Path, cwd: Path | None = None) -> Rank:
-        """Fork a rank: `argv` is the task supervisor's (`--signal SIG -- python -m megalaunch.runtime.train
-        RUN ...`)."""
+        """Fork `python ARGV` (the harness: `-m megalaunch.runtime.task --signal SIG -- python -m
+        megalaunch.runtime.train RUN ...`), its output to `log`."""
         return self._request({"argv": argv, "env": env, "log": str(log), "cwd": str(cwd or Path.cwd())})
 
     def _request(self, request: dict[str, Any]) -> Rank:
