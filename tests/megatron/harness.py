@@ -12,7 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support import forkserver
+try:
+    from tests.support import forkserver
+except ModuleNotFoundError:  # a script with only tests/megatron on its path: fresh ranks
+    forkserver = None  # type: ignore[assignment]
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.launcher.prepare.prepare import prepare_run
@@ -48,8 +51,8 @@ class Trainer:
         self.job_id = job_id
         port = free_port()
         self.logs = [paths.logs / f"test-{job_id}-rank{r}.log" for r in range(world)]
-        self.procs: list[subprocess.Popen[bytes] | forkserver.Rank] = []
-        server = forkserver.Server.get() if not fresh and forkserver.enabled() else None
+        self.procs: list[Any] = []  # subprocess.Popen, or forkserver.Rank (the same interface)
+        server = forkserver.Server.get() if forkserver is not None and not fresh and forkserver.enabled() else None
         for rank in range(world):
             e = {**os.environ, "PYTHONPATH": str(SRC), "MEGALAUNCH_RUN_DIR": str(paths.root),
                  "MEGALAUNCH_JOB_ID": job_id, "RANK": str(rank), "LOCAL_RANK": str(rank),

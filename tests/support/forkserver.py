@@ -276,7 +276,9 @@ def serve() -> int:
 # ---------------------------------------------------------------- the client (the test process)
 
 def enabled() -> bool:
-    return os.environ.get(ENABLED_ENV, "1") != "0"
+    """On unless MEGALAUNCH_TEST_FORK=0, and never on a machine with NVIDIA GPUs (the device's tests and
+    benchmarks measure the path users take, whose start-up is part of what they measure)."""
+    return os.environ.get(ENABLED_ENV, "1") != "0" and not os.path.exists("/dev/nvidiactl")
 
 
 def python() -> str:
