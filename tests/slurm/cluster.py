@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,45 @@ def wait_for[T](
     Raises ``AssertionError`` naming *what* after *timeout* seconds.
     """
     deadline = time.monotonic() + timeout
+    heal_at = time.monotonic() + DRAIN_CHECK_S
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; {cluster_snapshot()}")
+        if time.monotonic() >= heal_at:  # a drain mid-test would hold this very wait (the hang test, twice)
+            resume_kill_task_drains(f"a wait for {what}")
+            heal_at = time.monotonic() + DRAIN_CHECK_S
         time.sleep(interval)
+
+
+DRAIN_CHECK_S = 10.0
+
+
+def resume_kill_task_drains(test: str) -> None:
+    """A node that Slurm drained "Kill task failed" (slurmstepd gave up on a task that outlived its
+    SIGKILL by UnkillableStepTimeout) stays out of service until an administrator resumes it: every later
+    wait for it would be in vain (one CI run lost five tests so). Resume it, and warn, naming the test or
+    wait during which it happened (the warning shows in pytest's summary). Called before and after every
+    test on the shared cluster (tests/slurm/conftest.py) and every 10 s of a `wait_for`; not on the scale
+    cluster, whose tests kill nodes on purpose and resume what that drains themselves."""
+    if os.environ.get("SLURM_CONF") == str(PRIVATE_CONFS["scale"]):
+        return
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], capture_output=True, text=True,
+                             timeout=15).stdout
+    except (subprocess.TimeoutExpired, OSError):
+        return
+    drained = sorted({name for name, state, reason in (line.split("|", 2) for line in out.splitlines()
+                                                        if line.count("|") == 2)
+                      if state.startswith("drain") and "Kill task failed" in reason})
+    if not drained:
+        return
+    subprocess.run(["scontrol", "update", f"nodename={','.join(drained)}", "state=resume"], capture_output=True,
+                   timeout=15)
+    warnings.warn(f"Slurm drained {', '.join(drained)} 'Kill task failed' during {test} (a task outlived "
+                  "SIGKILL by UnkillableStepTimeout); resumed", stacklevel=1)
 
 
 def cluster_snapshot() -> str:

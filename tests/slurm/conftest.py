@@ -24,12 +24,11 @@ import shutil
 import subprocess
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import ON_DEMAND, PRIVATE_CONFS, SLURM_STATE, cluster_available
+from cluster import ON_DEMAND, PRIVATE_CONFS, SLURM_STATE, cluster_available, resume_kill_task_drains
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -146,9 +145,9 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
                         f"within 5 s){why}: run `{up}`", pytrace=False)
         pytest.skip(f"{which} answers{why}: run `{up}`")
     if not private:
-        _resume_kill_task_drains(f"a test before {request.node.nodeid} (one still running, maybe)")
+        resume_kill_task_drains(f"a test before {request.node.nodeid} (one still running, maybe)")
         yield
-        _resume_kill_task_drains(request.node.nodeid)
+        resume_kill_task_drains(request.node.nodeid)
         return
     lock_path = _private_lock(private)
     with open(lock_path, "a") as lock:
@@ -165,31 +164,9 @@ def _require_cluster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         try:
             yield
             if private != "scale":  # the scale tests resume what their node deaths drain themselves
-                _resume_kill_task_drains(request.node.nodeid)
+                resume_kill_task_drains(request.node.nodeid)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _resume_kill_task_drains(test: str) -> None:
-    """A node that Slurm drained "Kill task failed" (slurmstepd gave up on a task that outlived its
-    SIGKILL by UnkillableStepTimeout) stays out of service until an administrator resumes it: every later
-    test that needs it would wait in vain (one CI run lost five tests so). Resume it, and warn, naming the
-    test during which it happened (the warning shows in pytest's summary). On the shared cluster each test
-    also looks before it starts: the test that caused a drain may run for minutes more."""
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], capture_output=True, text=True,
-                             timeout=15).stdout
-    except (subprocess.TimeoutExpired, OSError):
-        return
-    drained = sorted({name for name, state, reason in (line.split("|", 2) for line in out.splitlines()
-                                                        if line.count("|") == 2)
-                      if state.startswith("drain") and "Kill task failed" in reason})
-    if not drained:
-        return
-    subprocess.run(["scontrol", "update", f"nodename={','.join(drained)}", "state=resume"], capture_output=True,
-                   timeout=15)
-    warnings.warn(f"Slurm drained {', '.join(drained)} 'Kill task failed' during {test} (a task outlived "
-                  "SIGKILL by UnkillableStepTimeout); resumed", stacklevel=1)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
