@@ -140,6 +140,7 @@ def _run(request: dict[str, Any]) -> int:
         sys.argv = ["megalaunch.runtime.task", *argv[2:]]
         return task.main(argv[2:])
     if argv[:1] == ["-m"] and len(argv) > 1:
+        sys.path.insert(0, os.getcwd())  # as `python -m` puts the working directory first
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return 0
