@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,30 +69,20 @@ def _trainer_start(command: list[str], *, hold: bool, rank: int, preexec_fn: Any
 
     if hold or command[1:3] != TRAIN:
         return rank_output.start(command, hold=hold, rank=rank, preexec_fn=preexec_fn, **popen)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            if preexec_fn is not None:
-                preexec_fn()
-            # a fresh interpreter's dispositions (the supervisor's no-op handlers are not the trainer's)
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            sys.argv = [command[0], *command[3:]]
-            from megalaunch.runtime import train
 
-            code = train.main(command[3:]) or 0
-        except SystemExit as e:
-            code = _exit_code(e)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    def trainer() -> int:
+        if preexec_fn is not None:
+            preexec_fn()
+        # a fresh interpreter's dispositions (the supervisor's no-op handlers are not the trainer's)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.argv = [command[0], *command[3:]]
+        from megalaunch.runtime import train
+
+        return train.main(command[3:]) or 0
+
+    pid = _fork(trainer)
     return _Forked(pid), None
 
 
@@ -148,17 +139,16 @@ def _run(request: dict[str, Any]) -> int:
     return 127  # not reached
 
 
-def _spawn(request: dict[str, Any], close: list[Any]) -> int:
-    """Fork the child for `request`; `close`: the server's sockets, which the child must not hold open."""
+def _fork(child: Callable[[], int]) -> int:
+    """Fork; the child runs `child` and leaves with its code (a SystemExit's, or 1 on an exception, whose
+    traceback goes to its standard error), never returning into the caller's code."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            for sock in close:
-                sock.close()
-            code = _run(request)
+            code = child()
         except SystemExit as e:
             code = _exit_code(e)
         except BaseException:
@@ -168,6 +158,18 @@ def _spawn(request: dict[str, Any], close: list[Any]) -> int:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
+    return pid
+
+
+def _spawn(request: dict[str, Any], close: list[Any]) -> int:
+    """Fork the child for `request`; `close`: the server's sockets, which the child must not hold open."""
+
+    def child() -> int:
+        for sock in close:
+            sock.close()
+        return _run(request)
+
+    pid = _fork(child)
     for fd in request.get("fds") or []:
         os.close(fd)
     return pid
