@@ -9,7 +9,9 @@ not the job's: that segment ends with a configuration error that stops the chain
 consumed and nothing is moved.
 
 Timing: limit 50 s, lead = save 3 + step 1 + margin 4 = 8 s, so the signal comes 42 s into a segment;
-start-up of one rank is 5..20 s here and an iteration the 0.1 s pacing sleep + ~50 ms. ~2 min in all."""
+the rank is forked from the tests' fork server (tests/support/forkserver.py: start-up ~3 s, where a fresh
+interpreter took 5..20 s, and once, on CI's loaded machine, so long that the first segment's signal came
+before checkpoint 30); an iteration is the 0.1 s pacing sleep + ~50 ms. ~2 min in all."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import ledger
+from tests.support import forkserver
 
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.ledger import Ledger
@@ -78,7 +81,7 @@ def _exit_when(paths: RunPaths, ready: Callable[[], bool | None], what: str, pro
 def test_resume_from_an_older_checkpoint_then_a_refused_one(tmp_path: Path) -> None:
     recipe = {
         "include": ["tiny"], "name": "resumefrom", "run": {"root": str(tmp_path / "runs")},
-        "cluster": {"time": "00:00:50", "python": sys.executable,
+        "cluster": {"time": "00:00:50", "python": forkserver.python(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.1", "OMP_NUM_THREADS": "1"}},
         "training": {"train_iters": 2000, "log_interval": 1, "micro_batch_size": 2, "global_batch_size": 2},
         "checkpoint": {"save_interval": 10, "save_time_estimate_s": 3, "keep_last": 20},
