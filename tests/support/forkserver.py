@@ -1,23 +1,23 @@
-"""A fork server for the Megatron tests' trainer ranks (issue 36: CI time on a 2-core machine).
+"""A fork server for the tests' Megatron processes (issue 36: CI time on a 2-core machine).
 
-Every rank that tests/megatron/harness.Trainer starts is `python -m megalaunch.runtime.task -- python -m
-megalaunch.runtime.train RUN`: a fresh interpreter that imports torch and Megatron (~5.6 of a 3-iteration
-rank's ~10 s here; bench/fork_trainer.py). This module runs one server per test process that has
-imported what the trainer imports, once, and forks each rank from it:
+A trainer rank started fresh imports torch and Megatron (~5.6 of a 3-iteration rank's ~10 s here;
+bench/fork_trainer.py). One server per test process imports what a rank imports, once, and forks:
 
-- the server's child is the rank's task supervisor (runtime/task.py, unchanged: stop signal blocked,
-  child subreaper, the rank record, leaving the way the trainer left), in a session of its own as
-  `start_new_session=True` gives a fresh process, with the rank's environment, working directory and
-  output file;
-- the supervisor starts the trainer by forking (`runtime.train.main` with the same arguments) instead of
-  exec'ing a new interpreter; the trainer gets Python's own signal dispositions back (a fresh
-  interpreter's), not the supervisor's handlers, which a fork would otherwise pass on.
+- the harness's ranks (tests/megatron/harness.Trainer): the child is the rank's task supervisor
+  (runtime/task.py, unchanged: stop signal blocked, child subreaper, the rank record, leaving the way the
+  trainer left), in a session of its own as `start_new_session=True` gives a fresh process, with the rank's
+  environment, working directory and output file; the supervisor starts the trainer by forking
+  (`runtime.train.main`, same arguments) instead of exec'ing, and the trainer gets a fresh interpreter's
+  signal dispositions back, not the supervisor's handlers, which a fork would otherwise pass on;
+- `python ARGS` for the local backend's tasks through the shim (`python()`, tests/support/forkshim.py), over a
+  Unix socket that also carries the shim's standard streams;
+- a function call (`Server.call`: the conversion tests' logits workers).
 
-What is not the path users take, and stays with fresh processes (`Trainer(fresh=True)`, or
-MEGALAUNCH_TEST_FORK=0 for all): start-up itself (import phases, import noise, deferred compilation),
-and anything inside Slurm, where the step's processes are Slurm's. The protocol is JSON lines: the
-client writes {"env", "cwd", "log", "argv"}, the server answers {"pid"} and, when a supervisor ends,
-{"exit": pid, "status": wait status, "cpu": seconds (the supervisor's and the trainer's)}."""
+Not forked (fresh processes): start-up itself (`Trainer(fresh=True)`: import phases, import noise, deferred
+compilation), anything inside Slurm (the step's processes are Slurm's), a machine with NVIDIA GPUs, and
+everything with MEGALAUNCH_TEST_FORK=0. The owner's protocol is JSON lines on the server's stdin/stdout:
+requests {"argv" | "call", "env", "cwd", "log"}, answers {"pid"}, and for every child that ends
+{"exit": pid, "status": wait status, "cpu": seconds (the child's with what it reaped)}."""
 
 from __future__ import annotations
 
