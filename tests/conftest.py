@@ -100,7 +100,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         server = sys.modules.get("tests.support.forkserver")
         return float(getattr(getattr(server, "Server", None), "cpu_s", 0.0))
 
-    t0, w0, f0 = os.times(), time.monotonic(), forked()
+    t0, w0, f0, start = os.times(), time.monotonic(), forked(), time.time()
     yield
     t1, w1 = os.times(), time.monotonic()
     cpu = sum(getattr(t1, f) - getattr(t0, f) for f in ("user", "system", "children_user", "children_system"))
@@ -108,4 +108,5 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     Path(_CPU_LOG).mkdir(parents=True, exist_ok=True)
     with open(Path(_CPU_LOG) / f"{worker}.jsonl", "a") as f:
-        f.write(json.dumps({"test": item.nodeid, "wall": round(w1 - w0, 2), "cpu": round(cpu, 2)}) + "\n")
+        f.write(json.dumps({"test": item.nodeid, "wall": round(w1 - w0, 2), "cpu": round(cpu, 2),
+                            "start": round(start, 1)}) + "\n")

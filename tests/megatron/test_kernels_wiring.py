@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support import forkserver
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("liger_kernel")
@@ -83,7 +84,9 @@ def test_liger_wiring_matches_megatron(kernels: str) -> None:
     fused linear cross entropy, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1",
            "TRITON_INTERPRET": "1" if kernels == "interpreted" else "0"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, kernels], capture_output=True, text=True, env=env, timeout=300)
+    # Triton reads TRITON_INTERPRET when it is imported, and the fork server has imported it already
+    python = sys.executable if kernels == "interpreted" else forkserver.python()
+    p = subprocess.run([python, "-c", SCRIPT, kernels], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     for tied in ("True", "False"):

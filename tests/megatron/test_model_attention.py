@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.support import forkserver
 
 pytestmark = pytest.mark.megatron
 
@@ -49,7 +49,7 @@ def test_sdpa_matches_local_attention(backends: str | None) -> None:
     env.pop("MEGALAUNCH_SDPA_BACKENDS", None)
     if backends:
         env["MEGALAUNCH_SDPA_BACKENDS"] = backends
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([forkserver.python(), "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["shape"] == [3, 32, 256]  # batch, sequence, vocabulary padded to a multiple of 64
@@ -59,7 +59,7 @@ def test_sdpa_matches_local_attention(backends: str | None) -> None:
 
 def test_an_unknown_sdpa_backend_is_refused_with_the_valid_names() -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MEGALAUNCH_SDPA_BACKENDS": "cudnn,math"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([forkserver.python(), "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode != 0
     assert "ValueError: MEGALAUNCH_SDPA_BACKENDS='cudnn,math': valid names are" in p.stderr
     assert "cudnn_attention" in p.stderr.splitlines()[-1]
@@ -68,5 +68,5 @@ def test_an_unknown_sdpa_backend_is_refused_with_the_valid_names() -> None:
 def test_the_backend_order_reaches_the_attention_call() -> None:
     """cuDNN's attention alone cannot run on a CPU: the forward fails, so the order was applied there."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MEGALAUNCH_SDPA_BACKENDS": "cudnn_attention"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([forkserver.python(), "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode != 0 and "No viable backend for scaled_dot_product_attention" in p.stderr, p.stderr[-2000:]

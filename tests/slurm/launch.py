@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,37 @@ PYTHON = sys.executable
 MEGALAUNCH = str(Path(sys.executable).with_name("megalaunch"))
 COUNTER = str(REPO / "tests" / "workloads" / "counter.py")
 RANKINFO = str(REPO / "tests" / "workloads" / "rankinfo.py")
+
+
+def trainer_python() -> str:
+    """`cluster.python` for root's jobs that run the real trainer where the test's claim is not about the
+    processes Slurm starts (which process gets a signal, which ones a node's death takes): the tests' fork
+    server's shim (tests/support/forkserver.py). srun starts the shim as the step's task; the task supervisor
+    and the trainer are forked from a process that has torch and Megatron imported (~1 CPU-s per rank
+    instead of ~8 on this 2-core machine), with the task's environment (SLURM_*, SLURMD_NODENAME: so a
+    node killed by tests/slurm/scale.kill_node takes them too), working directory and streams; the shim
+    passes on every signal Slurm sends it and leaves as they did. PYTHON with MEGALAUNCH_TEST_FORK=0, on GPU
+    machines, and for other users' jobs (the server is root's)."""
+    from tests.support import forkserver
+
+    return forkserver.python()
+
+
+def job_megalaunch() -> str:
+    """`cluster.megalaunch` to go with trainer_python(): the jobs' `megalaunch` commands (job begin/end,
+    evaluation, conversion) forked from the same server (the entry point's `main()`); MEGALAUNCH
+    where trainer_python() gives a fresh interpreter."""
+    python = trainer_python()
+    if python == PYTHON:
+        return MEGALAUNCH
+    wrapper = Path(python).with_name("megalaunch")
+    if not wrapper.exists():
+        tmp = wrapper.with_name(".megalaunch.part")
+        code = "import sys; sys.argv[0] = 'megalaunch'; from megalaunch.cli.main import main; sys.exit(main())"
+        tmp.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -c "{code}" "$@"\n')
+        tmp.chmod(0o755)
+        tmp.replace(wrapper)
+    return str(wrapper)
 
 
 def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str | None = None,

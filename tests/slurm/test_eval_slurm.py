@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import run_as, wait_for
-from launch import MEGALAUNCH, PYTHON, ledger, run_dir_of
+from launch import MEGALAUNCH, job_megalaunch, ledger, run_dir_of, trainer_python
 
 from megalaunch.rundir.evals import EvalPaths, eval_records
 from megalaunch.rundir.paths import RunPaths
@@ -51,7 +51,8 @@ def _recipe(tmp: Path) -> Path:
     recipe: dict[str, Any] = {
         "include": ["tiny"], "name": "evalslurm", "run": {"root": str(tmp / "runs")},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
-                    "time": "00:05:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": free_port(),
+                    "time": "00:05:00", "python": trainer_python(), "megalaunch": job_megalaunch(),
+                    "master_port": free_port(),
                     "env": {"OMP_NUM_THREADS": "1"}},
         "data": {"mock": False, "blend": [{"path": str(data.prefix)}], "split": "90,10,0",
                  "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(data.tokenizer)},

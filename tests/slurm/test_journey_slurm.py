@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import TERMINAL_STATES, job_state, queue_ids, run_as, wait_for
-from launch import MEGALAUNCH, PYTHON, REPO, ledger, run_dir_of
+from launch import MEGALAUNCH, REPO, job_megalaunch, ledger, run_dir_of, trainer_python
 from tests.support.corpus import documents, train_bpe_tokenizer
 
 from megalaunch.runtime.rank.dist_env import free_port
@@ -110,14 +110,14 @@ def write_recipes(tmp: Path, tokenizer: Path) -> tuple[Path, Path]:
         "inputs": {"roots": [str(tmp / "raw")], "filter_in": ["*.jsonl", "*.parquet"], "text_key": "text"},
         "tokenizer": {"path": str(tokenizer), "eos": EOS, "batch_size": 100},
         "n_dumps": 2, "tasks": 2, "workers": 1, "backend": "slurm",
-        "slurm": {"time": "00:05:00", "max_concurrent": 2, "python": PYTHON},
+        "slurm": {"time": "00:05:00", "max_concurrent": 2, "python": trainer_python()},
     }
     train = {
         "include": ["tiny"], "name": "journey",
         "run": {"root": str(tmp / "runs")},
         "data": {"mock": False, "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tokenizer)},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
-                    "time": "00:02:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": free_port(),
+                    "time": "00:02:00", "python": trainer_python(), "megalaunch": job_megalaunch(), "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(STEP_SLEEP_S), "OMP_NUM_THREADS": "1"}},
         "training": {"train_iters": TRAIN_ITERS, "log_interval": LOG_INTERVAL, "lr_warmup_iters": 10},
         "checkpoint": {"save_interval": SAVE_INTERVAL, "save_time_estimate_s": 5, "keep_last": 10},

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import show_job, wait_for
-from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
+from launch import job_megalaunch, ledger, megalaunch, run_dir_of, submitted_ids, trainer_python
 from scale import kill_node, node_state, revive_node, wait_node_state
 
 from megalaunch.rundir.files import read_jsonl
@@ -49,8 +49,8 @@ def _recipe(root: Path, loss_log: Path, health: Path | None, **cluster: Any) -> 
     recipe: dict[str, Any] = {
         "include": ["tiny"], "name": "shrink", "run": {"root": str(root / "runs")},
         "cluster": {"backend": "slurm", "nodes": NODES, "min_nodes": MIN_NODES, "gpus_per_node": 0,
-                    "tasks_per_node": 1, "cpus_per_task": 1, "time": "00:10:00", "python": PYTHON,
-                    "megalaunch": MEGALAUNCH, "master_port": free_port(),
+                    "tasks_per_node": 1, "cpus_per_task": 1, "time": "00:10:00", "python": trainer_python(),
+                    "megalaunch": job_megalaunch(), "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.3", "MEGALAUNCH_LOSS_LOG": str(loss_log),
                             "OMP_NUM_THREADS": "1"}, **cluster},
         "training": {"train_iters": ITERS, "log_interval": 1, "micro_batch_size": 1, "global_batch_size": GBS},

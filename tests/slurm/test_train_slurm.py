@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_done
-from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids
+from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids, trainer_python
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import TriggerBox
@@ -68,13 +68,14 @@ SAVED_LINE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) "
 
 
 def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s: float = STEP_SLEEP_S,
-                 **sections: dict[str, Any]) -> Path:
-    """A Slurm recipe for the real trainer: `tiny` (mock data, CPU, fp32), one node."""
+                 python: str = PYTHON, **sections: dict[str, Any]) -> Path:
+    """A Slurm recipe for the real trainer: `tiny` (mock data, CPU, fp32), one node. `python`: a fresh
+    interpreter per process, or launch.trainer_python() where the test's claim allows."""
     recipe: dict[str, Any] = {
         "include": ["tiny"], "name": name,
         "run": {"root": str(tmp / "runs")},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": tasks_per_node, "cpus_per_task": 1,
-                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH, "master_port": free_port(),
+                    "time": "00:03:00", "python": python, "megalaunch": MEGALAUNCH, "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(step_sleep_s), "OMP_NUM_THREADS": "1"}},
         "training": {"global_batch_size": GBS, "micro_batch_size": 1, "log_interval": 1},
         "logging": {"rank_output": "all"},  # every rank's decision lines in the log (default: rank 0's)
@@ -308,7 +309,8 @@ TRIGGER_STEP_SLEEP_S = 0.2
 
 def _start_two_ranks(tmp: Path, name: str) -> tuple[Path, str, str]:
     """Submit a 2-process run (one node, DP=2); wait until it trains and its successor is queued."""
-    recipe = train_recipe(tmp, name, tasks_per_node=2, step_sleep_s=TRIGGER_STEP_SLEEP_S, **TRIGGERS)
+    recipe = train_recipe(tmp, name, tasks_per_node=2, step_sleep_s=TRIGGER_STEP_SLEEP_S, python=trainer_python(),
+                          **TRIGGERS)
     run = _submit(tmp, recipe)
     wait_for(lambda: len(submitted_ids(run)) >= 2, 120, what="the successor to be queued")
     first, successor = submitted_ids(run)[:2]

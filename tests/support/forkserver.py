@@ -11,17 +11,23 @@ bench/fork_trainer.py). One server per test process imports what a rank imports,
   signal dispositions back, not the supervisor's handlers, which a fork would otherwise pass on;
 - `python ARGS` for the local backend's tasks through the shim (`python()`, tests/support/forkshim.py), over a
   Unix socket that also carries the shim's standard streams;
+  The same shim serves root's Slurm jobs where a test asks for it (tests/slurm/launch.trainer_python: the
+  triggers, the journey, evaluation jobs, the shrinking chain): srun starts the shim as the step's task;
+- `python -c CODE` and `python FILE.py` (the model tests' scripts), through the shim too;
 - a function call (`Server.call`: the conversion tests' logits workers).
 
 Not forked (fresh processes): start-up itself (`Trainer(fresh=True)`: import phases, import noise, deferred
-compilation), anything inside Slurm (the step's processes are Slurm's), a machine with NVIDIA GPUs, and
-everything with MEGALAUNCH_TEST_FORK=0. The owner's protocol is JSON lines on the server's stdin/stdout:
+compilation), Triton's interpreter (TRITON_INTERPRET is read when Triton is imported), Slurm tests whose claim
+is about the processes Slurm starts (the time-limit chain: SIGUSR2 to every process of the step; a rank
+killed by its pid in the step's process tree), other users' jobs, a machine with NVIDIA GPUs, and everything
+with MEGALAUNCH_TEST_FORK=0. The owner's protocol is JSON lines on the server's stdin/stdout:
 requests {"argv" | "call", "env", "cwd", "log"}, answers {"pid"}, and for every child that ends
 {"exit": pid, "status": wait status, "cpu": seconds (the child's with what it reaped)}."""
 
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import importlib
 import json
@@ -112,11 +118,15 @@ def _stdio(request: dict[str, Any]) -> None:
 def _run(request: dict[str, Any]) -> int:
     """In the server's child, in a session of its own with the client's environment and directory: call the
     function asked for (`call`: "module:function", `args`: pickled, base64), or be `python ARGV...`: the
-    task supervisor (forking its trainer), another `-m` module, or anything else by exec'ing Python."""
+    task supervisor (forking its trainer), another `-m` module, `-c CODE`, a script FILE.py, or anything else
+    by exec'ing Python."""
     os.setsid()
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # the client's PYTHONPATH first, as a fresh interpreter would have it (the server's own stays behind)
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in extra if p not in sys.path]
     _stdio(request)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as a fresh interpreter has it
     if "call" in request:
@@ -134,6 +144,16 @@ def _run(request: dict[str, Any]) -> int:
         sys.path.insert(0, os.getcwd())  # as `python -m` puts the working directory first
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
+    if argv[:1] == ["-c"] and len(argv) > 1:
+        sys.path.insert(0, "")  # as `python -c` puts the working directory first
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+        return 0
+    if argv and argv[0].endswith(".py") and os.path.isfile(argv[0]):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python FILE` puts its folder first
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
         return 0
     os.execv(sys.executable, [sys.executable, *argv])
     return 127  # not reached
