@@ -40,7 +40,7 @@ BASE = ["cluster.backend=local", "cluster.nodes=1", "training.lr_warmup_iters=1"
 L8B8 = ["model.num_layers=8"]  # llama3-8b's width with 8 of its 32 layers (2.8B): fits one or two H100s
 
 # name -> (recipe, GPUs, overrides)
-CASES: dict[str, tuple[str, int, list[str]]] = {
+CASES: dict[str, tuple[Any, ...]] = {
     "1b-s4k": ("train/llama3-1b", 1, ["model.seq_length=4096", "training.micro_batch_size=1", "training.global_batch_size=4"]),
     "1b-s8k": ("train/llama3-1b", 1, ["training.micro_batch_size=1", "training.global_batch_size=4"]),
     "1b-s4k-mb2-full": ("train/llama3-1b", 1, ["model.seq_length=4096", "training.micro_batch_size=2",
@@ -63,6 +63,31 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
                                              "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
                                              "training.recompute=full"]),
 }
+# One GPU, llama3-8b's width, TP 1, seq 8192 unless named, micro-batch 1: Megatron's kernels (`m`) against
+# `kernels: auto` (`a`: liger's RoPE, SwiGLU and fused loss), without the fused kernels (`u`), at micro-batch 2
+# (`-mb2`) and liger's ops one at a time; 8 or 4 layers (the per-layer slope), seq 4096 (the per-token slope).
+# `--share-gib` runs several on one GPU (docs/results.md, "The memory model at TP 1").
+ONE = ["training.micro_batch_size=1", "training.global_batch_size=4", "parallel.tensor_model_parallel_size=1",
+       "parallel.sequence_parallel=false", "training.fused_kernels=true"]
+for _layers in (8, 4):
+    for _seq in (8192, 4096):
+        _tag = f"8b{_layers}l{'' if _seq == 8192 else '-s4k'}"
+        _sets = [f"model.num_layers={_layers}", f"model.seq_length={_seq}", *ONE]
+        CASES[f"{_tag}-m"] = ("train/llama3-8b", 1, [*_sets, "training.kernels=megatron"])
+        CASES[f"{_tag}-a"] = ("train/llama3-8b", 1, [*_sets, "training.kernels=auto"])
+        CASES[f"{_tag}-u"] = ("train/llama3-8b", 1, [*_sets, "training.kernels=megatron", "training.fused_kernels=false"])
+        for _k in ("m", "a"):
+            CASES[f"{_tag}-{_k}-mb2"] = (*CASES[f"{_tag}-{_k}"][:2], [*CASES[f"{_tag}-{_k}"][2], "training.micro_batch_size=2"])
+        for _op in ("rope", "swiglu", "linear_ce"):
+            CASES[f"{_tag}-{_op}"] = ("train/llama3-8b", 1, [*_sets, "training.kernels=liger"],
+                                      {"MEGALAUNCH_LIGER_OPS": _op})
+
+CASES["1b-s2k-mb4-a"] = ("train/llama3-1b", 1, ["model.seq_length=2048", "training.micro_batch_size=4",
+                                                "training.global_batch_size=8", "training.kernels=auto",
+                                                "training.fused_kernels=true"])
+CASES["1b-s8k-mb1-a"] = ("train/llama3-1b", 1, ["model.seq_length=8192", "training.micro_batch_size=1",
+                                                "training.global_batch_size=16", "training.kernels=auto",
+                                                "training.fused_kernels=true"])
 
 
 def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> tuple[Path, Any]:
@@ -87,8 +112,11 @@ def run_name(case: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "-", case)
 
 
+TRACE = REPO / "bench" / "memory_trace.py"  # --trace: each rank through it (the peak's blocks, MEMTRACE_OUT)
+
+
 def launch(run: Path, devices: list[int], log: Path, port: int,
-           extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+           extra_env: dict[str, str] | None = None, trace: bool = False) -> list[subprocess.Popen[bytes]]:
     procs = []
     f = open(log, "wb")  # noqa: SIM115 (shared by the ranks, closed with the process)
     for rank in range(len(devices)):
@@ -98,7 +126,10 @@ def launch(run: Path, devices: list[int], log: Path, port: int,
                "MEGALAUNCH_RUN_DIR": str(run), "MEGALAUNCH_JOB_ID": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "megalaunch.runtime.train", str(run)], env=env,
+        if trace:
+            env["MEMTRACE_OUT"] = str(log.with_suffix(f".peak{rank}.txt"))
+        entry = [str(TRACE)] if trace else ["-m", "megalaunch.runtime.train"]
+        procs.append(subprocess.Popen([sys.executable, *entry, str(run)], env=env,
                                       stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
@@ -131,28 +162,37 @@ def _wait_gpu_free(devices: list[int], timeout: float = 60.0) -> None:
 
 
 def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, timeout: float,
-              cases: dict[str, tuple[Any, ...]] = CASES, ready: Any = None) -> list[dict[str, Any]]:
+              cases: dict[str, tuple[Any, ...]] = CASES, ready: Any = None, share_gib: float = 0.0,
+              trace: bool = False) -> list[dict[str, Any]]:
     """Train each case (recipe, GPUs, overrides[, environment]) until `iters` iterations are logged (and
-    `ready(name)`, where given, is true: a profiler's trace written), as many at once as the GPUs allow;
+    `ready(name)`, where given, is true: a profiler's trace written), as many at once as the GPUs allow
+    (`share_gib`: one-GPU cases share a GPU while their estimates, + 10 % and 3 GiB each, sum under it);
     one row per case."""
     pending = list(names)
-    running: list[tuple[str, list[int], list[subprocess.Popen[bytes]], Path, Any, float]] = []
+    running: list[tuple[str, list[int], list[subprocess.Popen[bytes]], Path, Any, float, float]] = []
     results = []
-    free = list(range(gpus_available))
+    load = [0.0] * gpus_available  # GiB taken per GPU (a whole GPU: inf)
+    prepared: dict[str, tuple[Path, Any]] = {}
     port = 29600
     while pending or running:
         for name in list(pending):
             recipe, gpus, sets, *env = cases[name]
-            if gpus <= len(free):
-                devs, free = free[:gpus], free[gpus:]
-                run, est = prepare(out / "runs", recipe, gpus, sets, name)
+            if name not in prepared:
+                prepared[name] = prepare(out / "runs", recipe, gpus, sets, name)
+            run, est = prepared[name]
+            need = est.total / 2**30 * 1.1 + 3 if share_gib and gpus == 1 else float("inf")
+            devs = [d for d in range(gpus_available) if load[d] == 0 or load[d] + need <= share_gib][:gpus]
+            if len(devs) == gpus:
+                for d in devs:
+                    load[d] += need
                 port += 1
-                log = out / f"{name}.log"
-                running.append((name, devs, launch(run, devs, log, port, *env), log, est, time.monotonic()))
+                log = out / f"{run_name(name)}.log"
+                running.append((name, devs, launch(run, devs, log, port, *(env or [None]), trace=trace), log, est,
+                                time.monotonic(), need))
                 pending.remove(name)
         time.sleep(2)
         for item in list(running):
-            name, devs, procs, log, est, t0 = item
+            name, devs, procs, log, est, t0, need = item
             got = measure(log, iters)
             if got and ready is not None and not ready(name):
                 got = None
@@ -162,17 +202,25 @@ def run_cases(names: list[str], out: Path, iters: int, gpus_available: int, time
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-                _wait_gpu_free(devs)
+                if share_gib:
+                    time.sleep(3)  # other cases hold the GPU: nvidia-smi cannot say when this one's memory is free
+                else:
+                    _wait_gpu_free(devs)
                 running.remove(item)
-                free += devs
-                row = {"case": name, "gpus": len(devs), "estimate_gib": est.total / 2**30,
-                       "breakdown": est.breakdown(), **(got or {"error": f"no result, see {log.name}"})}
-                if got:
-                    row["error_pct"] = 100 * (row["estimate_gib"] / got["max_allocated_gib"] - 1)
-                results.append(row)
-                print(f"  {name}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})}",
-                      flush=True)
+                for d in devs:
+                    load[d] = max(0.0, load[d] - need) if need != float("inf") else 0.0
+                results.append(_row(name, devs, est, got, log))
     return results
+
+
+def _row(name: str, devs: list[int], est: Any, got: dict[str, Any] | None, log: Path) -> dict[str, Any]:
+    row = {"case": name, "gpus": len(devs), "estimate_gib": est.total / 2**30,
+           "breakdown": est.breakdown(), **(got or {"error": f"no result, see {log.name}"})}
+    if got:
+        row["error_pct"] = 100 * (row["estimate_gib"] / got["max_allocated_gib"] - 1)
+    print(f"  {name}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})}",
+          flush=True)
+    return row
 
 
 def main() -> int:
@@ -181,11 +229,14 @@ def main() -> int:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--share-gib", type=float, default=0.0,
+                        help="one-GPU cases share a GPU up to this many GiB of estimates (+10 %% and 3 GiB each)")
+    parser.add_argument("--trace", action="store_true", help="what is alive at the peak (bench/memory_trace.py)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")) / "memory_calib")
     a = parser.parse_args()
     if a.list:
-        for name, (recipe, gpus, sets) in CASES.items():
-            print(f"{name:18s} {gpus} GPU  {recipe}  {' '.join(sets)}")
+        for name, (recipe, gpus, sets, *env) in CASES.items():
+            print(f"{name:18s} {gpus} GPU  {recipe}  {' '.join(sets)}{'  ' + str(env[0]) if env else ''}")
         return 0
     import torch
 
@@ -194,7 +245,8 @@ def main() -> int:
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
-    rows = run_cases([c for c in a.cases.split(",") if c], a.out, a.iters, torch.cuda.device_count(), a.timeout)
+    rows = run_cases([c for c in a.cases.split(",") if c], a.out, a.iters, torch.cuda.device_count(), a.timeout,
+                     share_gib=a.share_gib, trace=a.trace)
     result_file = a.out / "memory_calib.json"
     old = json.loads(result_file.read_text()) if result_file.exists() else {"rows": []}
     done = {r["case"] for r in rows}

@@ -125,7 +125,7 @@ def test_nothing_fits_is_one_line_naming_the_fix(capsys: pytest.CaptureFixture[s
     assert "cluster.nodes" in text
     pinned = str(_submit_refusal("llama3-8b", ["parallel.tensor_model_parallel_size=1", "training.micro_batch_size=16"]))
     assert "pinned parallel.tensor_model_parallel_size=1, training.micro_batch_size=16 fits" in pinned
-    assert "the planner's first without the pins: TP 2" in pinned and "--set parallel=auto" in pinned
+    assert "the planner's first without the pins: TP 1 x PP 2" in pinned and "--set parallel=auto" in pinned
     with pytest.raises(SystemExit):  # the CLI: only the one line, on stderr
         main(["submit", "llama3-70b", "--set", "cluster.nodes=1", "--set", f"run.root={tmp_path}"])
     out, err = capsys.readouterr()

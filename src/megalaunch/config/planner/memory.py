@@ -8,22 +8,25 @@ step's temporaries. The fit check adds what the allocator does not count (CUDA c
 fragmentation: `RESERVED_GIB` + `FRAGMENTATION`) and compares with the GPU's memory.
 
 Activations are counted tensor by tensor for Megatron's local layer spec (what megalaunch trains
-without transformer-engine): per token and layer, in elements of 2 bytes,
-- sharded by SP when on, else whole on every TP rank: the two norms' inputs and normalised outputs
-  (torch's RMSNorm keeps both) and the inputs of the QKV and FC1 linears: 6 h;
-- sharded by TP: the QKV output (q + 2 kv), RoPE's rotated halves and outputs (2 (q + kv)), the core
-  attention's output and linear_proj's input (2 q), the MLP (SwiGLU: FC1 output 2 f, SiLU output f,
-  FC2 input f, of which the fused SwiGLU of `training.fused_kernels` keeps no SiLU output; GELU: 2 f);
+without transformer-engine), with no dropout (hidden_dropout 0, as every shipped recipe): per token and
+layer, in elements of 2 bytes,
+- sharded by SP when on, else whole on every TP rank: the two norms' inputs (the layer's input and the
+  attention's bias-dropout-add output) and normalised outputs (the QKV and FC1 linears' inputs): 4 h;
+- sharded by TP: the QKV output (q + 2 kv), RoPE's outputs (q + kv; its rotate-half products keep only
+  cos and sin), the core attention's output, which is linear_proj's input (q), and the MLP (SwiGLU: FC1's
+  output 2 f and FC2's input f, + the unfused SiLU output and up-projection copy 2 f; GELU: 2 f);
 - Megatron's local attention (no fused kernel) also keeps the softmax probabilities: 2 bytes x heads
-  x sequence per token, unless selective recompute drops them;
+  x sequence per token, unless selective recompute drops them (with SDPA it saves nothing measurable);
 - full recompute keeps each layer's input (h) and rebuilds one layer at a time in the backward.
 The model state (weights, gradients, optimizer) equals Megatron's own theoretical memory
 (megatron/training/theoretical_memory_usage.py, which login nodes cannot import) for every shipped layout:
 tests/megatron/test_memory_model.py. Megatron's activation formula assumes TE's kernels and selective
-recompute, so the activations are calibrated against measured peaks instead (docs/results.md: 19 runs on
-1, 2 and 4 H200s within -2.7..+7.5 %). With `training.fused_kernels` the layer keeps 4 h (no dropout
-copies: fused bias-dropout-add) and 3 f (fused SwiGLU) where the unfused keeps 6 h and 4 f: measured
-1.24 against 1.55 GiB per llama3-8b layer and micro-batch."""
+recompute, so the activations are calibrated against measured peaks instead: what is alive at the peak,
+tensor by tensor (bench/memory_trace.py; docs/results.md, "The memory model at TP 1": llama3-8b's width, 4 and 8
+layers, one H200), gives 1.149 GiB per llama3-8b layer and micro-batch with `training.fused_kernels`
+(4 h + 3 f + q + 2 kv + q + kv + q = 1.141; RoPE's cos and sin and the attention's log-sum-exp, 9 MiB, are
+left out), 1.587 without (5 f). RoPE's halves and a second copy of the attention's output, counted before,
+were never kept (-0.14 GiB a layer at TP 1)."""
 
 from __future__ import annotations
 
@@ -154,7 +157,7 @@ class MemoryEstimate:
     optimizer: float
     activations: float  # transformer layers, all micro-batches in flight
     logits: float  # embedding, final norm, output layer and cross entropy of one micro-batch
-    transient: float  # the backward's (or the optimizer step's) temporaries at the peak
+    transient: float  # what the backward's (or the optimizer step's) temporaries add to the loss's peak
     stage: int  # the pipeline stage it describes (0 = first)
     fp8_weights: float = 0.0  # fp8: the linears' weights cast for the step (row-major and transposed)
 
@@ -220,19 +223,16 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
     tokens = layout.micro_batch * shape.seq / layout.cp
     t = layout.tp
     sp = layout.sequence_parallel and t > 1
-    rep = shape.hidden * (4 if layout.fused else 6) / (t if sp else 1)
+    rep = shape.hidden * 4 / (t if sp else 1)
     q, kv = shape.q_size, shape.kv_size
-    mlp = ((3 if layout.fused else 4) if shape.swiglu else 2) * shape.ffn
-    sharded = ((q + 2 * kv) + 2 * (q + kv) + 2 * q + mlp) / t
+    mlp = ((3 if layout.fused else 5) if shape.swiglu else 2) * shape.ffn
+    sharded = ((q + 2 * kv) + (q + kv) + q + mlp) / t
     full = (rep + sharded) * 2 * tokens
+    running = full
     if layout.attention == "local":  # softmax probabilities, [b, heads/t, s, s] in bf16 (causal: all stored)
         probs = 2 * layout.micro_batch * (shape.heads / t) * (shape.seq / layout.cp) * shape.seq / layout.cp
         full += probs if layout.recompute == "none" else 0.0
         running = full + probs
-    else:
-        running = full
-        if layout.recompute == "selective":
-            full -= q / t * 2 * tokens  # the core attention's own output is recomputed
     if layout.recompute == "full":
         kept = shape.hidden / (t if sp else 1) * 2 * tokens  # the layer's input only
         return kept, running
@@ -263,18 +263,10 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
     per_layer, running = layer_activation_bytes(shape, layout)
     layers = shape.layers // layout.pp
     acts = per_layer * layers * in_flight(layout, stage)
-    logits = 0.0
     sp = layout.sequence_parallel and layout.tp > 1
     if stage == 0:  # embedding output (bf16) of each micro-batch in flight
         acts += 2 * shape.hidden * tokens / (layout.tp if sp else 1) * in_flight(layout, stage)
-    if stage == layout.pp - 1:
-        # final norm in/out, the bf16 logits and their fp32 copy, which Megatron's cross entropy turns into
-        # the softmax in place and keeps for the backward: 2 + 4 bytes per logit, one micro-batch at a time
-        # (calibrated on H200: 10 bytes overestimated every llama3-1b case by 5-20 %, docs/results.md)
-        vocab = shape.padded_vocab(layout.tp) / layout.tp
-        logits = tokens * (4 * shape.hidden / (layout.tp if sp else 1) + 6 * vocab)
-        if layout.fused_loss and layout.tp == 1:
-            logits = fused_loss_bytes(shape, tokens)
+    logits = loss_bytes(shape, layout, tokens) if stage == layout.pp - 1 else 0.0
     # The backward's working set: one layer's activation gradients plus a layer's weight gradient (bf16,
     # before it is added into the fp32 main grads); with full recompute, the layer rebuilt for its backward.
     grad_work = running * 0.5 + 2 * shape.layer_matmul_params() / layout.tp
@@ -285,28 +277,50 @@ def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstim
     if layout.recompute == "full":
         grad_work += running
     # The optimizer step (torch AdamW, foreach): one fp32 temporary per parameter of its shard (the second
-    # moment's square root) and some slack; 8 bytes (two temporaries) overestimated a full-recompute 2.8B
-    # case by 10 % on H200 (docs/results.md).
-    step_work = 5.0 * n / optimizer_shard(layout)
-    transient = grad_work
-    if step_work > acts + logits + grad_work:  # the step runs after the activations are freed
+    # moment's square root): measured 4.02-4.04 bytes per parameter on one H200 (llama3-8b's width, 4 and 8
+    # layers, seq 4096, where the step is the peak; 5 bytes overestimated those by 4 %).
+    step_work = 4.0 * n / optimizer_shard(layout)
+    # The loss peaks before the layers' backward begins and is freed by then: the peak is the larger of the two
+    # (measured: no layer's gradient is alive at the peak of any case of docs/results.md "The memory model at TP 1").
+    transient = max(0.0, grad_work - logits)
+    if step_work > acts + logits + transient:  # the step runs after the activations are freed
         transient, acts, logits = step_work, 0.0, 0.0
     fp8_weights = 2.0 * layers * shape.layer_matmul_params() / layout.tp if layout.fp8 else 0.0
     return MemoryEstimate(params=wb * n, grads=gb * n, optimizer=ob * n, activations=acts, logits=logits,
                           transient=transient, stage=stage, fp8_weights=fp8_weights)
 
 
+def loss_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    """The output layer and the loss of one micro-batch at their peak (last stage): the final norm's output
+    (the output layer's input; its input is the last layer's output), the bf16 logits, the fp32 copy Megatron's
+    cross entropy makes and, torch.compile'd (`training.fused_kernels`, bf16), the exponentials it then
+    cannot write over that copy: 2 + 4 + 4 bytes per logit, 2 + 4 unfused. Measured on one H200, llama3-8b's
+    width at TP 1: 2004 + 4008 + 4008 MiB alive at the peak (8192 tokens), 6012 MiB unfused; at micro-batch
+    2, twice that (docs/results.md, "The memory model at TP 1"). 6 bytes for the fused loss were 3.9 GiB short at
+    TP 1 (the 8B), which the activations' overcount hid. liger's fused loss (TP 1): fused_loss_bytes."""
+    if layout.fused_loss and layout.tp == 1:
+        return fused_loss_bytes(shape, tokens)
+    sp = layout.sequence_parallel and layout.tp > 1
+    per_logit = 10 if layout.fused and layout.precision in ("bf16", "fp8") else 6
+    vocab = shape.padded_vocab(layout.tp) / layout.tp
+    return tokens * (2 * shape.hidden / (layout.tp if sp else 1) + per_logit * vocab)
+
+
 def fused_loss_bytes(shape: ModelShape, tokens: float) -> float:
-    """megalaunch's fused linear cross entropy (runtime/model/liger_layers.py): the final norm in/out (4 h), the
-    input's gradient it computes in the forward and keeps (2 h) and an fp32 loss per token; the weight's
-    gradient, summed in fp32 (vocabulary x h x 4) and kept from the forward to the backward, where it is cast
-    to bf16 (x 2 more); one chunk of CHUNK_ROWS rows of bf16 logits at a time. No [tokens x vocabulary] tensor.
-    Measured (llama3-1b, seq 2048, one H100, liger's loss): max allocated 26.5 / 42.3 / 62.3 GiB at
-    micro-batch 2 / 8 / 16 against 28.3 / 45.5 / 68.4 estimated for the whole model (+7 to +10 %)."""
+    """megalaunch's fused linear cross entropy (runtime/model/liger_layers.py) at its peak, the start of its
+    backward: the input's gradient, computed in the forward and kept (2 h per token), and the weight's gradient,
+    summed in fp32 (vocabulary x h x 4) and cast to bf16 there (x 2 more); no [tokens x vocabulary] tensor.
+    Its forward holds the 4-byte sum, the input and its gradient (2 h each), an fp32 loss per token and one
+    chunk of CHUNK_ROWS rows of bf16 logits: the larger only for a narrow model. Measured on one H200 (llama3-8b's
+    width, TP 1): 2004 + 1002 + 64 MiB alive at the peak (8192 tokens), + 64 at micro-batch 2; the whole model's
+    estimate within 0.7 % of every peak measured with it, llama3-1b and 8B (docs/results.md, "The memory model at
+    TP 1")."""
     from megalaunch.runtime.model.liger_layers import CHUNK_ROWS
 
-    vocab = shape.padded_vocab(1)
-    return tokens * (6 * shape.hidden + 4) + 6 * vocab * shape.hidden + 2 * min(CHUNK_ROWS, tokens) * vocab
+    vocab, h = shape.padded_vocab(1), shape.hidden
+    backward = 6 * vocab * h + 2 * h * tokens
+    forward = 4 * vocab * h + tokens * (4 * h + 4) + 2 * min(CHUNK_ROWS, tokens) * vocab
+    return max(backward, forward)
 
 
 def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:
