@@ -3,6 +3,7 @@ Apex or absl, no CUDA runtime); `--debug` shows them; warnings after the import 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -10,12 +11,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers")
 from tests.support.hf_models import make_hf_model
 from tests.unit.helpers import cli
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron,  # find_spec: importing transformers in every worker's collection costs ~1 CPU-s
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")]
 
 NOISE = ("Transformer Engine and Apex are not installed", "absl.logging is not installed", "No CUDA runtime is found",
          "torch.distributed is disabled")
