@@ -1,7 +1,13 @@
 """Goodput of a real chain (`megalaunch submit`, local backend, the tiny model on 2 CPU ranks): every
 segment's components add up to its wall time; a segment whose rank is killed with SIGKILL after its
 last checkpoint shows as lost work the training done after that checkpoint (measured independently,
-from the metrics the trainer logged), and the next segment redoes it from that checkpoint."""
+from the metrics the trainer logged), and the next segment redoes it from that checkpoint.
+
+The ranks are forked from the tests' fork server (tests/support/forkserver.py), so the rank to kill is
+not found by its command line (a forked one has the server's): rank 0's trainer names its pid in the
+segment's heartbeat, and its supervisor's task record shows afterwards that this pid was its command
+and died of the SIGKILL. 20 iterations (2 x SAVE_EVERY): the kill lands between iterations 16 and 20
+(before the second checkpoint), and the second segment retrains 11..20."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import wait_for
+from tests.support import forkserver
 
 from megalaunch.launcher.accounting.goodput import chain_goodput
 from megalaunch.rundir.files import read_json, read_jsonl
@@ -26,26 +33,23 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 SAVE_EVERY = 10
 
 
-def _trainer_pids(run: Path) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"megalaunch.runtime.train" in cmd and str(run).encode() in cmd and b"megalaunch.runtime.task" not in cmd:
-            out.append(int(d.name))
-    return out
+def _trainer_pid(paths: RunPaths, past: int) -> tuple[str, int] | None:
+    """Rank 0's trainer (its segment's job id and pid) once training got `past` that iteration: the pid of
+    the segment's heartbeat, which the trainer writes (all but the first beat, `task_start`: the task
+    supervisor's)."""
+    if (read_json(paths.progress) or {}).get("iteration", 0) < past or not (segments := Ledger(paths).segments()):
+        return None
+    job = segments[-1].job_id
+    beat = read_json(paths.heartbeat(job)) or {}
+    return (job, int(beat["pid"])) if beat.get("phase") not in (None, "task_start") else None
 
 
 @pytest.mark.timeout(600)
 def test_parts_add_up_and_a_sigkill_after_the_last_checkpoint_is_lost_work(tmp_path: Path) -> None:
     recipe = {"include": ["tiny"], "name": "goodput", "run": {"root": str(tmp_path / "runs")},
-              "cluster": {"tasks_per_node": 2, "time": "00:05:00", "python": sys.executable,
+              "cluster": {"tasks_per_node": 2, "time": "00:05:00", "python": forkserver.python(),
                           "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.3", "OMP_NUM_THREADS": "1"}},
-              "training": {"train_iters": 40, "log_interval": 1},
+              "training": {"train_iters": 2 * SAVE_EVERY, "log_interval": 1},
               "checkpoint": {"save_interval": SAVE_EVERY, "keep_last": 10},
               "chain": {"max_segments_without_progress": 3}}
     path = tmp_path / "goodput.yaml"
@@ -58,11 +62,8 @@ def test_parts_add_up_and_a_sigkill_after_the_last_checkpoint_is_lost_work(tmp_p
                     else None, 120, "the run directory")
         paths = RunPaths(run)
         # past the checkpoint at SAVE_EVERY by 6 iterations, then a SIGKILL to one rank's trainer
-        wait_for(lambda: True if (read_json(paths.progress) or {}).get("iteration", 0) >= SAVE_EVERY + 6 else None,
-              240, "training past the first checkpoint")
-        pids = _trainer_pids(run)
-        assert len(pids) == 2, pids
-        os.kill(pids[0], signal.SIGKILL)
+        job, pid = wait_for(lambda: _trainer_pid(paths, SAVE_EVERY + 6), 240, "training past the first checkpoint")
+        os.kill(pid, signal.SIGKILL)
         out, _ = chain.communicate(timeout=420)
     finally:
         if chain.poll() is None:
@@ -70,6 +71,9 @@ def test_parts_add_up_and_a_sigkill_after_the_last_checkpoint_is_lost_work(tmp_p
     assert chain.returncode == 0, out[-3000:]
     segments = Ledger(paths).segments()
     assert [s.outcome for s in segments] == ["failed", "finished"], [s.ended for s in segments]
+    # the process killed was rank 0's command (the trainer), as its task supervisor saw it
+    record = read_json(paths.task_record(job, 0))
+    assert job == segments[0].job_id and record["pid"] == pid and record["signal"] == "SIGKILL", (job, pid, record)
     g = chain_goodput(paths, time.time())
     for seg in g["segments"]:
         assert abs(sum(seg["parts"].values()) - (seg["end"] - seg["start"])) < 1.0, seg

@@ -5,14 +5,23 @@ ends `saved` at the iteration it acted on the signal, the next resumes there wit
 samples, no iteration is lost or repeated (a signal that comes during a periodic save leaves with that one
 checkpoint); a `trigger save` early in the second segment changes none of it.
 
-Timing: limit 50 s, lead = save 5 + step 1 + margin 9 = 15 s (the local timer is exact), so the signal
-comes 35 s after the segment starts (later segments: earlier, when the saves measured raise the lead;
-a periodic save due inside the signal window is skipped and recorded). Start-up of 2 ranks takes 7..20 s here, leaving 15..28 s of
-training; one iteration is the 0.4 s pacing sleep + a 20..100 ms step, so a segment trains 30..67
-iterations. TRAIN_ITERS = 150 > 2 x 67: never fewer than 3 segments (typically 4, ~4 min)."""
+Timing (sizes derived below): the local timer is exact; lead = save 5 + step 2 + margin 8 = 15 s, and
+chain.min_train_time_s = the signal's time caps it there (a slow save cannot raise it and move the signal
+earlier). A segment starts its ranks, which train from their first iteration until the signal, SIGNAL_S
+after the start; an iteration is the 1.0 s pacing sleep + a step of 20 ms idle, up to 600 ms on a machine
+loaded by 3 pytest workers and more. A rank forked from the tests' fork server
+(tests/support/forkserver.py) reaches its first iteration 2..9 s after the start there (12 s allowed);
+fresh interpreters (MEGALAUNCH_TEST_FORK=0) 7..20 s (30 allowed). The signal comes TRIGGER_S after the
+slowest start: the second segment's 3 iterations past its resume point, up to 3 more so that the
+trigger does not fall on a periodic save, `trigger save` (0.2 s idle, CLI_S allowed) and the next
+iteration's decision fit before it. A segment trains at most MAX_ITERS (the fastest start and steps),
+so TRAIN_ITERS = 2 x MAX_ITERS + 1 is never done in 2 segments; typically 3 (forked: ~20 iterations
+each, ~90 s of chain), 4 or 5 on a very loaded machine. Every iteration costs both ranks CPU (~0.2 s
+together), so few iterations keep the test cheap: the waiting is the pacing sleep's, which costs none."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -22,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.support import forkserver
 
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.ledger import Ledger
@@ -30,8 +40,15 @@ from megalaunch.runtime.checkpoint.resume import checkpoint_iterations
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-TRAIN_ITERS = 150
-SAVE_INTERVAL = 20
+STARTUP_S = (1.5, 12) if forkserver.enabled() else (5, 30)  # a segment's start to its first iteration
+ITERATION_S = (1.0, 1.6)
+CLI_S = 3
+TRIGGER_S = math.ceil((3 + 3 + 1) * ITERATION_S[1] + CLI_S)  # 15
+SIGNAL_S = STARTUP_S[1] + TRIGGER_S  # forked 27, fresh 45
+LEAD_S = 15
+MAX_ITERS = math.ceil((SIGNAL_S - STARTUP_S[0]) / ITERATION_S[0]) + 1  # + the one in flight at the signal
+TRAIN_ITERS = 2 * MAX_ITERS + 1  # forked 55, fresh 83
+SAVE_INTERVAL = 10
 GBS = 8
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 SAVED = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) ")
@@ -52,24 +69,27 @@ def _run(tmp: Path) -> RunPaths | None:
 
 
 def _second_segment_training(paths: RunPaths) -> str | None:
-    """The second segment's job id once it has trained 3 iterations past its resume point."""
+    """The second segment's job id once it has trained 3 iterations past its resume point, and the next 3
+    iterations (where the trigger will be acted on) hold no periodic save: the trigger's own checkpoint."""
     segments = Ledger(paths).segments()
     if len(segments) < 2 or segments[1].resumed is None:
         return None
-    progress = read_json(paths.progress) or {}
+    iteration = (read_json(paths.progress) or {}).get("iteration") or 0
     start = segments[1].resumed["iteration"]
-    return segments[1].job_id if (progress.get("iteration") or 0) >= start + 3 else None
+    periodic_ahead = -iteration % SAVE_INTERVAL  # iterations to the next periodic save (0: this one)
+    return segments[1].job_id if iteration >= start + 3 and periodic_ahead not in (1, 2, 3) else None
 
 
 @pytest.mark.timeout(900)
 def test_local_chain_with_periodic_saves_saves_on_every_signal(tmp_path: Path) -> None:
     recipe = {
         "include": ["tiny"], "name": "localchain", "run": {"root": str(tmp_path / "runs")},
-        "cluster": {"tasks_per_node": 2, "time": "00:00:50", "python": sys.executable,
-                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.4", "OMP_NUM_THREADS": "1"}},
+        "cluster": {"tasks_per_node": 2, "time": "00:{:02d}:{:02d}".format(*divmod(SIGNAL_S + LEAD_S, 60)),
+                    "python": forkserver.python(),
+                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(ITERATION_S[0]), "OMP_NUM_THREADS": "1"}},
         "training": {"train_iters": TRAIN_ITERS, "log_interval": 1},
         "checkpoint": {"save_interval": SAVE_INTERVAL, "save_time_estimate_s": 5, "keep_last": 50},
-        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 9, "min_train_time_s": 20},
+        "chain": {"step_time_estimate_s": 2, "signal_margin_s": 8, "min_train_time_s": SIGNAL_S},
     }
     path = tmp_path / "localchain.yaml"
     path.write_text(yaml.safe_dump(recipe))

@@ -3,18 +3,26 @@ two segments (each stopped by the local timer's signal, then finished), reported
 as a user runs it. Every segment's components, measured by the trainer's timeline, add up to its wall
 time (job begin -> job end in the ledger) within 1 s; one timeline bar per segment; valid figures.
 
-Timing (as /tmp/tl/r.yaml): limit 45 s, signal lead 5 + 1 + 9 = 15 s, so each segment trains from its
-start-up (~10 s) to 30 s at ~0.3 s per iteration: 40..60 iterations; TRAIN_ITERS = 90 makes 2 (or 3)
-segments, ~70 s."""
+Timing (sizes derived below): lead = save 5 + step 2 + margin 8 = 15 s (the local timer is exact;
+chain.min_train_time_s = the signal's time caps the lead there), so the signal comes SIGNAL_S after a
+segment starts. The ranks are forked from the tests' fork server (tests/support/forkserver.py): their
+first iteration ends 2..9 s after the start on a machine loaded by 3 pytest workers and more (12 s
+allowed; fresh interpreters, MEGALAUNCH_TEST_FORK=0: 7..20 s, 30 allowed), and the signal comes a few
+iterations after the slowest start. An iteration is the 1.0 s pacing sleep + a step of 20 ms idle, up
+to 600 ms loaded, so a segment trains at most MAX_ITERS (the fastest start and steps): TRAIN_ITERS =
+MAX_ITERS + 1 takes 2 segments (3 on a very loaded machine), ~35 s of chain forked. Few iterations keep
+it cheap: each costs both ranks CPU, the pacing sleep none."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tests.support import forkserver
 from tests.unit.test_report import FIGURES, assert_png, parse
 
 from megalaunch.launcher.accounting.goodput import COMPONENTS
@@ -23,18 +31,24 @@ from megalaunch.rundir.paths import RunPaths
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-TRAIN_ITERS = 90
+STARTUP_S = (1.5, 12) if forkserver.enabled() else (5, 30)  # a segment's start to its first iteration
+ITERATION_S = (1.0, 1.6)
+SIGNAL_S = STARTUP_S[1] + 6  # forked 18, fresh 36
+LEAD_S = 15
+MAX_ITERS = math.ceil((SIGNAL_S - STARTUP_S[0]) / ITERATION_S[0]) + 1  # + the one in flight at the signal
+TRAIN_ITERS = MAX_ITERS + 1  # forked 19, fresh 33
 
 
 @pytest.mark.timeout(300)
 def test_report_of_a_tiny_chain(tmp_path: Path) -> None:
     recipe = {
         "include": ["tiny"], "name": "reptiny", "run": {"root": str(tmp_path / "runs")},
-        "cluster": {"tasks_per_node": 2, "time": "00:00:45", "python": sys.executable,
-                    "env": {"OMP_NUM_THREADS": "1", "MEGALAUNCH_TEST_STEP_SLEEP_S": "0.2"}},
+        "cluster": {"tasks_per_node": 2, "time": "00:{:02d}:{:02d}".format(*divmod(SIGNAL_S + LEAD_S, 60)),
+                    "python": forkserver.python(),
+                    "env": {"OMP_NUM_THREADS": "1", "MEGALAUNCH_TEST_STEP_SLEEP_S": str(ITERATION_S[0])}},
         "training": {"train_iters": TRAIN_ITERS, "log_interval": 5},
         "checkpoint": {"save_interval": 20, "save_time_estimate_s": 5},
-        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 9, "min_train_time_s": 15},
+        "chain": {"step_time_estimate_s": 2, "signal_margin_s": 8, "min_train_time_s": SIGNAL_S},
     }
     path = tmp_path / "reptiny.yaml"
     path.write_text(yaml.safe_dump(recipe))
