@@ -7,9 +7,10 @@ task fails every eval with its reason in `eval status`, and the chain still trai
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,18 +18,16 @@ from typing import Any
 import pytest
 import yaml
 from tests.support import forkserver
+from tests.support.eval_data import EvalData, make_eval_data
 
 from megalaunch.rundir.evals import EvalPaths, eval_records
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
 
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-import itertools
-
-from tests.support.eval_data import EvalData, make_eval_data
-
-pytestmark = pytest.mark.megatron
+# find_spec, not importorskip: importing transformers in every pytest-xdist worker's collection costs ~1 CPU-s
+pytestmark = [pytest.mark.megatron,
+              pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "tokenizers")),
+                                 reason="needs transformers and tokenizers")]
 
 
 def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str, str]],
@@ -50,7 +49,10 @@ def _recipe(tmp: Path, data: EvalData, *, train_iters: int, tasks: list[dict[str
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", *args], capture_output=True, text=True,
+    """`megalaunch ARGS` forked from the fork server (torch and Megatron imported once: `eval` converts with
+    Megatron, and its completeness check unpickles torch's checkpoint metadata), or a fresh interpreter with
+    MEGALAUNCH_TEST_FORK=0. Nothing here is about start-up (test_convert_quiet.py checks the CLI's imports)."""
+    p = subprocess.run([forkserver.python(), "-m", "megalaunch.cli.main", *args], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, timeout=300)
     assert not check or p.returncode == 0, p.stdout + p.stderr
     return p

@@ -6,31 +6,32 @@ conversion's one-line reason."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-import torch
-from safetensors.torch import load_file
 from tests.support import forkserver
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
 
-from megalaunch.conversion import mcore_to_hf
 from megalaunch.rundir.files import read_json, read_jsonl
 from megalaunch.rundir.paths import RunPaths
-from megalaunch.tokenization.chat.build import build
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+# torch, transformers and the converter are imported by the test, not at collection (find_spec, not
+# importorskip: these imports would cost every pytest-xdist worker's collection ~3 CPU-s)
+pytestmark = [pytest.mark.megatron, pytest.mark.slow,
+              pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "tokenizers")),
+                                 reason="needs transformers and tokenizers")]
 
 
 def _submit(tmp: Path, hf: Path, data: Path, name: str) -> tuple[subprocess.CompletedProcess[str], RunPaths]:
     sets = ["training.train_iters=2", "checkpoint.save_interval=2", "training.lr=1e-12", "training.min_lr=1e-12",
             "training.lr_warmup_iters=0", "training.global_batch_size=2", "training.micro_batch_size=2",
+            # no last stage: the weights are converted back here, in this process (test_sft_journey.py tests
+            # the export), not by a fresh `convert mcore-to-hf` process (~10 CPU-s)
+            "chain.export_hf=false",
             "data.mock=false", f"data.blend=[{{path: {data}}}]", "data.tokenizer_type=HuggingFaceTokenizer",
             f"data.tokenizer_model={hf}", f"run.root={tmp / 'runs'}", f"cluster.python={forkserver.python()}",
             "cluster.env={OMP_NUM_THREADS: '1'}"]
@@ -45,6 +46,12 @@ def _submit(tmp: Path, hf: Path, data: Path, name: str) -> tuple[subprocess.Comp
 
 @pytest.mark.timeout(900)
 def test_from_hf_converts_as_the_first_stage_and_trains_from_it(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from megalaunch.conversion import mcore_to_hf
+    from megalaunch.tokenization.chat.build import build
+
     hf = make_chat_model(tmp_path / "hf")
     write_jsonl(tmp_path / "chats" / "c.jsonl", chat_rows(16))
     build([str(tmp_path / "chats")], tmp_path / "data", tokenizer=hf)

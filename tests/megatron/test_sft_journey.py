@@ -11,8 +11,10 @@ prompt-side targets carry no loss."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
 from harness import ledger, losses, run_segment
 from tests.support import forkserver
 from tests.support.chat import chat_rows, make_chat_model, write_jsonl
@@ -34,8 +33,11 @@ from megalaunch.launcher.prepare.write import write_run
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.paths import RunPaths
 
-# one worker builds the module fixture (the one-command chain, ~60 s) for all three tests
-pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.xdist_group("sft-journey")]
+# one worker builds the module fixture (the one-command chain, ~60 s) for all three tests; find_spec, not
+# importorskip: importing transformers in every pytest-xdist worker's collection costs ~1 CPU-s
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.xdist_group("sft-journey"),
+              pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "tokenizers")),
+                                 reason="needs transformers and tokenizers")]
 
 ITERS = 24
 # What a CPU and a short test add: the machine, fp32, the sizes; sft-tiny's learning rate (tiny random weights).
@@ -157,15 +159,36 @@ def test_the_same_run_stopped_twice_resumes_exactly(one_command: dict[str, Any])
     assert worst <= 1e-6, {i: (ref[i], got[i]) for i in ref if not math.isclose(ref[i], got[i], rel_tol=1e-6)}
 
 
+def _chat_losses(ckpt: str, model: dict[str, Any], prefix: str, result: Path) -> Any:
+    """tests/support/sft_loss.py's losses in a process of its own: forked from the fork server (torch and
+    Megatron already imported: ~0.3 CPU-s instead of a fresh spawned interpreter's ~13), or spawned fresh
+    with MEGALAUNCH_TEST_FORK=0."""
+    import torch
+    from tests.support.sft_loss import run_chat_losses
+
+    from megalaunch.runtime.rank.dist_env import free_port
+
+    if not forkserver.enabled():
+        return run_chat_losses(ckpt, model, prefix, 64, str(result))
+    log = result.with_suffix(".log")
+    proc = forkserver.Server.get().call("tests.support.sft_loss:chat_losses",
+                                        (0, free_port(), ckpt, model, prefix, 64, str(result)), log=log)
+    try:
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+    return torch.load(result)
+
+
 def test_prompt_tokens_carry_no_loss(one_command: dict[str, Any], tmp_path: Path) -> None:
     """Changing only the prompt-side targets leaves the trainer's loss unchanged; changing one of the
     assistant's targets changes it (the real model, dataset and loss function)."""
-    from tests.support.sft_loss import run_chat_losses
-
     run = one_command["run"]
     model = dataclasses.asdict(load_run_recipe(run).model)
-    got = run_chat_losses(str(run.root / "pretrained" / "release"), model, str(run.root / "sft_data" / "train"), 64,
-                          str(tmp_path / "losses.pt"))
+    got = _chat_losses(str(run.root / "pretrained" / "release"), model, str(run.root / "sft_data" / "train"),
+                       tmp_path / "losses.pt")
     own, prompt_changed, answer_changed = got["losses"]
     assert got["changed_prompt_labels"] > 10 and 0 < int(got["mask"].sum()) < len(got["mask"])
     assert prompt_changed == own
