@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -243,3 +244,44 @@ def test_wandb_keys_and_the_chains_run(tmp_path: Path, monkeypatch: pytest.Monke
     assert b"eval/heldout_ppl" in runs[-1].read_bytes() and b"eval/heldout_ppl" not in runs[0].read_bytes()
     state = json.loads(paths.wandb_state.read_text())
     assert state["last_step"] == 60  # the training steps are untouched
+
+
+class _Index:
+    """lm-eval's TaskManager at the boundary megalaunch uses: what it was built with, which tasks it knows."""
+
+    BUILT_IN: ClassVar[set[str]] = {"hellaswag", "arc_easy"}
+    made: ClassVar[list[dict[str, object]]] = []
+
+    def __init__(self, include_path: list[str] | None = None, include_defaults: bool = True) -> None:
+        type(self).made.append({"include_path": include_path, "include_defaults": include_defaults})
+        local = {Path(p).name for p in include_path or []}
+        self.all_tasks = sorted(local | (self.BUILT_IN if include_defaults else set()))
+
+
+class _OldIndex(_Index):
+    def __init__(self, include_path: list[str] | None = None) -> None:  # an lm-eval without include_defaults
+        super().__init__(include_path)
+
+
+@pytest.mark.parametrize(("tasks", "paths", "defaults"), [
+    (["mine"], ["/t/mine"], [False]),                   # every task is local: the built-in index is never parsed
+    (["mine", "hellaswag"], ["/t/mine"], [False, True]),  # one is built in: the whole index, local paths too
+    (["hellaswag"], [], [True]),                         # no local paths: the whole index at once
+])
+def test_lm_eval_indexes_its_built_in_tasks_only_when_asked_for_one(tasks: list[str], paths: list[str],
+                                                                     defaults: list[bool]) -> None:
+    from megalaunch.evaluation.tasks import _task_manager
+
+    _Index.made = []
+    manager = _task_manager(_Index, tasks, paths)
+    assert [m["include_defaults"] for m in _Index.made] == defaults
+    assert all(t in manager.all_tasks for t in tasks)
+    assert _Index.made[-1]["include_path"] == (paths or None)
+
+
+def test_lm_eval_without_include_defaults_gets_the_whole_index() -> None:
+    from megalaunch.evaluation.tasks import _task_manager
+
+    _Index.made = []
+    manager = _task_manager(_OldIndex, ["mine"], ["/t/mine"])
+    assert [m["include_defaults"] for m in _Index.made] == [True] and "mine" in manager.all_tasks

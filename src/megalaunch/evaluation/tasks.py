@@ -85,7 +85,7 @@ def run_lm_eval(hf_dir: Path, tasks: list[str], *, task_paths: list[str], batch_
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=list(task_paths) or None)
+    manager = _task_manager(TaskManager, tasks, task_paths)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise EvalTaskError(f"unknown lm-eval task(s): {', '.join(unknown)}", field="eval.tasks",
@@ -99,3 +99,16 @@ def run_lm_eval(hf_dir: Path, tasks: list[str], *, task_paths: list[str], batch_
         clean = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, int | float) and "stderr" not in k}
         results[task] = {**clean, "runner": "lm-eval"}
     return results
+
+
+def _task_manager(manager_class: Any, tasks: list[str], task_paths: list[str]) -> Any:
+    """lm-eval's task index. Indexing its built-in tasks parses ~14,000 YAML files (17.5 CPU-s measured on
+    a 2-core machine, lm-eval 0.4.13): when eval.task_paths holds every task asked for, index only those."""
+    if task_paths:
+        try:
+            local = manager_class(include_path=list(task_paths), include_defaults=False)
+        except TypeError:  # an lm-eval without include_defaults
+            local = None
+        if local is not None and all(t in local.all_tasks for t in tasks):
+            return local
+    return manager_class(include_path=list(task_paths) or None)
