@@ -12,6 +12,8 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
+# Megatron's import in fresh interpreters (~10-15 CPU-s a probe): CI runs these, the inner loop (--fast) does not
+pytestmark = pytest.mark.megatron
 
 from megalaunch.runtime.model.megatron_import import DEFERRED_COMPILE_ENV, deferred_compile  # noqa: E402
 
