@@ -25,8 +25,9 @@ def trainer_python() -> str:
     and the trainer are forked from a process that has torch and Megatron imported (~1 CPU-s per rank
     instead of ~8 on this 2-core machine), with the task's environment (SLURM_*, SLURMD_NODENAME: so a
     node killed by tests/slurm/scale.kill_node takes them too), working directory and streams; the shim
-    passes on every signal Slurm sends it and leaves as they did. PYTHON with MEGALAUNCH_TEST_FORK=0, on GPU
-    machines, and for other users' jobs (the server is root's)."""
+    passes on every signal Slurm sends it and leaves as they did. PYTHON with MEGALAUNCH_TEST_FORK=0 and on GPU
+    machines. Root's jobs only: the server's socket sits in a directory only root can enter, so a job of
+    another user (mlalice, ...) must get PYTHON from its test."""
     from tests.support import forkserver
 
     return forkserver.python()
