@@ -81,3 +81,30 @@ def test_a_forked_rank_writes_the_records_a_fresh_one_does(tmp_path: Path) -> No
     assert t.outcome()["status"] == "finished"
     record = json.loads(paths.task_record("7", 0).read_text())
     assert record["exit_code"] == 0 and record["signal"] is None and record["pid"] != t.procs[0].pid, record
+
+
+LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def test_a_reused_pid_is_not_taken_for_an_ended_child(tmp_path: Path) -> None:
+    """pids wrap (pid_max 32768 on the CI machine): a child given the pid of one that ended earlier is
+    still running, not ended with the earlier one's status (CI run 15 failed that way: a resumed segment's
+    rank 'exited' before it had opened its log)."""
+    if not os.access(LAST_PID, os.W_OK):
+        pytest.skip("choosing the next pid needs root (writing /proc/sys/kernel/ns_last_pid)")
+    server = forkserver.Server.get()
+    env = dict(os.environ)
+    for attempt in range(10):  # another process on the machine may take the pid first: try again
+        ended = server.start(["-c", "pass"], env=env, log=tmp_path / f"ended{attempt}.log")
+        assert ended.wait(60) == 0
+        LAST_PID.write_text(str(ended.pid - 1))
+        alive = server.start(["-c", "import signal; signal.pause()"], env=env, log=tmp_path / f"alive{attempt}.log")
+        try:
+            if alive.pid == ended.pid:
+                assert alive.poll() is None, "the new child was taken for the ended one with its pid"
+                break
+        finally:
+            os.kill(alive.pid, signal.SIGKILL)  # the process itself: it may not have its own session yet
+            assert alive.wait(60) == -signal.SIGKILL
+    else:
+        pytest.skip("the pid was taken by another process ten times")

@@ -21,8 +21,10 @@ compilation), Triton's interpreter (TRITON_INTERPRET is read when Triton is impo
 is about the processes Slurm starts (the time-limit chain: SIGUSR2 to every process of the step; a rank
 killed by its pid in the step's process tree), other users' jobs, a machine with NVIDIA GPUs, and everything
 with MEGALAUNCH_TEST_FORK=0. The owner's protocol is JSON lines on the server's stdin/stdout:
-requests {"argv" | "call", "env", "cwd", "log"}, answers {"pid"}, and for every child that ends
-{"exit": pid, "status": wait status, "cpu": seconds (the child's with what it reaped)}."""
+requests {"argv" | "call", "env", "cwd", "log"}, answers {"pid", "serial"}, and for every child that ends
+{"exit": pid, "serial": the request's serial (null for a shim's child), "status": wait status, "cpu": seconds
+(the child's with what it reaped)}. Statuses are matched by serial, not pid: pids wrap (pid_max is 32768 on
+the CI machine, and a CI run starts more processes than that), so an ended child's pid can be a new one's."""
 
 from __future__ import annotations
 
@@ -206,6 +208,8 @@ class _Loop:
         self.conns: dict[int, socket.socket] = {}  # fileno -> a shim's connection
         self.child_of: dict[int, int] = {}  # fileno -> the child started for it
         self.conn_of: dict[int, socket.socket] = {}  # child pid -> its shim's connection
+        self.serial_of: dict[int, int] = {}  # child pid -> the owner's request it answers (1, 2, ...)
+        self.serials = 0
 
     def send(self, message: dict[str, Any]) -> None:
         self.out.write(json.dumps(message) + "\n")
@@ -250,7 +254,14 @@ class _Loop:
                 self.child_of.pop(conn.fileno(), None)
                 self.drop(conn)
             # the child's CPU with what it reaped (tests/conftest.py's CPU log counts it)
-            self.send({"exit": pid, "status": status, "cpu": usage.ru_utime + usage.ru_stime})
+            self.send({"exit": pid, "serial": self.serial_of.pop(pid, None), "status": status,
+                       "cpu": usage.ru_utime + usage.ru_stime})
+
+    def spawn_for_owner(self, request: dict[str, Any]) -> None:
+        pid = _spawn(request, self.sockets())
+        self.serials += 1
+        self.serial_of[pid] = self.serials
+        self.send({"pid": pid, "serial": self.serials})
 
 
 def serve() -> int:
@@ -291,7 +302,7 @@ def serve() -> int:
                     buffer += chunk
                     while b"\n" in buffer:
                         line, buffer = buffer.split(b"\n", 1)
-                        loop.send({"pid": _spawn(json.loads(line), loop.sockets())})
+                        loop.spawn_for_owner(json.loads(line))
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -313,21 +324,22 @@ def python() -> str:
 class Rank:
     """A forked rank's supervisor, with the part of subprocess.Popen's interface the tests use."""
 
-    def __init__(self, server: Server, pid: int) -> None:
+    def __init__(self, server: Server, pid: int, serial: int) -> None:
         self.server = server
         self.pid = pid
+        self.serial = serial  # what its exit is known by (its pid may be reused once it is reaped)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            status = self.server.status(self.pid, timeout=0)
+            status = self.server.status(self.serial, timeout=0)
             if status is not None:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            status = self.server.status(self.pid, timeout=timeout)
+            status = self.server.status(self.serial, timeout=timeout)
             if status is None:
                 raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
             self.returncode = os.waitstatus_to_exitcode(status)
@@ -355,8 +367,8 @@ class Server:
         self.python = json.loads(first)["python"]  # the shim: `python ARGS` forked from the server
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.pids: list[int] = []
-        self.statuses: dict[int, int] = {}
+        self.started: list[tuple[int, int]] = []  # (pid, serial) answers not yet taken
+        self.statuses: dict[int, int] = {}  # serial -> wait status
         self.reader = threading.Thread(target=self._read, daemon=True, name="forkserver-reader")
         self.reader.start()
 
@@ -372,9 +384,10 @@ class Server:
             message = json.loads(line)
             with self.changed:
                 if "pid" in message:
-                    self.pids.append(message["pid"])
+                    self.started.append((message["pid"], message["serial"]))
                 else:
-                    self.statuses[message["exit"]] = message["status"]
+                    if message["serial"] is not None:
+                        self.statuses[message["serial"]] = message["status"]
                     Server.cpu_s += message["cpu"]
                 self.changed.notify_all()
 
@@ -388,9 +401,10 @@ class Server:
         with self.changed:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            if not self.changed.wait_for(lambda: self.pids or self.proc.poll() is not None, timeout=60) or not self.pids:
+            if not self.changed.wait_for(lambda: self.started or self.proc.poll() is not None, timeout=60) \
+                    or not self.started:
                 raise RuntimeError("the fork server did not answer")
-            return Rank(self, self.pids.pop(0))
+            return Rank(self, *self.started.pop(0))
 
     def call(self, function: str, args: tuple[Any, ...], *, log: Path, env: dict[str, str] | None = None) -> Rank:
         """Fork a process that calls `function` ("module:name", importable with the repository on the path)
@@ -398,10 +412,10 @@ class Server:
         return self._request({"call": function, "args": base64.b64encode(pickle.dumps(args)).decode(),
                               "env": env or dict(os.environ), "log": str(log), "cwd": str(Path.cwd())})
 
-    def status(self, pid: int, timeout: float | None) -> int | None:
+    def status(self, serial: int, timeout: float | None) -> int | None:
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.statuses, timeout=timeout)
-            return self.statuses.get(pid)
+            self.changed.wait_for(lambda: serial in self.statuses, timeout=timeout)
+            return self.statuses.get(serial)
 
 
 if __name__ == "__main__":
