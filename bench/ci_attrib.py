@@ -40,15 +40,22 @@ def read_accounting(path: str) -> list[dict]:
 
 def main(pacct: str, cpu_dir: str) -> None:
     rows = read_accounting(pacct)
-    by_pid = {r["pid"]: r for r in rows}
+    by_pid: dict[int, list[dict]] = collections.defaultdict(list)  # pids wrap (pid_max 32768): all holders
+    for r in rows:
+        by_pid[r["pid"]].append(r)
+
+    def parent(r: dict) -> dict | None:
+        """The process that held the parent's pid when `r` started (alive then: started before, ended after)."""
+        alive = [p for p in by_pid.get(r["ppid"], ()) if p["start"] - 1 <= r["start"] <= p["start"] + p["e"] + 1]
+        return max(alive, key=lambda p: p["start"], default=None)
     tests = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in Path(cpu_dir).glob("*.jsonl")}
     longs = {r["pid"] for r in rows if r["cmd"] == "python" and r["e"] > 600}
     workers = [r for r in rows if r["pid"] in longs and r["ppid"] in longs]  # the controller's children
 
     def owner(r: dict) -> int | str | None:
-        seen = {r["pid"]}
-        while (r := by_pid.get(r["ppid"])) is not None and r["pid"] not in seen:
-            seen.add(r["pid"])
+        seen = {id(r)}
+        while (r := parent(r)) is not None and id(r) not in seen:  # type: ignore[assignment]
+            seen.add(id(r))
             if r["cmd"] == "slurmstepd":
                 return "slurm"
             if r in workers:
