@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster import show_job, wait_for, wait_job_done
 from launch import ledger, megalaunch, run_dir_of, submitted_ids
-from test_train_slurm import STEP_SLEEP_S, _chain_done, _events, _tail, train_recipe
+from test_train_slurm import _chain_done, _events, _tail, train_recipe
 
 pytestmark = [
     pytest.mark.megatron,
@@ -25,6 +25,7 @@ pytestmark = [
 ]
 
 STARTUP_TIMEOUT_S = 20
+STEP_SLEEP_S = 1.0  # the finishing segment's 3 iterations
 # the watcher looks every 2 s (startup limit / 10), then waits 5 s for the stacks: it acts within
 # ~7 s of the limit; `job end` a few seconds later (a busy 2-core machine: allow 25 s)
 SLACK_S = 25

@@ -37,25 +37,28 @@ pytestmark = [
                        reason="needs torch + megatron-core (the [train] extra)"),
 ]
 
-GBS = 8  # training/tiny: 8 sequences per step; divisible by micro-batch 1 x DP 1 and DP 2
+GBS = 4  # 4 sequences per step: divisible by micro-batch 1 x DP 1 and DP 2 (2 micro-batches per rank at DP 2)
 
 # --- the chain's timing arithmetic ---------------------------------------------------------------
-# Lead L = save 10 + step 1 + Slurm's check period 30 + margin 19 = 60 s (FACTS: >= 60 s), so in a
+# Lead L = save 10 + step 2 + Slurm's check period 30 + margin 18 = 60 s (FACTS: >= 60 s), so in a
 # 180 s segment the USR2 warning comes 60..90 s before the limit: 90..120 s after the segment starts.
 # Before the first iteration: `job begin` + Python/Megatron start-up (+ a checkpoint load when
 # resuming): 5 s measured on an idle machine, up to ~25 s when busy. Training window per segment:
 #   W = (90..120) - (5..25) = 65..115 s.
-# One iteration = STEP_SLEEP_S (1 s) + the step itself (25..300 ms here): T = 1.025..1.3 s, so a
-# segment trains n = W / T = 50..112 iterations (~90 typical: W ~97 s, T ~1.08 s).
-# TRAIN_ITERS = 240 > 2 x 112 (+16 of slack for a warning a little later than asked): two segments
-# can never reach it, so >= 3 segments always. Typically 3 (the first three give ~270 > 240); when
-# the machine is busy (n ~ 60-70) a 4th, rarely a 5th.
+# One iteration = STEP_SLEEP_S (2 s) + the step itself (15..300 ms here): T = 2.015..2.3 s, so a
+# segment trains n = W / T = 28..57 iterations (~47 typical: W ~97 s, T ~2.05 s). The pacing is what
+# makes the count Slurm's, not the machine's; the slower it is, the less CPU a segment burns waiting
+# for its warning (each iteration ~0.1 CPU-s on the two ranks: ~90 -> ~47 iterations a segment, at
+# half the batch of before, took ~60 CPU-s off a CI run).
+# TRAIN_ITERS = 124 > 2 x 57 (+10 of slack for a warning a little later than asked): two segments
+# can never reach it, so >= 3 segments always. Typically 3 (the first three give ~140 > 124); when
+# the machine is busy (n ~ 30-35) a 4th, rarely a 5th.
 # Wall time: a stopped segment lasts ~95..125 s (warning + one step + a ~2 s save + `job end`), the
 # gap to the next one ~1..6 s (singleton dependency, sched_interval 5 s), the last one
 # start-up + rest x T: ~5.5 min typical for 3 segments, ~8 min for 4, ~10 min for 5. Bounded below
 # by CHAIN_TIMEOUT_S.
-STEP_SLEEP_S = 1.0
-TRAIN_ITERS = 240
+STEP_SLEEP_S = 2.0
+TRAIN_ITERS = 124
 CHAIN_TIMEOUT_S = 960
 
 ITERATION_LINE = re.compile(
@@ -81,8 +84,8 @@ def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s:
         "logging": {"rank_output": "all"},  # every rank's decision lines in the log (default: rank 0's)
         # only the stop/trigger saves and Megatron's final save: every checkpoint is one we caused
         "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
-        # lead = save 10 + step 1 + Slurm's 30 s check period + margin 19 = 60 s
-        "chain": {"step_time_estimate_s": 1, "signal_margin_s": 19, "min_train_time_s": 30,
+        # lead = save 10 + step 2 + Slurm's 30 s check period + margin 18 = 60 s
+        "chain": {"step_time_estimate_s": 2, "signal_margin_s": 18, "min_train_time_s": 30,
                   "trigger_interval": 1, "hang_timeout_s": 300,
                   "restarts_per_segment": 0},  # a failure ends the segment (test_restart_slurm.py: restarts on)
     }
@@ -140,10 +143,10 @@ def _tail(run: Path, job_id: str, n: int = 4000) -> str:
 
 # --- >= 3 segments, each stopped by Slurm's time-limit warning ------------------------------------
 
-# Periodic saves: 2-3 per segment of 50..112 iterations. The first save of a segment starts the
+# Periodic saves: 2-3 per segment of 28..57 iterations. The first save of a segment starts the
 # checkpoint writer's processes (a multiprocessing Manager, the resource tracker); the signal save
 # that comes later must survive the SIGUSR2 that Slurm sends them too.
-SAVE_INTERVAL = 30
+SAVE_INTERVAL = 15
 
 
 @pytest.mark.slow

@@ -176,6 +176,12 @@ def _fork(child: Callable[[], int]) -> int:
         except BaseException:
             traceback.print_exc()
         finally:
+            # what an interpreter's exit does that matters here: multiprocessing's exit hook shuts down the
+            # child's managers and joins its processes (a checkpoint writer's Manager otherwise outlives it,
+            # holding its output pipe open). The other exit handlers are the server's, not the child's.
+            if "multiprocessing.util" in sys.modules:
+                with contextlib.suppress(Exception):
+                    sys.modules["multiprocessing.util"]._exit_function()
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
