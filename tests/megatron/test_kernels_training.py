@@ -18,14 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support import forkserver
 
 # find_spec, not importorskip: importing liger imports Triton (~3.4 CPU-s in every worker's collection)
 pytestmark = [pytest.mark.megatron,
               pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-from tests.support import forkserver
 
 SCRIPT = r"""
 import json, os, sys

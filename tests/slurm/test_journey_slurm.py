@@ -14,10 +14,12 @@ raw jsonl + parquet in four folders, a local byte-level BPE `tokenizer.json`
 
 Timing (2-core machine): lead = save 5 + step 1 + Slurm's check period 30 + margin 14 = 50 s, so
 in a 120 s segment USR2 arrives 40..70 s after the segment starts. Iterations are paced by the
-trainer's test hook (STEP_SLEEP_S after each step), so a segment trains at most ~65 s / 0.2 s = 325
-iterations: TRAIN_ITERS = 350 cannot finish in one segment, whatever the machine's load.
+trainer's test hook (STEP_SLEEP_S after each step), so a segment trains at most ~65 s / 0.5 s = 130
+iterations: TRAIN_ITERS = 140 cannot finish in one segment, whatever the machine's load.
 A segment's start-up (job begin, Python, Megatron, the checkpoint load) takes 20-30 s here, so a
-segment typically trains 100-150 iterations and the chain has 3 segments (2 on a quiet machine).
+segment typically trains 40-60 iterations and the chain has 3 segments (2 on a quiet machine). The
+pacing sets the segments' count; the slower it is, the fewer iterations a segment burns waiting for
+its warning (each ~0.2 CPU-s: 0.2 s and 350 iterations cost ~45 CPU-s more a CI run).
 Measured wall time ~175 s: tokenization ~5 s, the chain ~155 s, status + conversion ~8 s,
 transformers ~5 s."""
 
@@ -52,14 +54,14 @@ pytestmark = [
 
 SOURCES = {"web": "jsonl", "forum": "jsonl", "books": "parquet", "wiki": "parquet"}
 FILES_PER_SOURCE = 2
-DOCS_PER_FILE = 125  # 1,000 documents, ~1 MB, ~320k tokens: TRAIN_ITERS x 512 tokens is about half an epoch
+DOCS_PER_FILE = 125  # 1,000 documents, ~1 MB, ~320k tokens: TRAIN_ITERS x 512 tokens is less than a quarter epoch
 HELD_OUT_DOCS = 40   # generated from the same stream, never written to the corpus
 VOCAB = 512
 EOS = "<|endoftext|>"
 
-STEP_SLEEP_S = 0.2
-TRAIN_ITERS = 350
-SAVE_INTERVAL = 100
+STEP_SLEEP_S = 0.5
+TRAIN_ITERS = 140
+SAVE_INTERVAL = 50
 LOG_INTERVAL = 5
 SEQ = 64  # the tiny model's seq_length
 CHAIN_TIMEOUT_S = 480
