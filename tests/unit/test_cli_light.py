@@ -39,3 +39,18 @@ def test_usage_errors_are_short_without_click(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 6, proc.stderr
+
+
+@pytest.mark.parametrize("direction,error", [("hf-to-mcore", "is not a directory"), ("mcore-to-hf", "does not exist")])
+def test_a_missing_conversion_input_is_refused_before_torch(tmp_path, direction: str, error: str) -> None:
+    """A typo in the path costs a login node a fraction of a second, not the ~15 s of importing torch and
+    Megatron (and on the core install, where they are absent, the same one-line error)."""
+    code = ("import sys\nfrom megalaunch.cli.main import main\n"
+            f"try:\n    main(['convert', {direction!r}, {str(tmp_path / 'missing')!r}, '--out', {str(tmp_path / 'out')!r}])\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            f"print(code, ','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2"], (proc.stdout, proc.stderr)  # exit status 2, nothing heavy imported
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megalaunch: error:") and error in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -178,6 +178,9 @@ def hf_to_mcore(
                                                    "--no-progress": True}, set_)
         _submit(loaded, command, out, gpus, time_limit, _next_hf_to_mcore(out, recipe))
         return
+    from megalaunch.conversion.converter import read_hf_config
+
+    read_hf_config(hf_dir)  # a missing model directory or config is refused before torch is imported
     _quiet_megatron()
     from megalaunch.conversion.to_mcore import hf_to_mcore as convert
 
@@ -230,6 +233,9 @@ def mcore_to_hf(
             "--overwrite": overwrite, "--fsync": fsync, "--no-progress": True}, set_)
         _submit(loaded or _run_recipe(checkpoint), command, out, gpus, time_limit, _next_mcore_to_hf(out))
         return
+    from megalaunch.conversion.checkpoint_io.mcore_layout import resolve
+
+    resolve(checkpoint, iteration)  # a missing or incomplete checkpoint is refused before torch is imported
     _quiet_megatron()
     from megalaunch.conversion.to_hf import mcore_to_hf as convert
 

@@ -76,6 +76,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """A Hugging Face directory's config.json, or the error that says what is missing (no torch needed: the
+    CLI asks before importing it)."""
+    if not hf_dir.is_dir():
+        raise MissingFileError(f"{hf_dir} is not a directory")
+    return _read_json(hf_dir / "config.json")
+
+
 def _stacked_shape(item: Item, dims: Dims) -> tuple[int, ...]:
     shape = dims.shape(item.rule.mcore_shape)
     return (dims.num_layers, *shape) if item.rule.per_layer else shape

@@ -25,12 +25,12 @@ from megalaunch.conversion.converter import (
     _numel,
     _offset,
     _prepare_output,
-    _read_json,
     _stacked_shape,
     largest_group_bytes,
+    read_hf_config,
 )
 from megalaunch.conversion.dims import Dims, padded_vocab_size
-from megalaunch.conversion.errors import ConversionError, MissingFileError, ShapeMismatchError
+from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
 from megalaunch.conversion.tables import EXTRA_STATE_MODULES, IGNORED_HF_SUFFIXES, TABLES, Item, items
 
 if TYPE_CHECKING:
@@ -152,9 +152,7 @@ def _describe(hf_dir: Path, model: ModelConfig | None, vocab_size: int | None,
               tensor_parallel: int) -> tuple[dict[str, Any], families.HFModel, ModelConfig, Dims]:
     """The Hugging Face config, what it describes, the model to write (the recipe's, checked against
     it) and the tensor dimensions with Megatron's padded vocabulary."""
-    if not hf_dir.is_dir():
-        raise MissingFileError(f"{hf_dir} is not a directory")
-    hf_cfg = _read_json(hf_dir / "config.json")
+    hf_cfg = read_hf_config(hf_dir)
     divisible = model.make_vocab_size_divisible_by if model else 128
     hf = families.model_from_hf_config(hf_cfg, make_vocab_size_divisible_by=divisible)
     if model is not None:
