@@ -18,6 +18,8 @@ Slurm's 30 s signal granularity, Megatron on the CPU) and many short ones, on 2 
   runs. More would only slow each other down, and many of them time things (signal leads, hang
   timers) that a starved CPU stretches. A long test that mostly waits (on Slurm's clock, a paced
   chain, the local backend's timer) costs little of the budget, so it runs beside two busy ones;
+* at most half the workers hold a test that mostly waits (>= WAIT_S long, load < WAIT_LOAD) while
+  other work is left: with every worker on a Slurm chain the cores sat idle;
 * xdist_group units (one group for the Slurm tests that need the second cluster, one per module
   for short modules with module-scoped fixtures, see tests/conftest.py) stay on one worker.
 
@@ -38,6 +40,7 @@ DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 UNKNOWN_S = 0.5
 HEAVY_S = 10.0  # a test estimated at least this long counts against the CPU budget
 LONG_S = 20.0   # a head test this long gets the shortest unit as the one queued behind it
+WAIT_S, WAIT_LOAD = 60.0, 0.35  # a test this long with less load mostly waits (Slurm's clock, a paced chain)
 
 
 def _entries() -> dict[str, Any]:
@@ -110,6 +113,14 @@ class LongestFirstScheduling(LoadGroupScheduling):
     def _load_assigned(self) -> float:
         return sum(self.load(n) for node in self.assigned_work for n in self._pending_ids(node))
 
+    def waits(self, nodeid: str) -> bool:
+        """A long test that mostly waits: it holds a worker for minutes and keeps little of a core busy."""
+        base = base_nodeid(nodeid)
+        return self.estimate(nodeid) >= WAIT_S and self.loads.get(base, default_load(base)) < WAIT_LOAD
+
+    def _waiting_assigned(self) -> int:
+        return sum(1 for node in self.assigned_work for n in self._pending_ids(node) if self.waits(n))
+
     # --- scheduling
     def schedule(self) -> None:
         assert self.collection_is_completed
@@ -145,6 +156,11 @@ class LongestFirstScheduling(LoadGroupScheduling):
         busy = self._load_assigned()
         scopes = [s for s, unit in self.workqueue.items()
                   if busy == 0 or busy + self._unit_load(unit) <= self.cpu_budget + 1e-9]
+        # waiting tests on every worker leave the cores idle (CI run 15: ~45 % busy for its first 6 minutes,
+        # its three workers each on a Slurm chain): at most half the workers wait, while other work is left
+        if self._waiting_assigned() >= max(1, len(self.nodes) // 2):
+            working = [s for s in scopes if not any(self.waits(n) for n in self.workqueue[s])]
+            scopes = working or scopes
         if not scopes:
             if head is None:
                 return None
