@@ -277,6 +277,18 @@ class _Loop:
         self.send({"pid": pid, "serial": self.serials})
 
 
+def _ready(items: list[Any], timeout_s: float) -> list[Any]:
+    """Those of `items` (sockets or file descriptors) with something to read, as select() would say, through
+    poll(): select() refuses descriptors >= 1024, and a busy server can hold that many."""
+    poller = select.poll()
+    by_fd = {}
+    for item in items:
+        fd = item if isinstance(item, int) else item.fileno()
+        by_fd[fd] = item
+        poller.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll(int(timeout_s * 1000))]
+
+
 def serve(light: bool = False) -> int:
     """Import what the trainer imports (`light`: what the CLI imports), then fork a child per request until
     stdin closes."""
@@ -305,7 +317,7 @@ def serve(light: bool = False) -> int:
     stdin = sys.stdin.fileno()
     try:
         while True:
-            ready, _, _ = select.select([stdin, *loop.sockets()], [], [], 0.05)
+            ready = _ready([stdin, *loop.sockets()], 0.05)
             loop.reap()
             for item in ready:
                 if item is listener:
