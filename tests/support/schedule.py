@@ -115,8 +115,7 @@ class LongestFirstScheduling(LoadGroupScheduling):
 
     def waits(self, nodeid: str) -> bool:
         """A long test that mostly waits: it holds a worker for minutes and keeps little of a core busy."""
-        base = base_nodeid(nodeid)
-        return self.estimate(nodeid) >= WAIT_S and self.loads.get(base, default_load(base)) < WAIT_LOAD
+        return self.estimate(nodeid) >= WAIT_S and self.load(nodeid) < WAIT_LOAD
 
     def _waiting_assigned(self) -> int:
         return sum(1 for node in self.assigned_work for n in self._pending_ids(node) if self.waits(n))

@@ -41,12 +41,20 @@ def test_usage_errors_are_short_without_click(argv: list[str]) -> None:
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 6, proc.stderr
 
 
-@pytest.mark.parametrize("direction,error", [("hf-to-mcore", "is not a directory"), ("mcore-to-hf", "does not exist")])
+@pytest.mark.parametrize("direction,error", [("hf-to-mcore", "is not a directory"), ("mcore-to-hf", "does not exist"),
+                                             ("unfinished", "has no .metadata: the save did not finish")])
 def test_a_missing_conversion_input_is_refused_before_torch(tmp_path, direction: str, error: str) -> None:
-    """A typo in the path costs a login node a fraction of a second, not the ~15 s of importing torch and
-    Megatron (and on the core install, where they are absent, the same one-line error)."""
+    """A typo in the path, or a checkpoint whose save did not finish, costs a login node a fraction of a
+    second, not the ~15 s of importing torch and Megatron (and on the core install, where they are absent,
+    the same one-line error)."""
+    source = tmp_path / "missing"
+    if direction == "unfinished":  # the tracker names iteration 1, whose save wrote metadata.json only
+        direction, source = "mcore-to-hf", tmp_path / "checkpoints"
+        (source / "iter_0000001").mkdir(parents=True)
+        (source / "iter_0000001" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        (source / "latest_checkpointed_iteration.txt").write_text("1")
     code = ("import sys\nfrom megalaunch.cli.main import main\n"
-            f"try:\n    main(['convert', {direction!r}, {str(tmp_path / 'missing')!r}, '--out', {str(tmp_path / 'out')!r}])\n"
+            f"try:\n    code = main(['convert', {direction!r}, {str(source)!r}, '--out', {str(tmp_path / 'out')!r}])\n"
             "except SystemExit as e:\n    code = e.code\n"
             f"print(code, ','.join(m for m in {HEAVY!r} if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

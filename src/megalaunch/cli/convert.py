@@ -235,7 +235,8 @@ def mcore_to_hf(
         return
     from megalaunch.conversion.checkpoint_io.mcore_layout import resolve
 
-    resolve(checkpoint, iteration)  # a missing or incomplete checkpoint is refused before torch is imported
+    # a missing or unfinished checkpoint is refused before torch is imported (its shards are read after)
+    resolve(checkpoint, iteration, shards=False)
     _quiet_megatron()
     from megalaunch.conversion.to_hf import mcore_to_hf as convert
 

@@ -73,16 +73,17 @@ def _refuse_untracked(root: Path, iteration: int) -> None:
                                         fix=f"use --iteration {tracked} or leave --iteration out")
 
 
-def resolve(path: Path, iteration: int | None = None) -> CheckpointRef:
+def resolve(path: Path, iteration: int | None = None, *, shards: bool = True) -> CheckpointRef:
     """Find the complete checkpoint meant by `path`: a run directory, a checkpoint directory (its
-    tracker, or `iteration`), or an iteration directory itself."""
+    tracker, or `iteration`), or an iteration directory itself. `shards=False`: everything but reading
+    .metadata and the shards it names (no torch: the CLI asks that much before importing it)."""
     path = Path(path)
     if ((path / "metadata.json").is_file() or is_fsdp_dtensor(path)) and iteration is None:
         name = path.name
         it = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
         if it is not None:
             _refuse_untracked(path.parent, it)
-        check_complete(path)
+        check_complete(path, shards=shards)
         return CheckpointRef(path, it)
     root = checkpoint_root(path)
     if iteration is None:
@@ -96,16 +97,17 @@ def resolve(path: Path, iteration: int | None = None) -> CheckpointRef:
         if not ref.path.is_dir():
             have = sorted(p.name for p in root.glob("iter_*"))
             raise MissingFileError(f"{ref.path} does not exist", valid=", ".join(have) or "no iter_* directories")
-    check_complete(ref.path)
+    check_complete(ref.path, shards=shards)
     return ref
 
 
-def check_complete(ckpt: Path) -> None:
-    """metadata.json names torch_dist, .metadata exists, and every data file it references is there
-    and long enough."""
+def check_complete(ckpt: Path, *, shards: bool = True) -> None:
+    """metadata.json names torch_dist, .metadata exists, and (`shards`) every data file it references is
+    there and long enough."""
     meta = ckpt / "metadata.json"
     if is_fsdp_dtensor(ckpt):  # Megatron-FSDP's: the torch.distributed.checkpoint part alone
-        _check_shards(ckpt)
+        if shards:
+            _check_shards(ckpt)
         return
     if not meta.is_file():
         raise IncompleteCheckpointError(f"{ckpt} has no metadata.json: the save did not finish")
@@ -118,7 +120,8 @@ def check_complete(ckpt: Path) -> None:
                               fix="save with --ckpt-format torch_dist (megalaunch's default)")
     if not (ckpt / ".metadata").is_file():
         raise IncompleteCheckpointError(f"{ckpt} has no .metadata: the save did not finish")
-    _check_shards(ckpt)
+    if shards:
+        _check_shards(ckpt)
 
 
 def _check_shards(ckpt: Path) -> None:
