@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import yaml
 
@@ -20,7 +20,7 @@ from megalaunch.config.paths import expand_paths
 from megalaunch.config.planner.auto import LayoutChoice, unpin, with_layout
 from megalaunch.config.recipe_files import base_dir, display_name, find_recipe, load_yaml, read_recipe_file
 from megalaunch.config.schema import Recipe
-from megalaunch.config.typed import UnknownKeyError, build, to_plain
+from megalaunch.config.typed import UnknownKeyError, build, field_types, to_plain
 from megalaunch.errors import ConfigError, RunDirError
 from megalaunch.rundir.paths import RunPaths
 
@@ -94,7 +94,7 @@ def _check_shapes(data: Any, schema: Any, where: str, prefix: str = "") -> None:
     even when a later file or a --cluster profile would replace it."""
     if not isinstance(data, dict) or not dataclasses.is_dataclass(schema):
         return
-    hints = get_type_hints(schema)
+    hints = field_types(schema)
     for key, value in data.items():
         if key not in hints or value is None:
             continue
@@ -167,7 +167,7 @@ def _check_path(parts: list[str], schema: Any = Recipe) -> None:
     for i, part in enumerate(parts):
         if cls is None or not dataclasses.is_dataclass(cls):
             return  # inside a free-form mapping (env, megatron_args, ...)
-        hints = get_type_hints(cls)
+        hints = field_types(cls)
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
             dotted = ".".join(parts[: i + 1])

@@ -91,8 +91,10 @@ def path_fields(cls: Any, prefix: str = "") -> list[str]:
     """Dotted names of the path fields of a recipe schema (for the docs and the tests)."""
     import typing
 
+    from megalaunch.config.typed import field_types
+
     out = []
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("path"):
             out.append(f"{prefix}{f.name}")

@@ -7,6 +7,7 @@ Provenance and error messages name a file by `display_name` (a shipped one as `r
 
 from __future__ import annotations
 
+import functools
 import os
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,11 @@ def recipes_root() -> Path:
 
 def shipped_recipes() -> dict[str, Path]:
     """'group/name' -> file, for every shipped recipe."""
+    return dict(_shipped())
+
+
+@functools.cache
+def _shipped() -> dict[str, Path]:  # the package's own files: listed once per process (a load asks ~6 times)
     root = recipes_root()
     out = {}
     for group in RECIPE_GROUPS:
