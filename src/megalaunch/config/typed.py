@@ -21,12 +21,13 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from megalaunch.errors import ConfigError
 
 
-@functools.cache
 def field_types(cls: Any) -> dict[str, Any]:
     """`typing.get_type_hints(cls)`, evaluated once per class (the schema's dataclasses do not change; the
     evaluation compiles every annotation string, ~20 ms per recipe load). Read it, never change it."""
-    return get_type_hints(cls)
+    return _field_types(cls)
 
+
+_field_types: Callable[[Any], dict[str, Any]] = functools.cache(get_type_hints)
 
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
