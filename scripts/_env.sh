@@ -55,5 +55,39 @@ cached_venv() {
   ln -sfn "$dir" "$VENV"
   echo "==> $VENV -> $dir (shared virtualenv for megalaunch[$1]); installing this checkout into it"
   # the editable install points the shared environment at this checkout's sources
-  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  editable_install "$VENV"
+}
+
+# editable_install VENV: point VENV's megalaunch at this checkout; without build isolation where VENV has
+# setuptools (pip's isolated build env re-installs setuptools every time: ~9 s against ~4 on the CI machine)
+editable_install() {
+  if "$1/bin/python" -c 'import setuptools' 2>/dev/null; then
+    "$1/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  else
+    "$1/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  fi
+}
+
+# core_venv DIR: a virtualenv with megalaunch's core install only (what a login node has: no torch, no
+# click), plus pytest, for the CLI's own tests. Shared like the main one (cached_venv) under
+# $MEGALAUNCH_VENV_CACHE, keyed by pyproject.toml and Python; DIR becomes a link to it (~22 CPU-s -> ~4).
+core_venv() {
+  local cache_root=${MEGALAUNCH_VENV_CACHE:-$HOME/.cache/megalaunch/venvs} py key dir
+  py=$(find_python)
+  if [ "$cache_root" = off ] || { [ -e "$1" ] && [ ! -L "$1" ]; }; then  # no cache, or a venv of the user's own
+    [ -x "$1/bin/python" ] || "$py" -m venv "$1"
+    "$1/bin/python" -m pip install -q -e "$ROOT" pytest pytest-timeout
+    return 0
+  fi
+  key=$( { cat "$ROOT/pyproject.toml"; echo "core+pytest"; "$py" -VV; } | sha256sum | cut -c1-16)
+  dir=$cache_root/core-$key
+  if [ ! -f "$dir/.complete" ]; then
+    rm -rf "$dir"
+    mkdir -p "$cache_root"
+    "$py" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q -e "$ROOT" pytest pytest-timeout setuptools
+    touch "$dir/.complete"
+  fi
+  ln -sfn "$dir" "$1"
+  editable_install "$1"
 }
