@@ -4,8 +4,11 @@ order in which `pytest -n N --dist loadgroup` (scripts/test) runs the suite in p
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,24 +62,54 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 MODULE_GROUP_MAX_S = 90.0
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the markers into work units
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist") or config.getvalue("dist") != "loadgroup":
-        return
+#: where the workers tell the scheduler their groups: pytest-xdist's own way (a "@group" suffix on the test's
+#: id, set through `item._nodeid`) stopped working with pytest 9.2 (ids are `item._id` now), silently: every
+#: group was split, so module fixtures were built once per worker and the SFT journey's three times.
+GROUPS_ENV = "MEGALAUNCH_TEST_GROUPS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of a `--dist loadgroup` run makes the directory its workers write their groups into
+    (they inherit the environment: pytest-xdist starts them after this)."""
+    if config.getvalue("dist") == "loadgroup" and not hasattr(config, "workerinput"):
+        directory = tempfile.mkdtemp(prefix="megalaunch-test-groups-")
+        os.environ[GROUPS_ENV] = directory
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+def work_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """{test id: group} for the tests that must run on one worker: an `xdist_group` marker, a private Slurm
+    cluster (tests/slurm/conftest.py), or a short module whose tests share a module-scoped fixture."""
     durations = _schedule_module().load_durations()
+    groups: dict[str, str] = {}
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if (mark := item.get_closest_marker("private_cluster")) is not None:  # tests/slurm/conftest.py
-            item.add_marker(pytest.mark.xdist_group(f"private-cluster-{mark.args[0] if mark.args else 'ctld'}"))
-        elif not item.get_closest_marker("xdist_group"):
+        names = sorted(str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                       for m in item.iter_markers("xdist_group"))
+        if names:
+            groups[item.nodeid] = "_".join(names)
+        elif (mark := item.get_closest_marker("private_cluster")) is not None:
+            groups[item.nodeid] = f"private-cluster-{mark.args[0] if mark.args else 'ctld'}"
+        else:
             by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     for module, its in by_module.items():
         shared = any(d.scope in ("module", "class", "package")
                      for it in its for defs in it._fixtureinfo.name2fixturedefs.values() for d in defs
                      if d.baseid.startswith(module))
         if shared and sum(durations.get(it.nodeid, 0.5) for it in its) < MODULE_GROUP_MAX_S:
-            for it in its:
-                it.add_marker(pytest.mark.xdist_group(module))
+            groups.update((it.nodeid, module) for it in its)
+    return groups
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A worker of a `--dist loadgroup` run writes its tests' groups for the scheduler (schedule.py)."""
+    directory = os.environ.get(GROUPS_ENV)
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if not directory or not worker or not config.getvalue("loadgroup"):
+        return
+    path = Path(directory) / f"{worker}.json"
+    path.with_suffix(".part").write_text(json.dumps(work_groups(items)))
+    path.with_suffix(".part").replace(path)
 
 
 # --- CPU time per test (MEGALAUNCH_TEST_CPU_LOG=DIR) ------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 from xdist.scheduler import LoadGroupScheduling
 
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
+GROUPS_ENV = "MEGALAUNCH_TEST_GROUPS"  # tests/conftest.py: the directory the workers write their groups into
 UNKNOWN_S = 0.5
 HEAVY_S = 10.0  # a test estimated at least this long counts against the CPU budget
 LONG_S = 20.0   # a head test this long gets the shortest unit as the one queued behind it
@@ -88,6 +89,22 @@ class LongestFirstScheduling(LoadGroupScheduling):
         self.durations = load_durations()
         self.loads = load_cpu_loads()
         self.cpu_budget = float(os.environ.get("MEGALAUNCH_TEST_CPUS") or os.cpu_count() or 2)
+        self.groups: dict[str, str] = {}
+
+    # --- groups
+    def _split_scope(self, nodeid: str) -> str:
+        """The unit a test belongs to: its group as the workers wrote it (tests/conftest.py work_groups), or
+        pytest-xdist's "@group" suffix where the pytest in use still carries it, or the test alone."""
+        if nodeid.rfind("@") > nodeid.rfind("]"):
+            return super()._split_scope(nodeid)
+        return self.groups.get(nodeid, nodeid)
+
+    def _read_groups(self) -> dict[str, str]:
+        directory = os.environ.get(GROUPS_ENV)
+        groups: dict[str, str] = {}
+        for path in sorted(Path(directory).glob("*.json")) if directory else ():
+            groups.update(json.loads(path.read_text()))
+        return {test: "group:" + name for test, name in groups.items()}
 
     # --- estimates
     def estimate(self, nodeid: str) -> float:
@@ -133,6 +150,7 @@ class LongestFirstScheduling(LoadGroupScheduling):
         self.collection = list(next(iter(self.registered_collections.values())))
         if not self.collection:
             return
+        self.groups = self._read_groups()  # every worker has written them: each has sent its collection
         for nodeid in self.collection:
             self.workqueue.setdefault(self._split_scope(nodeid), {})[nodeid] = False
         for node in self.nodes:

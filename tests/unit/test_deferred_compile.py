@@ -30,6 +30,18 @@ out = {"dynamo_after_import": "torch._dynamo" in sys.modules,
        "kernel_wrapped": hasattr(fused_bias_gelu.bias_gelu, "__wrapped__"),
        "compile_restored": not getattr(torch.compile, "_megalaunch_deferred", False),
        "wandb_after_import": "wandb" in sys.modules, "timers_wandb": timers.wandb is not None}
+if os.environ.get("PROBE_NULL_TOKENIZER"):  # the same interpreter goes on (one Megatron import, ~10 CPU-s)
+    import argparse
+    from megalaunch.runtime.loop import megatron_patches
+    megatron_patches.null_tokenizer_without_transformers()
+    class Args(argparse.Namespace):  # Megatron's other tokenizer arguments at their defaults (None)
+        def __getattr__(self, name):
+            return None
+    tok = global_vars.build_tokenizer(Args(tokenizer_type="NullTokenizer", vocab_size=512, rank=0,
+                                           make_vocab_size_divisible_by=128, tensor_model_parallel_size=1))
+    out["null_tokenizer"] = {"transformers": "transformers" in sys.modules, "vocab": tok.vocab_size, "eod": tok.eod}
+    import transformers  # afterwards it imports normally (nothing left blocked)
+    out["transformers_imports_after"] = "transformers" in sys.modules
 # Megatron's own W&B writer (megatron_args: wandb-project) gives the timers the real module back
 os.environ["WANDB_MODE"] = "disabled"
 args = types.SimpleNamespace(wandb_project="p", wandb_exp_name="e", wandb_save_dir=tempfile.mkdtemp(),
@@ -40,15 +52,21 @@ print(json.dumps(out))
 """
 
 
-def probe(env: dict[str, str]) -> dict[str, bool]:
+def probe(env: dict[str, str]) -> dict[str, object]:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_megatron_imports_without_the_compiler_and_torch_compile_is_restored() -> None:
-    got = probe({})
+@pytest.fixture(scope="module")
+def default_probe() -> dict[str, object]:
+    """One fresh interpreter with the defaults: Megatron's import, then the null tokenizer, then W&B."""
+    return probe({"PROBE_NULL_TOKENIZER": "1"})
+
+
+def test_megatron_imports_without_the_compiler_and_torch_compile_is_restored(default_probe: dict[str, object]) -> None:
+    got = {k: v for k, v in default_probe.items() if k not in ("null_tokenizer", "transformers_imports_after")}
     assert got == {"dynamo_after_import": False, "jit_fuser_deferred": True, "kernel_wrapped": True,
                    "compile_restored": True, "wandb_after_import": False, "timers_wandb": False,
                    "timers_wandb_with_writer": True}
@@ -90,31 +108,6 @@ def test_modules_are_compiled_at_once() -> None:
     assert isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
 
 
-NULL_TOKENIZER = r"""
-import argparse, json, sys
-from megalaunch.runtime.loop import megatron_patches
-from megalaunch.runtime.model import megatron_import
-megatron_import.import_megatron()
-megatron_patches.null_tokenizer_without_transformers()
-from megatron.training import global_vars
-class Args(argparse.Namespace):  # Megatron's other tokenizer arguments at their defaults (None)
-    def __getattr__(self, name):
-        return None
-args = Args(tokenizer_type=sys.argv[1], vocab_size=512, rank=0, make_vocab_size_divisible_by=128,
-            tensor_model_parallel_size=1)
-tok = global_vars.build_tokenizer(args)
-print(json.dumps({"transformers": "transformers" in sys.modules, "vocab": tok.vocab_size, "eod": tok.eod}))
-"""
-
-
-def test_the_null_tokenizer_is_built_without_importing_transformers() -> None:
-    out = subprocess.run([sys.executable, "-c", NULL_TOKENIZER, "NullTokenizer"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"transformers": False, "vocab": 512, "eod": 511}
-    # afterwards transformers imports normally in the same process (nothing left blocked)
-    check = NULL_TOKENIZER.replace('print(json.dumps(', 'import transformers\nprint(json.dumps(')
-    out = subprocess.run([sys.executable, "-c", check, "NullTokenizer"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["transformers"] is True
+def test_the_null_tokenizer_is_built_without_importing_transformers(default_probe: dict[str, object]) -> None:
+    assert default_probe["null_tokenizer"] == {"transformers": False, "vocab": 512, "eod": 511}
+    assert default_probe["transformers_imports_after"] is True
