@@ -3,7 +3,7 @@ runtime/loop/step.py) with liger-kernel's RoPE, SwiGLU and fused linear cross en
 the CPU: Triton's interpreter (TRITON_INTERPRET=1) runs liger's own kernels there, slowly, in fp32 (its norm
 kernel needs more than the interpreter has: a plain-torch stand-in takes its place, tests/support/liger_reference.py).
 The losses of the 3 iterations must agree within 1e-5 relative (measured: ~1e-7); an interpreted iteration costs
-~12 CPU-s here, so 3, not more. Megatron's side has no Triton kernel: it is forked from the tests' fork server
+~6 CPU-s here at 32 tokens a sequence, so 3, not more. Megatron's side has no Triton kernel: it is forked from the tests' fork server
 (tests/support/forkserver.py) where that is on (~16 -> ~3 CPU-s); liger's needs a fresh interpreter
 (TRITON_INTERPRET is read when Triton is imported, which the server has done). The same on the GPU, with the
 norm and in bf16: tests/gpu/test_kernels_gpu.py."""
@@ -31,6 +31,11 @@ import json, os, sys
 from pathlib import Path
 
 
+# 32 tokens a sequence, not the tiny recipe's 64: the interpreter runs one Triton program per row, so an
+# iteration costs ~2x less; RoPE, SwiGLU and the fused loss see the same code at any length.
+SHORT = ("model.seq_length=32", "model.max_position_embeddings=32")
+
+
 def main():
     from harness import make_run
     from megalaunch.runtime.model import cpu_compat
@@ -39,7 +44,7 @@ def main():
 
     mode, root = sys.argv[1], Path(sys.argv[2])
     paths = make_run(root, "training.train_iters=3", "training.lr_warmup_iters=1", "checkpoint.save_interval=1000",
-                     "training.attention=sdpa", "training.lr=3e-3", name=mode)
+                     "training.attention=sdpa", "training.lr=3e-3", *SHORT, name=mode)
     cpu_compat.enable()
     for patch in (mp.skip_unused_fusion_warmup, mp.null_tokenizer_without_transformers, mp.skip_helper_compilation,
                   mp.fix_optimizer_step):
