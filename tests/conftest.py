@@ -71,7 +71,7 @@ GROUPS_ENV = "MEGALAUNCH_TEST_GROUPS"
 def pytest_configure(config: pytest.Config) -> None:
     """The controller of a `--dist loadgroup` run makes the directory its workers write their groups into
     (they inherit the environment: pytest-xdist starts them after this)."""
-    if config.getvalue("dist") == "loadgroup" and not hasattr(config, "workerinput"):
+    if config.getoption("dist", None) == "loadgroup" and not hasattr(config, "workerinput"):
         directory = tempfile.mkdtemp(prefix="megalaunch-test-groups-")
         os.environ[GROUPS_ENV] = directory
         config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
@@ -105,7 +105,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """A worker of a `--dist loadgroup` run writes its tests' groups for the scheduler (schedule.py)."""
     directory = os.environ.get(GROUPS_ENV)
     worker = getattr(config, "workerinput", {}).get("workerid")
-    if not directory or not worker or not config.getvalue("loadgroup"):
+    if not directory or not worker or not config.getoption("loadgroup", None):
         return
     path = Path(directory) / f"{worker}.json"
     path.with_suffix(".part").write_text(json.dumps(work_groups(items)))
