@@ -5,7 +5,10 @@ the local backend, three segments that end three ways:
   1  failed  crashes at CRASH_AT (COUNTER_CRASH_ONCE), after saves at 0 (a `trigger save`), 20 and 40:
              the iterations after 40 are lost work
   2  saved   resumes at 40, trains until the local timer's stop signal, saves
-  3  finished  resumes there and reaches TRAIN_ITERS"""
+  3  finished  resumes there and reaches TRAIN_ITERS
+
+On a loaded machine the counter steps slower than the timer assumes and a third `saved` segment comes before
+the finished one (seen in CI): the tests accept failed, saved..., finished."""
 
 from __future__ import annotations
 

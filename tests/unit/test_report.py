@@ -106,18 +106,20 @@ def test_report_of_a_chain(run: RunPaths, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == str(out / "report.html") and lines[1].startswith("goodput "), proc.stdout
-    assert "3 segments" in lines[1]
+    segments = Ledger(run).segments()
+    assert f"{len(segments)} segments" in lines[1]
     assert sorted(p.name for p in out.iterdir()) == sorted(["report.html", *FIGURES])
     for name in FIGURES:
         assert_png(out / name)
     page = parse(out / "report.html")
     assert sorted(page.imgs) == sorted(FIGURES)  # relative: the directory is self-contained
-    segments = Ledger(run).segments()
-    assert [s.outcome for s in segments] == ["failed", "saved", "finished"]
-    assert len(page.bars) == len(segments) == 3
+    # failed, saved (one segment, more where a loaded machine stepped slower than the timer allowed), finished
+    expected = ["failed", *["saved"] * (len(segments) - 2), "finished"]
+    assert [s.outcome for s in segments] == expected and len(segments) >= 3
+    assert len(page.bars) == len(segments)
     assert [b["data-job"] for b in page.bars] == [s.job_id for s in segments]
     outcomes = [next(c for c in (b["class"] or "").split() if c.startswith("outcome-")) for b in page.bars]
-    assert outcomes == ["outcome-failed", "outcome-saved", "outcome-finished"]
+    assert outcomes == [f"outcome-{o}" for o in expected]
     # each segment's components add up to its wall time, which is job begin -> job end in the ledger
     assert [g["job"] for g in page.goodput] == [s.job_id for s in segments]
     for row, seg in zip(page.goodput, segments, strict=True):
@@ -157,7 +159,7 @@ def test_report_while_a_segment_runs(run: RunPaths, tmp_path: Path) -> None:
     paths.ledger.write_text("".join(json.dumps(e) + "\n" for e in kept))
     result = report_mod.write_report(paths, tmp_path / "out", now=last["time"] - 0.5)
     page = parse(result.html)
-    assert len(page.bars) == 3 and "outcome-running" in (page.bars[-1]["class"] or "")
+    assert len(page.bars) == len(Ledger(run).segments()) and "outcome-running" in (page.bars[-1]["class"] or "")
     html_text = result.html.read_text()
     assert "in progress" in html_text and "(in progress)" in result.summary
     row = page.goodput[-1]

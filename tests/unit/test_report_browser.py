@@ -22,7 +22,7 @@ def test_report_opens_clean_in_chromium(tmp_path: Path) -> None:
     html = paths.root / "report" / "report.html"
     assert proc.stdout.splitlines()[0] == str(html)
     segments = Ledger(paths).segments()
-    assert len(segments) == 3
+    assert len(segments) >= 3  # tests/unit/report_chain.py: 3, more when a loaded machine steps slower
     with open_page(html) as view:
         view.assert_clean()
         assert len(view.images) == 4 and not view.broken_images
@@ -30,4 +30,4 @@ def test_report_opens_clean_in_chromium(tmp_path: Path) -> None:
         assert view.evaluate("document.title") == f"megalaunch report: {paths.root.name}"
         assert view.texts(".timeline-bar .seg-label") == [
             "failed: rank 0 on " + view.texts(".timeline-bar .seg-label")[0].split("rank 0 on ", 1)[1],
-            "saved: signal", "finished"]
+            *["saved: signal"] * (len(segments) - 2), "finished"]

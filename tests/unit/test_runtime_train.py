@@ -152,7 +152,7 @@ def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, 
     (tmp_path / "c").mkdir()
     paths = build_chain(tmp_path / "c")
     written = read_json(paths.goodput)
-    assert written["segments"] == 3 and 0 < written["goodput"] < 1
+    assert written["segments"] >= 3 and 0 < written["goodput"] < 1  # tests/unit/report_chain.py: 3, more when slow
     again = chain_goodput(paths, written["time"])
     assert again["goodput"] == pytest.approx(written["goodput"], abs=1e-6)  # the accounting, not a copy
     from megalaunch.rundir.ledger import Ledger
@@ -170,4 +170,4 @@ def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, 
     assert got["chain/goodput"] == written["goodput"] and got["chain/wall_s"] == written["wall_s"]
     assert got["chain/productive_s"] == written["totals_s"]["productive"] > 0
     assert {"segment/imports_s", "segment/checkpoint_load_s", "segment/first_iteration_s", "segment/startup_s"} <= got.keys()
-    assert got["segment/index"] == 3  # its number as status and logs show it
+    assert got["segment/index"] == written["segments"]  # its number as status and logs show it
