@@ -15,8 +15,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from tests.unit.conftest import REPORT_CHAIN_GROUP
 from tests.unit.helpers import cli
-from tests.unit.report_chain import CRASH_AT, TRIGGER_REASON, build_chain
+from tests.unit.report_chain import CRASH_AT, TRIGGER_REASON
 
 from megalaunch.launcher.accounting.goodput import COMPONENTS
 from megalaunch.launcher.report import write as report_mod
@@ -27,9 +28,12 @@ from megalaunch.rundir.paths import RunPaths
 FIGURES = ("loss.png", "throughput.png", "timeline.png", "goodput.png")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> RunPaths:
-    return build_chain(tmp_path_factory.mktemp("chain"))
+pytestmark = REPORT_CHAIN_GROUP
+
+
+@pytest.fixture
+def run(report_chain: RunPaths) -> RunPaths:
+    return report_chain
 
 
 class Page(HTMLParser):

@@ -5,18 +5,22 @@ MEGALAUNCH_REQUIRE_BROWSER=1 (tests/support/browser.py)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from tests.support.browser import open_page, require_browser
+from tests.unit.conftest import REPORT_CHAIN_GROUP
 from tests.unit.helpers import cli
-from tests.unit.report_chain import build_chain
 
 from megalaunch.rundir.ledger import Ledger
+from megalaunch.rundir.paths import RunPaths
 
 
-def test_report_opens_clean_in_chromium(tmp_path: Path) -> None:
-    require_browser()  # skip before building the chain when there is no browser
-    paths = build_chain(tmp_path)
+@REPORT_CHAIN_GROUP
+def test_report_opens_clean_in_chromium(tmp_path: Path, report_chain: RunPaths) -> None:
+    require_browser()
+    shutil.copytree(report_chain.root, tmp_path / report_chain.root.name)  # the report is written into the run
+    paths = RunPaths(tmp_path / report_chain.root.name)
     proc = cli("report", str(paths.root))
     assert proc.returncode == 0, proc.stderr
     html = paths.root / "report" / "report.html"

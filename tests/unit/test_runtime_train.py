@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.unit.conftest import REPORT_CHAIN_GROUP
 
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
@@ -140,17 +141,19 @@ def test_a_resumed_segment_starts_its_progress_at_the_checkpoint_it_loaded(sessi
     assert (progress["iteration"], progress["consumed_samples"], progress["loss"]) == (200, 1600, None)
 
 
-def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@REPORT_CHAIN_GROUP
+def test_a_segments_first_wandb_step_carries_the_chains_goodput(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                report_chain: RunPaths) -> None:
     """`job end` writes state/goodput.json after every segment (a real 3-segment chain on the local
     backend); the next segment's first W&B step carries it as chain/*, with its own start-up phases."""
-    from tests.unit.report_chain import build_chain
+    import shutil
 
     from megalaunch.launcher.accounting.goodput import chain_goodput
     from megalaunch.rundir.files import read_json
     from megalaunch.runtime.observation.wandb_run import segment_start
 
-    (tmp_path / "c").mkdir()
-    paths = build_chain(tmp_path / "c")
+    shutil.copytree(report_chain.root, tmp_path / report_chain.root.name)  # the session below writes into it
+    paths = RunPaths(tmp_path / report_chain.root.name)
     written = read_json(paths.goodput)
     assert written["segments"] >= 3 and 0 < written["goodput"] < 1  # tests/unit/report_chain.py: 3, more when slow
     again = chain_goodput(paths, written["time"])

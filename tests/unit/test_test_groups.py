@@ -1,7 +1,7 @@
 """The suite's parallel runs keep a group of tests on one worker (tests/conftest.py, tests/support/schedule.py):
 an `xdist_group` marker, and a module whose tests share a module-scoped fixture (built once). pytest 9.2
 silently broke pytest-xdist's own grouping (its "@group" id suffix no longer reaches the scheduler): a
-real `pytest -n 3` run on a synthetic tree, with this suite's hooks, shows where each test ran."""
+real `pytest -n 2` run on a synthetic tree, with this suite's hooks, shows where each test ran."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_grouped_tests_run_on_one_worker(tmp_path: Path) -> None:
     env = {**os.environ, "WHERE": str(where), "PYTHONPATH": f"{REPO}{os.pathsep}{tree}"}
     env.pop("MEGALAUNCH_TEST_CPU_LOG", None)
     env.pop("MEGALAUNCH_TEST_GROUPS", None)  # this run's controller makes its own
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "3", "--dist",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
                            "loadgroup", "--rootdir", str(tree), "-c", os.devnull, str(tree)],
                           cwd=tree, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
