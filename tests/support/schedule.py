@@ -10,7 +10,7 @@ Slurm's 30 s signal granularity, Megatron on the CPU) and many short ones, on 2 
 * a worker runs a test only once it knows the next one (xdist): behind a long test it gets the
   shortest unit, so nothing long waits behind another long test;
 * the long tests (>= 10 s) that keep cores busy share a CPU budget, MEGALAUNCH_TEST_CPUS (default:
-  the machine's cores, BUDGET_PER_CORE): each counts its measured CPU load (CPU seconds / wall seconds, from
+  the machine's cores): each counts its measured CPU load (CPU seconds / wall seconds, from
   tests/durations.json; a test without a CPU figure counts one core outside tests/slurm; inside, where
   the work runs under slurmd and no test process can measure it, half a core for a module that runs the
   real trainer (its `megatron` marker: paced chains and Slurm's clock keep it below one) and none for
@@ -40,10 +40,6 @@ DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 GROUPS_ENV = "MEGALAUNCH_TEST_GROUPS"  # tests/conftest.py: the directory the workers write their groups into
 UNKNOWN_S = 0.5
 HEAVY_S = 10.0  # a test estimated at least this long counts against the CPU budget
-# The cores, not more: a Slurm test's load counts the Slurm processes that ran beside it shared equally among the
-# Slurm tests then running (bench/ci_attrib.py), which overstates most, but 1.25 x the cores (CI run 23: 17:41)
-# did no better than 1.0 (run 22: 17:24); the heavy Megatron tests still ran late, together.
-BUDGET_PER_CORE = 1.0
 LONG_S = 20.0   # a head test this long gets the shortest unit as the one queued behind it
 WAIT_S, WAIT_LOAD = 30.0, 0.35  # a test this long with less load mostly waits (Slurm's clock, a paced chain)
 # (30, not 60: in CI run 20 the 34-66 s Slurm tests of the node-taking cluster, load <= 0.1, counted as work, and with
@@ -94,7 +90,8 @@ class LongestFirstScheduling(LoadGroupScheduling):
         super().__init__(config, log)
         self.durations = load_durations()
         self.loads = load_cpu_loads()
-        self.cpu_budget = float(os.environ.get("MEGALAUNCH_TEST_CPUS") or BUDGET_PER_CORE * (os.cpu_count() or 2))
+        # the cores, not more: a budget of 1.25 x the cores (CI run 23: 17:41) did no better than 1.0 (run 22: 17:24)
+        self.cpu_budget = float(os.environ.get("MEGALAUNCH_TEST_CPUS") or os.cpu_count() or 2)
         self.groups: dict[str, str] = {}
 
     # --- groups

@@ -6,14 +6,11 @@ import pytest
 
 from megalaunch.rundir.paths import RunPaths
 
-#: the tests that read the report chain (tests/unit/report_chain.py) run on one worker, which builds it once
-REPORT_CHAIN_GROUP = pytest.mark.xdist_group("report-chain")
-
 
 @pytest.fixture(scope="session")
 def report_chain(tmp_path_factory: pytest.TempPathFactory) -> RunPaths:
-    """A real 3-segment local chain of the counter workload (~20 s of paced steps): read it, or copy it first
-    (`copy_run`) to write into it."""
+    """A real local chain of the counter workload (~20 s of paced steps), built once per worker: its readers
+    carry `report_chain.REPORT_CHAIN_GROUP` (one worker); a test that writes into it copies it first."""
     from tests.unit.report_chain import build_chain
 
     return build_chain(tmp_path_factory.mktemp("report-chain"))

@@ -18,11 +18,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tests.unit.helpers import REPO, counter_recipe
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import TriggerBox
 
+#: the tests that read the chain (the `report_chain` fixture, tests/unit/conftest.py) run on one worker, which builds it once
+REPORT_CHAIN_GROUP = pytest.mark.xdist_group("report-chain")
 TRAIN_ITERS = 260
 CRASH_AT = 50
 TRIGGER_REASON = "eval <b>checkpoint</b> & more"  # markup on purpose: the report must escape it

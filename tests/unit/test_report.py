@@ -15,9 +15,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from tests.unit.conftest import REPORT_CHAIN_GROUP
 from tests.unit.helpers import cli
-from tests.unit.report_chain import CRASH_AT, TRIGGER_REASON
+from tests.unit.report_chain import CRASH_AT, REPORT_CHAIN_GROUP, TRIGGER_REASON
 
 from megalaunch.launcher.accounting.goodput import COMPONENTS
 from megalaunch.launcher.report import write as report_mod

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from tests.support.browser import open_page, require_browser
-from tests.unit.conftest import REPORT_CHAIN_GROUP
 from tests.unit.helpers import cli
+from tests.unit.report_chain import REPORT_CHAIN_GROUP
 
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.unit.conftest import REPORT_CHAIN_GROUP
+from tests.unit.report_chain import REPORT_CHAIN_GROUP
 
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.rundir.paths import RunPaths
