@@ -27,8 +27,12 @@ pytestmark = [
 STARTUP_TIMEOUT_S = 20
 STEP_SLEEP_S = 1.0  # the finishing segment's 3 iterations
 # the watcher looks every 2 s (startup limit / 10), then waits 5 s for the stacks: it acts within
-# ~7 s of the limit; `job end` a few seconds later (a busy 2-core machine: allow 25 s)
+# ~7 s of the limit (a busy 2-core machine: allow 25 s)
 SLACK_S = 25
+# from the kill to `job end`'s record: srun's exit after the step is killed, then the job script's
+# `job step-end` and `job end`, each a fresh interpreter (the last session's closing CI run: > 13 s on
+# a busy machine)
+TEARDOWN_S = 45
 TIME_LIMIT_S = 600
 
 
@@ -71,7 +75,7 @@ def test_rendezvous_that_never_completes_is_killed_and_the_chain_continues(slurm
     last_beat = timeline["phases"]["setup_done"]
     (killed,) = [e for e in ledger(run) if e["event"] == "hang_killed"]
     assert STARTUP_TIMEOUT_S <= killed["time"] - last_beat <= STARTUP_TIMEOUT_S + SLACK_S, (killed, last_beat)
-    assert hung["time"] - last_beat <= STARTUP_TIMEOUT_S + SLACK_S, hung
+    assert 0 <= hung["time"] - killed["time"] <= TEARDOWN_S, (hung, killed)
 
     # the allocation was released long before the time limit: the job script ran `job end` and exited
     assert wait_job_done(first, 30) == "COMPLETED"
