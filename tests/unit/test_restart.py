@@ -68,6 +68,27 @@ def test_a_failed_step_restarts_and_its_evidence_moves_aside(tmp_path: Path, env
     assert step_nodes(chain, "7", 1) == ["node2"]
 
 
+def test_the_records_name_a_whole_save_the_tracker_never_reached(tmp_path: Path, env: pytest.MonkeyPatch) -> None:
+    """Rank 1 killed in save 15's last barrier, after every file was written (CI): Megatron never moved the
+    tracker from 10, the next step resumes from 15, and the restart and the segment's end say 15, not 10."""
+    from tests.unit.test_runtime_resume import dist_checkpoint
+
+    paths, chain = _chain(tmp_path)
+    dist_checkpoint(paths, 10)
+    chain.begin("7")
+    assert step_nodes(chain, "7", 0) == ["node1"]
+    dist_checkpoint(paths, 15)
+    atomic_write_text(paths.tracker, "10\n")
+    _fail(paths)
+    assert step_end(chain, "7", 0, 137).restart
+    (restart,) = [e for e in chain.ledger.events() if e["event"] == "restart"]
+    assert restart["checkpoint_iteration"] == 15 and restart["new_checkpoint"] is True, restart
+    _fail(paths)
+    chain.end("7", 1)
+    (ended,) = [e for e in chain.ledger.events() if e["event"] == "ended"]
+    assert ended["checkpoint_iteration"] == 15 and ended["new_checkpoint"] is True, ended
+
+
 def test_a_failed_node_without_a_spare_is_used_again_and_the_records_say_so(
         tmp_path: Path, env: pytest.MonkeyPatch) -> None:
     env.setenv("SLURM_JOB_NODELIST", "node1")  # the only node of the allocation

@@ -194,6 +194,25 @@ def test_segment_end_keeps_what_the_tracker_names_or_when_it_is_garbled(paths: R
     assert resume.checkpoint_iterations(paths) == [10, 20]
 
 
+def test_resume_point_is_a_whole_save_the_tracker_never_reached(paths: RunPaths) -> None:
+    """A rank killed in a save's last barrier, after every file was written: Megatron never moves the tracker
+    (CI: tracker 10, iteration 15 whole), the next step resumes from 15 (plan_resume), and the records say so."""
+    assert resume.resume_point(paths) is None
+    dist_checkpoint(paths, 10)
+    dist_checkpoint(paths, 15)
+    paths.tracker.write_text("10\n")
+    _failed_save(paths, 20)  # an unfinished one above it is not a resume point
+    paths.tracker.write_text("10\n")
+    assert resume.resume_point(paths) == 15
+    assert resume.remove_failed_saves(paths, job_id="5") == [20]  # the whole one stays
+    assert resume.resume_point(paths) == 15 == resume.plan_resume(paths, job_id="6").iteration
+    paths.tracker.write_text("garbage\n")  # unreadable: the newest whole one, as plan_resume chooses
+    assert resume.resume_point(paths) == 15
+    paths.tracker.write_text("15\n")
+    resume.iter_dir(paths, 30).mkdir()  # a save being written, or an empty directory: not a resume point
+    assert resume.resume_point(paths) == 15
+
+
 def test_blend_check(paths: RunPaths) -> None:
     paths.data_blend.write_text("1.0 /data/a\n")
     resume.check_blend(paths, allow_change=False, write=True, job_id="1")

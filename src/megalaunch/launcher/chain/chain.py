@@ -18,7 +18,13 @@ from megalaunch.launcher.chain.backend import JobControl
 from megalaunch.launcher.chain.first_stage import convert_from_hf, tokenize_chats
 from megalaunch.launcher.chain.last_stage import export_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
-from megalaunch.launcher.chain.segment_end import advanced, remove_failed_saves, what_ended, write_goodput
+from megalaunch.launcher.chain.segment_end import (
+    advanced,
+    remove_failed_saves,
+    resume_point,
+    what_ended,
+    write_goodput,
+)
 from megalaunch.launcher.chain.successor import Successor
 from megalaunch.launcher.chain.suspects import Suspects
 from megalaunch.rundir.hostlist import expand_hostlist
@@ -68,7 +74,7 @@ class Chain:
             reason = stopped["reason"] if stopped else "cancel requested"
             self.ledger.append("skipped", job_id=job_id, reason=reason)
             return Verdict(False, f"chain already stopped: {reason}")
-        iteration = self.paths.read_tracker()
+        iteration = resume_point(self.paths)
         requested = requested_iteration(self.paths)  # a pending `megalaunch resume --from`: training starts there
         box = TriggerBox(self.paths)
         pending = box.pending()
@@ -139,7 +145,7 @@ class Chain:
                 continue
             state = self.scheduler.state(seg.job_id)
             start_iter = seg.started.get("checkpoint_iteration")
-            now = self.paths.read_tracker()
+            now = resume_point(self.paths)
             outcome = read_outcome(self.paths, seg.job_id)
             lost = self.suspects.after_node_failure(seg.job_id, state)
             self.ledger.append("ended", job_id=seg.job_id, outcome=(outcome or {}).get("status", "killed"),
@@ -155,7 +161,7 @@ class Chain:
         if segment is not None and segment.ended is not None:  # `job end` ran: the script was not lost
             return
         started = segment.started if segment is not None else None
-        now = self.paths.read_tracker()
+        now = resume_point(self.paths)
         reason = f"its batch host {host} (the node of the job script) was lost"
         self.suspects.record_lost(job_id, [host], f"job {job_id}: {reason}")
         self.ledger.append("ended", job_id=job_id, outcome="killed", reason=reason, slurm_state="NODE_FAIL",
@@ -169,7 +175,7 @@ class Chain:
         """Run after the training step of a segment: record the outcome and decide the chain."""
         started = next((s.started for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
         start_iter = started.get("checkpoint_iteration") if started else None
-        now = self.paths.read_tracker()
+        now = resume_point(self.paths)
         outcome = read_outcome(self.paths, job_id)
         ends = abnormal_ends(self.paths, job_id, self.paths.segment_log(job_id))
         status, reason, fix, figures = what_ended(self.paths, self.ledger, job_id, outcome, ends, exit_code)

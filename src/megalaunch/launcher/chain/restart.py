@@ -36,7 +36,7 @@ from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.accounting.evidence import NODE_LOST, RESTART_MARKER, abnormal_ends
 from megalaunch.launcher.accounting.nodes import NodeHealth
 from megalaunch.launcher.chain.chain import Chain, log
-from megalaunch.launcher.chain.segment_end import remove_failed_saves, what_ended, write_goodput
+from megalaunch.launcher.chain.segment_end import remove_failed_saves, resume_point, what_ended, write_goodput
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.hostlist import compress_hostlist, expand_hostlist, node_names
 from megalaunch.rundir.paths import RunPaths, step_file
@@ -74,7 +74,7 @@ def step_nodes(chain: Chain, job_id: str, step: int, env: dict[str, str] | None 
                 for n in allocated if n not in chosen}
     shrunk = {"shrunk_from": full} if len(chosen) < full else {}
     chain.ledger.append("step_started", job_id=job_id, step=step, nodes=compress_hostlist(chosen),
-                        node_count=len(chosen), left_out=left_out, checkpoint_iteration=chain.paths.read_tracker(),
+                        node_count=len(chosen), left_out=left_out, checkpoint_iteration=resume_point(chain.paths),
                         **shrunk)
     if step or left_out or shrunk:
         log(f"step {step} of segment {job_id} on {compress_hostlist(chosen)}"
@@ -124,7 +124,7 @@ def step_end(chain: Chain, job_id: str, step: int, exit_code: int | None) -> Ste
     nodes = node_names(started.get("nodes"))
     culprits = _culprits(status, outcome or {}, ends, nodes)
     must_go = culprits if status == "unhealthy_node" else {e.node for e in ends if e.rank == NODE_LOST} & set(nodes)
-    now_ckpt = paths.read_tracker()
+    now_ckpt = resume_point(paths)
     progressed = now_ckpt is not None and now_ckpt > (started.get("checkpoint_iteration") or -1)
     refused = why_not(chain, job_id, status, must_go, progressed)
     if refused:

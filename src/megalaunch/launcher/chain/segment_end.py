@@ -53,6 +53,14 @@ def advanced(before: int | None, after: int | None) -> bool:
     return before is None or after > before
 
 
+def resume_point(paths: RunPaths) -> int | None:
+    """The checkpoint the next step resumes from, once every rank has exited (runtime/checkpoint/resume.py): what
+    the segment's and step's records name, not the tracker alone (a save can be whole without it)."""
+    from megalaunch.runtime.checkpoint.resume import resume_point as point
+
+    return point(paths)
+
+
 def remove_failed_saves(paths: RunPaths, job_id: str, log: Echo) -> None:
     """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never
     loadable); delete it now rather than leave it to the next segment (a full disk stays full)."""

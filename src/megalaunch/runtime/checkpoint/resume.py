@@ -186,6 +186,21 @@ def _point_tracker(paths: RunPaths, iteration: int | None) -> None:
 
 # --- a segment's unfinished save (retention: runtime/checkpoint/retention.py) -----------------------------
 
+def resume_point(paths: RunPaths) -> int | None:
+    """The iteration the next step resumes from, as far as can be told without torch once every rank has
+    exited: the newest checkpoint that is complete (`full=False`) when it is newer than the tracker's, else the
+    tracker's; None: none. A save can be whole on disk with the tracker never moved to it: a rank killed
+    in the save's last barrier, after every file was written (CI saw it: `plan_resume` then resumed from
+    iteration 15 while the tracker said 10). `plan_resume` makes the same choice with the full check."""
+    floor = paths.read_tracker()  # "release" (a converted checkpoint) is 0; unreadable: None
+    for iteration in reversed(checkpoint_iterations(paths)):
+        if floor is not None and iteration <= floor:
+            break
+        if incomplete_reason(iter_dir(paths, iteration), full=False) is None:
+            return iteration
+    return floor
+
+
 def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     """At the end of a segment, when every rank has exited: delete the checkpoint directories newer
     than the newest complete one that are incomplete (as far as can be told without torch), i.e. the
@@ -193,13 +208,10 @@ def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     than every complete one can only be this segment's). Megatron writes the tracker after a save
     finishes, so nothing at or below the tracker's iteration is touched, and nothing at all while the
     tracker is unreadable. Returns the iterations deleted."""
-    tracker = read_tracker(paths)
-    if tracker == "garbled":
+    if read_tracker(paths) == "garbled":
         return []
-    iterations = checkpoint_iterations(paths)
-    complete = [i for i in iterations if incomplete_reason(iter_dir(paths, i), full=False) is None]
-    floor = max(complete[-1] if complete else -1, tracker if isinstance(tracker, int) else -1)
-    failed = [i for i in iterations if i > floor]
+    floor = resume_point(paths)
+    failed = [i for i in checkpoint_iterations(paths) if i > (-1 if floor is None else floor)]
     for iteration in failed:
         reason = incomplete_reason(iter_dir(paths, iteration), full=False)
         delete_directory(iter_dir(paths, iteration))
