@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,7 +39,24 @@ def job_megalaunch() -> str:
     """`cluster.megalaunch` to go with trainer_python(): the jobs' `megalaunch` commands (job begin/end,
     evaluation, conversion) forked from the same server (the entry point's `main()`); MEGALAUNCH
     where trainer_python() gives a fresh interpreter."""
-    python = trainer_python()
+    return _cli_wrapper(trainer_python())
+
+
+def job_cli(user: str | None = None) -> str:
+    """`cluster.megalaunch` for a job whose own `megalaunch job ...` calls (begin, step-nodes, watch,
+    step-end, end: ~6 a segment) need no torch: root's forked from the light fork server (~0.05 CPU-s a
+    call instead of a fresh interpreter's ~0.3; CI ran ~190 fresh ones); another user's job (`user`),
+    or forking off: MEGALAUNCH (the server's socket is root's). The shim passes on every signal and leaves
+    as its child did (tests/support/forkshim.py)."""
+    if user not in (None, getpass.getuser()) or os.geteuid() != 0:
+        return MEGALAUNCH
+    from tests.support import forkserver
+
+    return _cli_wrapper(forkserver.cli_python())
+
+
+def _cli_wrapper(python: str) -> str:
+    """A `megalaunch` script beside the fork server's shim `python` that runs the CLI through it."""
     if python == PYTHON:
         return MEGALAUNCH
     wrapper = Path(python).with_name("megalaunch")
@@ -51,8 +70,9 @@ def job_megalaunch() -> str:
 
 
 def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str | None = None,
-                   **sections: dict[str, Any]) -> Path:
-    """A Slurm recipe running a stand-in workload with the real runtime module."""
+                   user: str | None = None, **sections: dict[str, Any]) -> Path:
+    """A Slurm recipe running a stand-in workload with the real runtime module; `user`: who submits it
+    (root by default; another user's job cannot use root's fork server: job_cli)."""
     # the checkout may sit where other users cannot read (CI clones anywhere): copy the workload
     local_workload = tmp / Path(workload).name
     local_workload.write_text(Path(workload).read_text())
@@ -61,7 +81,7 @@ def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str 
         "include": ["tiny"], "name": name, "workload": [PYTHON, str(local_workload)],
         "run": {"root": str(tmp / "runs"), **({"group": group} if group else {})},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
-                    "time": "00:03:00", "python": PYTHON, "megalaunch": MEGALAUNCH,
+                    "time": "00:03:00", "python": PYTHON, "megalaunch": job_cli(user),
                     "env": {"COUNTER_STEP_S": "0.05"}},
         "checkpoint": {"save_time_estimate_s": 1, "save_interval": 100},
         # lead = save 1 + step 0.5 + Slurm's 30 s check + margin 29 = 61 s (FACTS: use >= 60 s)
@@ -83,11 +103,26 @@ def counter_recipe(tmp: Path, name: str, *, workload: str = COUNTER, group: str 
 
 def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: float = 120):
     """`megalaunch ARGS` as `user`, running this checkout's code (PYTHONPATH; sbatch exports it to the
-    jobs it submits, so they run this code too, also where the venv's megalaunch is another checkout)."""
+    jobs it submits, so they run this code too, also where the venv's megalaunch is another checkout).
+    Root's calls are forked from the tests' light fork server, which runs this checkout's code too (the CLI
+    imported once: ~0.05 CPU-s a call instead of a fresh interpreter's ~0.5; CI made ~90 such calls); the
+    call still gets only the clean environment below, its own working directory and streams, and a timeout
+    kills it. Other users' calls are fresh interpreters (the server's socket is root's)."""
     env = {"PYTHONPATH": str(REPO / "src")}
     if cwd:
         env["XDG_STATE_HOME"] = str(cwd / f".state-{user or 'root'}")
-    return run_as(user, [MEGALAUNCH, *args], env, cwd=cwd, timeout=timeout)
+    return run_as(user, [*cli_argv(user), *args], env, cwd=cwd, timeout=timeout)
+
+
+def cli_argv(user: str | None = None) -> list[str]:
+    """The command that runs `megalaunch` for `user` (see megalaunch())."""
+    if user in (None, getpass.getuser()) and os.geteuid() == 0:
+        from tests.support import forkserver
+
+        python = forkserver.cli_python()
+        if python != sys.executable:
+            return [python, "-m", "megalaunch.cli.main"]
+    return [MEGALAUNCH]
 
 
 def run_dir_of(tmp: Path) -> Path:

@@ -64,7 +64,7 @@ def _wait_iteration(run: Path, at_least: int, timeout: float = 90) -> None:
 
 def test_team_triggers_across_users(slurm_tmp: Path) -> None:
     """mlalice runs the chain; mlbob (same group) saves and then stops it; mleve (outside) is refused."""
-    recipe = counter_recipe(slurm_tmp, "team", group="mlteam", training={"train_iters": 1000000},
+    recipe = counter_recipe(slurm_tmp, "team", group="mlteam", user="mlalice", training={"train_iters": 1000000},
                             cluster={"time": "00:10:00"})
     proc = megalaunch("mlalice", "submit", str(recipe), cwd=slurm_tmp)
     assert proc.returncode == 0, proc.stderr

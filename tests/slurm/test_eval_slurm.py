@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import run_as, wait_for
-from launch import MEGALAUNCH, job_megalaunch, ledger, run_dir_of, trainer_python
+from launch import cli_argv, job_megalaunch, ledger, run_dir_of, trainer_python
 
 from megalaunch.rundir.evals import EvalPaths, eval_records
 from megalaunch.rundir.paths import RunPaths
@@ -42,7 +42,7 @@ def megalaunch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {"XDG_STATE_HOME": str(cwd / ".state-root")}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return run_as(None, [MEGALAUNCH, *args], env, cwd=cwd, timeout=120)
+    return run_as(None, [*cli_argv(), *args], env, cwd=cwd, timeout=120)
 
 
 def _recipe(tmp: Path) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from cluster import run_as, sbatch, show_job, wait_for
-from launch import MEGALAUNCH, ledger, run_dir_of, submitted_ids
+from launch import cli_argv, ledger, run_dir_of, submitted_ids
 from test_train_slurm import train_recipe
 
 # a blocker job takes node2: on a cluster of its own, one test at a time (tests/slurm/conftest.py)
@@ -23,7 +23,7 @@ ENV = {"PYTHONPATH": str(REPO / "src")}  # this checkout's code, for the CLI and
 
 
 def megalaunch(*args: str, cwd: Path | None = None):  # type: ignore[no-untyped-def]
-    return run_as(None, [MEGALAUNCH, *args], ENV, cwd=cwd, timeout=120)
+    return run_as(None, [*cli_argv(), *args], ENV, cwd=cwd, timeout=120)
 
 
 def _events(run: Path, name: str, job: str | None = None) -> list[dict]:

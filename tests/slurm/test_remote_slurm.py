@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cluster import queue_ids, wait_for
 from launch import MEGALAUNCH, REPO, counter_recipe, run_dir_of
-from ssh_login import SSHD, Login, login_node
+from ssh_login import SSHD, USER, Login, login_node
 
 from megalaunch.remote.ssh import SshTarget, close_master
 
@@ -123,7 +123,7 @@ def _follow_and_interrupt(env: dict[str, str], run: Path, cwd: Path) -> None:
 
 def test_submit_watch_trigger_cancel_over_ssh(tmp_path: Path, slurm_tmp: Path, login: Login, sockets: Path) -> None:
     secret = f"s3cret-{secrets.token_hex(8)}"
-    made = counter_recipe(slurm_tmp, "viassh", training={"train_iters": 1000000},
+    made = counter_recipe(slurm_tmp, "viassh", user=USER, training={"train_iters": 1000000},
                           cluster={"time": "00:05:00", "secret_env": ["MEGALAUNCH_TEST_SECRET"]})
     laptop = tmp_path / "laptop-recipes"  # root-only: the login node's user cannot read it; it must travel
     laptop.mkdir(mode=0o700)

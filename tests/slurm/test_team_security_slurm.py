@@ -55,7 +55,7 @@ def _alice_private(tmp: Path) -> Path:
 @pytest.mark.slow
 def test_a_member_cannot_run_code_as_the_owner_read_her_files_or_stall_her_job(slurm_tmp: Path) -> None:
     private = _alice_private(slurm_tmp)
-    recipe = counter_recipe(slurm_tmp, "trust", group="mlteam", training={"train_iters": 1000000},
+    recipe = counter_recipe(slurm_tmp, "trust", group="mlteam", user="mlalice", training={"train_iters": 1000000},
                             chain={"trigger_interval": 5}, cluster={"time": "00:10:00"})
     proc = megalaunch("mlalice", "submit", str(recipe), cwd=slurm_tmp)
     assert proc.returncode == 0, proc.stderr
@@ -131,7 +131,7 @@ def test_a_swapped_job_script_never_runs_as_the_owner(slurm_tmp: Path) -> None:
     """Worst case, a run made before the boundary (its directory group-writable): the member replaces
     job.sbatch with a canary. The next segment refuses the changed run; the canary never runs."""
     canary = slurm_tmp / "canary"
-    recipe = counter_recipe(slurm_tmp, "canary", group="mlteam", training={"train_iters": 1000000},
+    recipe = counter_recipe(slurm_tmp, "canary", group="mlteam", user="mlalice", training={"train_iters": 1000000},
                             cluster={"time": "00:10:00"})
     assert megalaunch("mlalice", "submit", str(recipe), cwd=slurm_tmp).returncode == 0
     run = run_dir_of(slurm_tmp)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import TERMINAL_STATES, job_state, queue_ids, wait_for, wait_job_done
-from launch import MEGALAUNCH, PYTHON, ledger, megalaunch, run_dir_of, submitted_ids, trainer_python
+from launch import PYTHON, job_cli, ledger, megalaunch, run_dir_of, submitted_ids, trainer_python
 
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.triggers import TriggerBox
@@ -78,7 +78,7 @@ def train_recipe(tmp: Path, name: str, *, tasks_per_node: int = 1, step_sleep_s:
         "include": ["tiny"], "name": name,
         "run": {"root": str(tmp / "runs")},
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": tasks_per_node, "cpus_per_task": 1,
-                    "time": "00:03:00", "python": python, "megalaunch": MEGALAUNCH, "master_port": free_port(),
+                    "time": "00:03:00", "python": python, "megalaunch": job_cli(), "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": str(step_sleep_s), "OMP_NUM_THREADS": "1"}},
         "training": {"global_batch_size": GBS, "micro_batch_size": 1, "log_interval": 1},
         "logging": {"rank_output": "all"},  # every rank's decision lines in the log (default: rank 0's)

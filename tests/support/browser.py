@@ -22,6 +22,8 @@ after installing both), where it fails instead. ``MEGALAUNCH_CHROMIUM`` names an
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -195,6 +197,35 @@ _IMAGES_SETTLED_JS = "() => Array.from(document.images).every(i => i.complete)"
 _LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
 
 
+_shared: dict[str, Any] = {}  # "pw": the playwright driver; an executable's path: its Chromium
+
+
+def _browser(exe: str, timeout_ms: float) -> Any:
+    """One Chromium per test process, launched on first use and closed at exit: a launch (playwright's
+    driver and the browser) costs ~3-4 CPU-s here, and the browser tests opened 11 pages. Each page
+    gets a context of its own (fresh storage, cache, cookies, viewport), closed after it; a browser
+    that went away is launched again."""
+    browser = _shared.get(exe)
+    if browser is not None and browser.is_connected():
+        return browser
+    if "pw" not in _shared:
+        from playwright.sync_api import sync_playwright
+
+        _shared["pw"] = sync_playwright().start()
+        atexit.register(_close_all)
+    browser = _shared["pw"].chromium.launch(executable_path=exe, headless=True, chromium_sandbox=False,
+                                            args=list(CHROMIUM_ARGS), timeout=timeout_ms)
+    _shared[exe] = browser
+    return browser
+
+
+def _close_all() -> None:
+    for key, item in list(_shared.items()):
+        with contextlib.suppress(Exception):
+            item.stop() if key == "pw" else item.close()
+    _shared.clear()
+
+
 @contextmanager
 def open_page(
     html: str | os.PathLike[str],
@@ -210,61 +241,51 @@ def open_page(
     step is bounded by `timeout_s`. Skips (or fails) when no browser is available.
     """
     exe = require_browser()
-    from playwright.sync_api import sync_playwright
-
     path = Path(html).resolve()
     if not path.is_file():
         raise FileNotFoundError(path)
     url = path.as_uri()
     timeout_ms = timeout_s * 1000
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=exe,
-            headless=True,
-            chromium_sandbox=False,
-            args=list(CHROMIUM_ARGS),
-            timeout=timeout_ms,
+    context = _browser(exe, timeout_ms).new_context(viewport={"width": viewport[0], "height": viewport[1]})
+    try:
+        context.set_default_timeout(timeout_ms)
+        context.set_default_navigation_timeout(timeout_ms)
+        page = context.new_page()
+        report = PageReport(url=url, page=page)
+        page.on(
+            "console",
+            lambda m: report.console.append(
+                ConsoleEntry(type=m.type, text=m.text, location=_location(m.location))
+            ),
         )
-        try:
-            context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
-            context.set_default_timeout(timeout_ms)
-            context.set_default_navigation_timeout(timeout_ms)
-            page = context.new_page()
-            report = PageReport(url=url, page=page)
-            page.on(
-                "console",
-                lambda m: report.console.append(
-                    ConsoleEntry(type=m.type, text=m.text, location=_location(m.location))
-                ),
-            )
-            page.on("pageerror", lambda e: report.page_errors.append(f"{e.name}: {e.message}".strip(": ")))
-            page.on(
-                "requestfailed",
-                lambda r: report.failed_requests.append(FailedRequest(url=r.url, failure=r.failure or "?")),
-            )
-            page.on(
-                "response",
-                lambda r: report.http_errors.append(f"{r.status} {r.url}") if r.status >= 400 else None,
-            )
+        page.on("pageerror", lambda e: report.page_errors.append(f"{e.name}: {e.message}".strip(": ")))
+        page.on(
+            "requestfailed",
+            lambda r: report.failed_requests.append(FailedRequest(url=r.url, failure=r.failure or "?")),
+        )
+        page.on(
+            "response",
+            lambda r: report.http_errors.append(f"{r.status} {r.url}") if r.status >= 400 else None,
+        )
 
-            def route(r: Any) -> None:
-                request_url = r.request.url
-                if request_url.startswith(_LOCAL_SCHEMES):
-                    r.continue_()
-                    return
-                report.external_requests.append(request_url)
-                if block_external:
-                    r.abort("blockedbyclient")
-                else:
-                    r.continue_()
+        def route(r: Any) -> None:
+            request_url = r.request.url
+            if request_url.startswith(_LOCAL_SCHEMES):
+                r.continue_()
+                return
+            report.external_requests.append(request_url)
+            if block_external:
+                r.abort("blockedbyclient")
+            else:
+                r.continue_()
 
-            page.route("**/*", route)
-            page.goto(url, wait_until="load", timeout=timeout_ms)
-            page.wait_for_function(_IMAGES_SETTLED_JS, timeout=timeout_ms)
-            report.refresh_images()
-            yield report
-        finally:
-            browser.close()
+        page.route("**/*", route)
+        page.goto(url, wait_until="load", timeout=timeout_ms)
+        page.wait_for_function(_IMAGES_SETTLED_JS, timeout=timeout_ms)
+        report.refresh_images()
+        yield report
+    finally:
+        context.close()
 
 
 def _location(loc: Any) -> str:

@@ -67,10 +67,13 @@ WARM = ("megalaunch.runtime.task", "megalaunch.runtime.train", "megalaunch.runti
         "megatron.core.tokenizers.text.models.gpt_tokenizer", "megatron.core.models.mimo",
         "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
         "megalaunch.conversion.model", "megatron.core.dist_checkpointing", "torch._dynamo", "numpy.random", "numpy.fft", "numpy.ma", "wandb")
-# The light server's (cli_python(): the unit tests' `megalaunch ...` calls, tests/unit/helpers.cli): what the
-# CLI imports for its commands, no torch: a call costs ~0.05 CPU-s instead of a fresh interpreter's ~0.45.
+# The light server's (cli_python(): the unit tests' `megalaunch ...` calls, tests/unit/helpers.cli, root's calls in
+# the Slurm tests and their jobs' `megalaunch job ...`, tests/slurm/launch.py): what the CLI imports for its
+# commands, no torch: a call costs ~0.05 CPU-s instead of a fresh interpreter's ~0.3-0.45.
 LIGHT = ("megalaunch.cli.main", "megalaunch.config.loader", "megalaunch.launcher.prepare.prepare",
-         "megalaunch.launcher.prepare.write", "jinja2", "yaml")
+         "megalaunch.launcher.prepare.write", "jinja2", "yaml", "megalaunch.launcher.chain.chain",
+         "megalaunch.launcher.chain.restart", "megalaunch.launcher.backends.registry", "megalaunch.runtime.hangwatch",
+         "megalaunch.launcher.status")
 
 
 # ---------------------------------------------------------------- the server (its own process)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from megalaunch.launcher.accounting.evidence import TaskEnd, config_error, failure_reason
-from megalaunch.launcher.accounting.storage import storage_fix, storage_full
 from megalaunch.launcher.chain.backend import Echo, cancelled_by
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -36,7 +35,11 @@ def what_ended(paths: RunPaths, ledger: Ledger, job_id: str, outcome: dict[str, 
         fix = f"megalaunch resume {paths.root} --set checkpoint.save_time_estimate_s=S (S: the slowest save)"
     elif status == "failed":
         reason = failure_reason(ends[0] if ends else None, reason, exit_code)
-    full = storage_full(paths, job_id, outcome) if status in ("failed", "storage_full") else None
+    full = None
+    if status in ("failed", "storage_full"):  # the disk's figures (and the recipe's schema) only then
+        from megalaunch.launcher.accounting.storage import storage_fix, storage_full
+
+        full = storage_full(paths, job_id, outcome)
     if full is not None:  # a full filesystem or quota: not the node's fault, no retry fixes it
         return "storage_full", reason, storage_fix(paths), {"_full": full}
     return status, reason, fix, {}
