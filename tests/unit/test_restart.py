@@ -87,6 +87,10 @@ def test_the_records_name_a_whole_save_the_tracker_never_reached(tmp_path: Path,
     chain.end("7", 1)
     (ended,) = [e for e in chain.ledger.events() if e["event"] == "ended"]
     assert ended["checkpoint_iteration"] == 15 and ended["new_checkpoint"] is True, ended
+    # and the tracker names it now, for `status`, `convert` and evaluation of a chain that stops here
+    assert paths.read_tracker() == 15
+    (moved,) = [e for e in chain.ledger.events() if e["event"] == "tracker_moved"]
+    assert (moved["from"], moved["to"], moved["job_id"]) == (10, 15, "7"), moved
 
 
 def test_a_failed_node_without_a_spare_is_used_again_and_the_records_say_so(

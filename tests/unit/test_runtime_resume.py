@@ -213,6 +213,26 @@ def test_resume_point_is_a_whole_save_the_tracker_never_reached(paths: RunPaths)
     assert resume.resume_point(paths) == 15
 
 
+def test_settle_tracker_moves_only_to_a_fully_whole_save(paths: RunPaths) -> None:
+    dist_checkpoint(paths, 10)
+    assert resume.settle_tracker(paths, job_id="5") is None  # nothing newer: untouched
+    whole = dist_checkpoint(paths, 15)
+    paths.tracker.write_text("10\n")
+    shard = sorted(whole.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # named and not empty (the light check) but truncated (the full one)
+    assert resume.resume_point(paths) == 15 and resume.settle_tracker(paths, job_id="5") is None
+    assert paths.read_tracker() == 10 and not events(paths, "tracker_moved")
+    shard.write_bytes(data)
+    paths.tracker.write_text("garbage\n")  # unreadable: plan_resume's to judge
+    assert resume.settle_tracker(paths, job_id="5") is None
+    paths.tracker.write_text("10\n")
+    assert resume.settle_tracker(paths, job_id="5") == 15 and paths.read_tracker() == 15
+    (moved,) = events(paths, "tracker_moved")
+    assert (moved["from"], moved["to"]) == (10, 15)
+    assert resume.settle_tracker(paths, job_id="5") is None  # settled
+
+
 def test_blend_check(paths: RunPaths) -> None:
     paths.data_blend.write_text("1.0 /data/a\n")
     resume.check_blend(paths, allow_change=False, write=True, job_id="1")

@@ -22,6 +22,7 @@ from megalaunch.launcher.chain.segment_end import (
     advanced,
     remove_failed_saves,
     resume_point,
+    settle_tracker,
     what_ended,
     write_goodput,
 )
@@ -186,6 +187,7 @@ class Chain:
             self.suspects.after_health_check(job_id, outcome or {})
         self.suspects.after_passed_check(job_id, outcome or {})
         remove_failed_saves(self.paths, job_id, log)
+        settle_tracker(self.paths, job_id, log)
         if status == "storage_full":  # the figures after the unfinished save was removed
             full = figures.pop("_full")
             free_now = free_bytes(self.paths.checkpoints)

@@ -64,6 +64,19 @@ def resume_point(paths: RunPaths) -> int | None:
     return point(paths)
 
 
+def settle_tracker(paths: RunPaths, job_id: str, log: Echo) -> None:
+    """Every rank has exited: the tracker names the whole save it missed, if any (runtime/checkpoint/resume.py)."""
+    from megalaunch.runtime.checkpoint.resume import settle_tracker as settle
+
+    try:
+        moved = settle(paths, job_id=job_id)
+    except OSError as e:  # the next segment's resume does it then
+        log(f"could not point the tracker at the newest whole save: {e}")
+        return
+    if moved is not None:
+        log(f"the tracker now names iteration {moved}: a whole save it missed (a rank ended in its last barrier)")
+
+
 def remove_failed_saves(paths: RunPaths, job_id: str, log: Echo) -> None:
     """Every rank of this segment has exited: a save it left unfinished is garbage (full size, never
     loadable); delete it now rather than leave it to the next segment (a full disk stays full)."""

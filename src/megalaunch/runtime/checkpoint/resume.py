@@ -201,6 +201,22 @@ def resume_point(paths: RunPaths) -> int | None:
     return floor
 
 
+def settle_tracker(paths: RunPaths, *, job_id: str | None) -> int | None:
+    """`job end`, every rank gone: the tracker names a whole save newer than it (`resume_point`, then the full
+    check), as the next `plan_resume` would, for `status`, `convert` and evaluation of a chain that stops here.
+    Returns the iteration moved to (ledger `tracker_moved`), or None; an unreadable tracker is plan_resume's."""
+    tracker = read_tracker(paths)
+    point = resume_point(paths)
+    if point is None or tracker == "garbled" or (isinstance(tracker, int) and point <= tracker):
+        return None
+    if incomplete_reason(iter_dir(paths, point)) is not None:
+        return None
+    _point_tracker(paths, point)
+    append_jsonl(paths.ledger, {"event": "tracker_moved", "time": time.time(), "job_id": job_id, "from": tracker,
+                                "to": point, "reason": "a whole save the tracker never named"})
+    return point
+
+
 def remove_failed_saves(paths: RunPaths, *, job_id: str | None) -> list[int]:
     """At the end of a segment, when every rank has exited: delete the checkpoint directories newer
     than the newest complete one that are incomplete (as far as can be told without torch), i.e. the
