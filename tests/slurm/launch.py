@@ -48,11 +48,16 @@ def job_cli(user: str | None = None) -> str:
     call instead of a fresh interpreter's ~0.3; CI ran ~190 fresh ones); another user's job (`user`),
     or forking off: MEGALAUNCH (the server's socket is root's). The shim passes on every signal and leaves
     as its child did (tests/support/forkshim.py)."""
-    if user not in (None, getpass.getuser()) or os.geteuid() != 0:
+    if not _root_forks(user):
         return MEGALAUNCH
     from tests.support import forkserver
 
     return _cli_wrapper(forkserver.cli_python())
+
+
+def _root_forks(user: str | None) -> bool:
+    """Whether `user`'s processes may come from the tests' fork servers: root's only (their sockets are root's)."""
+    return user in (None, getpass.getuser()) and os.geteuid() == 0
 
 
 def _cli_wrapper(python: str) -> str:
@@ -116,7 +121,7 @@ def megalaunch(user: str | None, *args: str, cwd: Path | None = None, timeout: f
 
 def cli_argv(user: str | None = None) -> list[str]:
     """The command that runs `megalaunch` for `user` (see megalaunch())."""
-    if user in (None, getpass.getuser()) and os.geteuid() == 0:
+    if _root_forks(user):
         from tests.support import forkserver
 
         python = forkserver.cli_python()

@@ -30,8 +30,7 @@ STEP_SLEEP_S = 1.0  # the finishing segment's 3 iterations
 # ~7 s of the limit (a busy 2-core machine: allow 25 s)
 SLACK_S = 25
 # from the kill to `job end`'s record: srun's exit after the step is killed, then the job script's
-# `job step-end` and `job end`, each a fresh interpreter (the last session's closing CI run: > 13 s on
-# a busy machine)
+# `job step-end` and `job end` (a CI run of 2026-11-29 on a busy machine: > 13 s)
 TEARDOWN_S = 45
 TIME_LIMIT_S = 600
 

@@ -197,7 +197,8 @@ _IMAGES_SETTLED_JS = "() => Array.from(document.images).every(i => i.complete)"
 _LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
 
 
-_shared: dict[str, Any] = {}  # "pw": the playwright driver; an executable's path: its Chromium
+_playwright: list[Any] = []  # the playwright driver, started once per test process
+_browsers: dict[str, Any] = {}  # an executable's path -> its Chromium
 
 
 def _browser(exe: str, timeout_ms: float) -> Any:
@@ -205,25 +206,27 @@ def _browser(exe: str, timeout_ms: float) -> Any:
     driver and the browser) costs ~3-4 CPU-s here, and the browser tests opened 11 pages. Each page
     gets a context of its own (fresh storage, cache, cookies, viewport), closed after it; a browser
     that went away is launched again."""
-    browser = _shared.get(exe)
+    browser = _browsers.get(exe)
     if browser is not None and browser.is_connected():
         return browser
-    if "pw" not in _shared:
+    if not _playwright:
         from playwright.sync_api import sync_playwright
 
-        _shared["pw"] = sync_playwright().start()
+        _playwright.append(sync_playwright().start())
         atexit.register(_close_all)
-    browser = _shared["pw"].chromium.launch(executable_path=exe, headless=True, chromium_sandbox=False,
-                                            args=list(CHROMIUM_ARGS), timeout=timeout_ms)
-    _shared[exe] = browser
+    browser = _browsers[exe] = _playwright[0].chromium.launch(
+        executable_path=exe, headless=True, chromium_sandbox=False, args=list(CHROMIUM_ARGS), timeout=timeout_ms)
     return browser
 
 
 def _close_all() -> None:
-    for key, item in list(_shared.items()):
+    for browser in _browsers.values():
         with contextlib.suppress(Exception):
-            item.stop() if key == "pw" else item.close()
-    _shared.clear()
+            browser.close()
+    with contextlib.suppress(Exception):
+        _playwright[0].stop()
+    _browsers.clear()
+    _playwright.clear()
 
 
 @contextmanager

@@ -21,7 +21,6 @@ from megalaunch.launcher.chain.notify import Notifier, StopKind
 from megalaunch.launcher.chain.segment_end import (
     advanced,
     remove_failed_saves,
-    resume_point,
     settle_tracker,
     what_ended,
     write_goodput,
@@ -35,6 +34,7 @@ from megalaunch.rundir.resume_request import requested_iteration
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import VERB_DECISION, TriggerBox
 from megalaunch.rundir.trust import check_layout, check_path, tighten, verify_trusted
+from megalaunch.runtime.checkpoint.resume import resume_point
 from megalaunch.runtime.rank.settings import RuntimeSettings
 from megalaunch.runtime.rank.storage import free_bytes
 

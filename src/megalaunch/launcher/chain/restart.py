@@ -36,12 +36,13 @@ from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.accounting.evidence import NODE_LOST, RESTART_MARKER, abnormal_ends
 from megalaunch.launcher.accounting.nodes import NodeHealth
 from megalaunch.launcher.chain.chain import Chain, log
-from megalaunch.launcher.chain.segment_end import remove_failed_saves, resume_point, what_ended, write_goodput
+from megalaunch.launcher.chain.segment_end import remove_failed_saves, what_ended, write_goodput
 from megalaunch.rundir.files import read_json
 from megalaunch.rundir.hostlist import compress_hostlist, expand_hostlist, node_names
 from megalaunch.rundir.paths import RunPaths, step_file
 from megalaunch.rundir.state import read_outcome
 from megalaunch.rundir.triggers import TriggerBox
+from megalaunch.runtime.checkpoint.resume import resume_point
 
 RESTART_EXIT_CODE = 101  # `job step-end`: start a new step in this allocation
 RESTARTABLE = {"failed", "hung", "unhealthy_node"}

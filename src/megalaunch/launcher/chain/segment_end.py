@@ -56,14 +56,6 @@ def advanced(before: int | None, after: int | None) -> bool:
     return before is None or after > before
 
 
-def resume_point(paths: RunPaths) -> int | None:
-    """The checkpoint the next step resumes from, once every rank has exited (runtime/checkpoint/resume.py): what
-    the segment's and step's records name, not the tracker alone (a save can be whole without it)."""
-    from megalaunch.runtime.checkpoint.resume import resume_point as point
-
-    return point(paths)
-
-
 def settle_tracker(paths: RunPaths, job_id: str, log: Echo) -> None:
     """Every rank has exited: the tracker names the whole save it missed, if any (runtime/checkpoint/resume.py)."""
     from megalaunch.runtime.checkpoint.resume import settle_tracker as settle
