@@ -108,3 +108,20 @@ def test_a_reused_pid_is_not_taken_for_an_ended_child(tmp_path: Path) -> None:
             assert alive.wait(60) == -signal.SIGKILL
     else:
         pytest.skip("the pid was taken by another process ten times")
+
+
+def test_a_connection_dropped_earlier_in_the_round_is_skipped() -> None:
+    """poll() named a shim's connection readable, then reap() dropped it (its child ended) before its turn: the
+    server must skip it, not read it (CI run 31: `recvmsg` on the closed socket, EBADF, the server gone)."""
+    import io
+    import socket
+
+    listener, _ = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shim_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    loop = forkserver._Loop(io.StringIO(), listener)
+    loop.conns[server_end.fileno()] = server_end
+    shim_end.close()  # readable now: its end closed
+    loop.drop(server_end)
+    loop.from_shim(server_end)  # raised OSError (EBADF) before
+    assert loop.conns == {} and loop.child_of == {}
+

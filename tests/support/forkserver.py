@@ -243,6 +243,8 @@ class _Loop:
         conn.close()
 
     def from_shim(self, conn: socket.socket) -> None:
+        if conn.fileno() < 0:  # dropped earlier in this round (reap: its child ended); reading it would raise EBADF
+            return
         if conn.fileno() in self.child_of:  # only its end closing can come after the request
             if not conn.recv(64):
                 self.drop(conn)
