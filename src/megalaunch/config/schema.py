@@ -10,12 +10,15 @@ from typing import Any, Literal
 
 from megalaunch.config.cluster import ClusterConfig
 from megalaunch.config.eval_schema import EvalConfig
+from megalaunch.config.model.moe import MoEFields
 from megalaunch.config.typed import doc
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
+
+
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Model shape, in Megatron's terms."""
+class _ModelShape:
+    """The dense transformer's shape (listed before the MoE fields in `recipes show`)."""
 
     num_layers: int = doc("transformer layers (--num-layers)")
     hidden_size: int = doc("model width (--hidden-size)")
@@ -37,9 +40,15 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = doc("separate output layer", True)
     attention_dropout: float = doc("dropout on attention probabilities", 0.0)
     hidden_dropout: float = doc("dropout on hidden states", 0.0)
-    num_experts: int | None = doc("MoE experts (--num-experts); null for dense", None)
-    moe_router_topk: int = doc("experts per token", 2)
+    qk_layernorm: bool = doc("RMSNorm/LayerNorm on each head's queries and keys (Qwen3; --qk-layernorm)", False)
+    kv_channels: int | None = doc("head size, when not hidden_size / num_attention_heads (Qwen3: 128; "
+                                  "--kv-channels)", None)
     make_vocab_size_divisible_by: int = doc("pad the vocabulary to a multiple of this", 128)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(MoEFields, _ModelShape):
+    """Model shape, in Megatron's terms; the mixture-of-experts fields are config/moe.py's."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings"):
@@ -55,7 +64,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = doc("PP: pipeline stages", 1)
     virtual_pipeline_model_parallel_size: int | None = doc("VPP: interleaved chunks per stage", None)
     context_parallel_size: int = doc("CP: context-parallel degree", 1)
-    expert_model_parallel_size: int = doc("EP: expert-parallel degree", 1)
+    expert_model_parallel_size: int = doc("EP: expert-parallel degree (MoE: the experts split over EP ranks)", 1)
+    expert_tensor_parallel_size: int | None = doc("MoE: TP degree inside each expert (null: the same as TP)", None)
     sequence_parallel: bool = doc("sequence parallelism (needs TP > 1)", False)
     use_distributed_optimizer: bool = doc("shard optimizer state over DP (ZeRO-1)", True)
     data_sharding: Literal["optimizer", "optimizer_grads", "optimizer_grads_params"] = doc(

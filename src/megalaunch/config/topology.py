@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalaunch.config.model.moe import check_moe
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
@@ -86,9 +87,11 @@ def _require(ok: bool, field: str, message: str, valid: str, fix: str) -> None:
 def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
     m, p = recipe.model, recipe.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+    _require(m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
              f"{m.hidden_size} is not divisible by num_attention_heads {m.num_attention_heads}",
-             "a multiple of the head count", "fix the model shape")
+             "a multiple of the head count", "fix the model shape, or set model.kv_channels (the head size)")
+    _require(m.kv_channels is None or m.kv_channels >= 1, "model.kv_channels", f"is {m.kv_channels}",
+             ">= 1 or null (hidden_size / num_attention_heads)", "--set model.kv_channels=null")
     _require(m.num_attention_heads % tp == 0, "parallel.tensor_model_parallel_size",
              f"TP {tp} does not divide num_attention_heads {m.num_attention_heads}",
              "a divisor of the head count", "choose another TP")
@@ -143,6 +146,10 @@ def _check_experts(recipe: Recipe, topo: Topology) -> None:
         _require((topo.dp * topo.cp) % ep == 0, "parallel.expert_model_parallel_size",
                  f"EP {ep} does not divide DP x CP = {topo.dp * topo.cp}", "a divisor of DP x CP",
                  "choose another EP")
+    _require(recipe.parallel.expert_tensor_parallel_size is None or bool(m.num_experts),
+             "parallel.expert_tensor_parallel_size", "expert TP needs an MoE model (model.num_experts)",
+             "null for dense models", "--set parallel.expert_tensor_parallel_size=null")
+    check_moe(recipe)
 
 
 def _check_sequence(recipe: Recipe, topo: Topology) -> None:
