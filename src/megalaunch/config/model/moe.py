@@ -91,7 +91,7 @@ def check_moe(recipe: Recipe) -> None:
         touched = [f for f in sorted(MOE_FIELDS - {"num_experts"})
                    if getattr(m, f) != MoEFields.__dataclass_fields__[f].default]
         if touched:
-            _fail(touched[0], f"is set but the model is dense (model.num_experts is null)",
+            _fail(touched[0], "is set but the model is dense (model.num_experts is null)",
                   "MoE settings only with num_experts", f"--set model.num_experts=8 (or remove model.{touched[0]})")
         return
     n, k = m.num_experts, m.moe_router_topk
