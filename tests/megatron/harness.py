@@ -30,8 +30,8 @@ FAST = ["training.micro_batch_size=2", "training.global_batch_size=2", "training
         "chain.hang_timeout_s=120"]
 
 
-def make_run(root: Path, *sets: str, name: str = "tiny") -> RunPaths:
-    loaded = load_recipe("tiny", [*FAST, *sets], name=name)
+def make_run(root: Path, *sets: str, name: str = "tiny", recipe: str = "tiny") -> RunPaths:
+    loaded = load_recipe(recipe, [*FAST, *sets], name=name)
     return write_run(prepare_run(loaded, root=root))
 
 
@@ -163,7 +163,7 @@ def checkpoint_state(directory: Path) -> dict[str, Any]:
     if "state" in common["optimizer"]:  # non-distributed optimizer: one step for all parameters
         step = common["optimizer"]["state"].get("common_step")
     else:  # distributed optimizer: the step travels in the param groups
-        groups = next(v for k, v in sd.items() if k.startswith("optimizer.distributed.") and
+        groups = next(v for k, v in sd.items() if k.startswith(("optimizer.distributed.", "chained_0.optimizer.")) and
                       k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
         step = groups[0]["step"]
     state["optimizer.step"] = float(step)

@@ -138,7 +138,17 @@ def _history(paths: RunPaths, recipe: Any, rest: list[dict[str, Any]]) -> dict[s
         "health": health_lines(rest), "stragglers": straggler_lines(rest), "stop_signal": stop_lines(rest),
         "resume": resume_summary(paths, rest), "storage": checkpoint_usage(paths, recipe, rest),
         "exported": _last(rest, "exported"),  # chain.export_hf's last stage (launcher/chain/last_stage.py)
+        "moe": _moe(paths),
     }
+
+
+def _moe(paths: RunPaths) -> dict[str, Any] | None:
+    """An MoE run's expert load: the latest record's headline and the routers collapsing now (the end of
+    state/moe_load.jsonl, runtime/observation/moe_balance.py); None for a dense run (no file)."""
+    from megalaunch.runtime.observation.moe_balance import collapsing, summary, tail
+
+    records = tail(paths.moe_load)
+    return {"latest": summary(records[-1]), "collapsing": collapsing(records)} if records else None
 
 
 def _shown_events(ledger: Ledger) -> list[dict[str, Any]]:

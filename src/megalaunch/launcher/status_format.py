@@ -50,7 +50,7 @@ def format_run_status(st: dict[str, Any]) -> str:
         lines.append(f"  stragglers: {line}")
     for line in st.get("stop_signal") or []:
         lines.append(f"  stop signal: {line}")
-    lines += format_usage(st.get("storage"))
+    lines += moe_lines(st.get("moe")) + format_usage(st.get("storage"))
     lines += format_resume(st.get("resume"))
     lines.append("  segments:")
     for r in st["segments"]:
@@ -88,3 +88,24 @@ def forecast_line(fc: dict[str, Any]) -> str:
             f"step {fc['step_s']:.3g} s{planned}, start-up {fc['startup_s']:.0f} s, stop save {fc['stop_save_s']:.2g} s, "
             f"periodic save {fc['periodic_save_s']:.2g} s (measured: {', '.join(measured) or 'nothing yet'}; "
             "the rest as predicted at submit)")
+
+
+def moe_lines(moe: dict[str, Any] | None) -> list[str]:
+    """An MoE run's expert load (runtime/observation/moe_balance.py): the worst layer of the latest log
+    interval, the aux losses, the dropped tokens, and each collapsing router by name; nothing for a dense run."""
+    if not moe:
+        return []
+    s = moe["latest"]
+    even = f", even {s['even_share']:.1%}" if s.get("even_share") is not None else ""
+    line = f"  experts (iteration {s['iteration']}): "
+    line += (f"worst layer {s['worst_layer']}, max/mean {s['max_over_mean']:.2f} (expert {s['hot_expert']} took "
+             f"{s['hot_share']:.1%} of the tokens{even})" if s.get("worst_layer") is not None else "no tokens routed")
+    line += "".join(f"   {name} {value:.4g}" for name, value in sorted(s["aux"].items()))
+    if s.get("dropped_share"):
+        line += f"   dropped {s['dropped_share']:.1%} of routed tokens"
+    lines = [line]
+    for c in moe["collapsing"]:
+        lines.append(f"  router collapsing: layer {c['layer']}: expert {c['expert']} took {c['share']:.0%} of the "
+                     f"tokens (even {c['even']:.1%}) for {c['intervals']} log intervals, since iteration {c['since']}"
+                     " (raise model.moe_aux_loss_coeff, or lower the learning rate)")
+    return lines

@@ -131,6 +131,12 @@ class RunPaths:
         """One line per log interval of every segment: iteration, time, loss, tokens/s, TFLOP/s."""
         return self.state / "metrics.jsonl"
 
+    @property
+    def moe_load(self) -> Path:
+        """MoE runs: one line per log interval, tokens per expert per layer, dropped, aux losses
+        (runtime/observation/moe_balance.py)."""
+        return self.state / "moe_load.jsonl"
+
     def tasks(self, job_id: str) -> Path:
         """One exit record per rank of a segment, written by runtime/task.py."""
         return self.state / "tasks" / str(job_id)

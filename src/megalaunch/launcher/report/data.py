@@ -153,8 +153,16 @@ def gather(paths: RunPaths, now: float | None = None) -> dict[str, Any]:
         "target": target, "generated": now, "chain": chain, "metrics": metrics, "step_s": step_s,
         "hint": checkpoint_interval_hint(chain, step_s), "checkpoints": checkpoints(paths, chain, events),
         "triggers": triggers(paths), "running": any(s["running"] for s in chain["segments"]),
-        "stopped": _stopped(events), "evals": eval_records(paths),
+        "stopped": _stopped(events), "evals": eval_records(paths), "moe": moe_records(paths),
     }
+
+
+def moe_records(paths: RunPaths) -> list[dict[str, Any]]:
+    """An MoE run's expert-load records (state/moe_load.jsonl, at most REPORT_POINTS spread over the run), one
+    per iteration (a redone one: its latest), in order; [] for a dense run."""
+    from megalaunch.runtime.observation.moe_balance import sampled
+
+    return sorted({r["iteration"]: r for r in sampled(paths.moe_load)}.values(), key=lambda r: r["iteration"])
 
 
 # ------------------------------------------------------------------------------------------ spans

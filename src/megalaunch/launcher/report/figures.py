@@ -1,4 +1,5 @@
-"""The report's figures: loss.png, throughput.png, timeline.png and goodput.png (docs/goodput.md).
+"""The report's figures: loss.png, throughput.png, timeline.png and goodput.png (docs/goodput.md); for an MoE
+run also moe_load.png (the experts' load per layer).
 
 matplotlib (the `report` extra) is imported inside the functions that draw, with the Agg backend, so
 importing this module costs nothing; the data come from `report_data.gather`."""
@@ -66,6 +67,11 @@ def write_figures(data: dict[str, Any], out: Path) -> dict[str, Path]:
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         figs[name] = path
+    if data.get("moe"):  # an MoE run's expert load
+        fig = _moe_load(frame)
+        figs["moe_load"] = out / "moe_load.png"
+        fig.savefig(figs["moe_load"], dpi=100, bbox_inches="tight")
+        plt.close(fig)
     return figs
 
 
@@ -192,4 +198,47 @@ def _goodput(f: Frame) -> Any:
     g = chain["goodput"]
     ax.set_title(f"Goodput {100 * g:.1f}% (productive / wall)" if g is not None else "Goodput")
     _legend(ax, [c for c in COMPONENTS if chain["totals"].get(c, 0.0) > 0])
+    return fig
+
+
+def _moe_load(f: Frame) -> Any:
+    """Expert load over iterations: max/mean tokens per expert of every MoE layer (a heat map), and the
+    share of the tokens each expert of the worst layer (at the latest record) took, against the even share."""
+    import matplotlib.pyplot as plt
+
+    from megalaunch.runtime.observation.moe_balance import summary
+
+    records = f.data["moe"]
+    its = [r["iteration"] for r in records]
+    numbers = sorted({la["layer"] for r in records for la in r["layers"]})
+    grid = [[next((la["max_over_mean"] for la in r["layers"] if la["layer"] == n), None) for r in records]
+            for n in numbers]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 2.4 + 0.18 * len(numbers) + 3), sharex=True,
+                                   gridspec_kw={"height_ratios": [max(1.0, 0.18 * len(numbers)), 2.2]})
+    step = (its[-1] - its[0]) / (len(its) - 1) if len(its) > 1 else 1.0  # each cell centred on its iteration
+    span = (its[0] - step / 2, its[-1] + step / 2)
+    image = ax1.imshow([[v if v is not None else float("nan") for v in row] for row in grid], aspect="auto",
+                       origin="lower", interpolation="nearest", cmap="magma_r", vmin=1.0,
+                       extent=(span[0], span[1], 0.5, len(numbers) + 0.5))
+    fig.colorbar(image, ax=ax1, label="max / mean", pad=0.01)
+    ax1.set_yticks(range(1, len(numbers) + 1), [str(n) for n in numbers] if len(numbers) <= 24 else None)
+    ax1.set_ylabel("layer")
+    ax1.set_title("Expert load: the busiest expert's tokens / the mean expert's, per MoE layer (1 = even)")
+    worst = summary(records[-1])
+    layer = worst.get("worst_layer")
+    rows = [next((la for la in r["layers"] if la["layer"] == layer), None) for r in records]
+    pairs = [(it, la) for it, la in zip(its, rows, strict=True) if la and la["tokens"] > 0]
+    if pairs:
+        shares = [[c / la["tokens"] for c in la["counts"]] for _, la in pairs]
+        for e in range(len(shares[0])):
+            ax2.plot([it for it, _ in pairs], [s[e] for s in shares], lw=1.1, marker="." if len(pairs) < 60 else None,
+                     label=f"expert {e}")
+        if worst.get("even_share") is not None:
+            ax2.axhline(worst["even_share"], color="#333333", ls="--", lw=0.9, label="even share")
+        if len(shares[0]) <= 16:
+            ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax2.set_ylabel("share of the tokens")
+    ax2.set_xlabel("iteration")
+    ax2.set_title(f"Layer {layer} (the worst at iteration {its[-1]}): each expert's share of the tokens", fontsize=9)
+    ax2.grid(alpha=0.3)
     return fig

@@ -92,8 +92,11 @@ def render_html(data: dict[str, Any], figures: dict[str, Path]) -> str:
         _timeline_html(data),
     ]
     captions = {"timeline": "The chain's timeline", "goodput": "Where the time went (share of wall time)",
-                "loss": "Loss over iterations", "throughput": "Tokens/s and MFU over time"}
-    for name in ("timeline", "goodput", "loss", "throughput"):
+                "loss": "Loss over iterations", "throughput": "Tokens/s and MFU over time",
+                "moe_load": "Expert load per MoE layer over iterations"}
+    for name in ("timeline", "goodput", "loss", "throughput", "moe_load"):
+        if name == "moe_load" and name in figures:
+            out += ['<h2 id="experts">Expert load</h2>', _moe_html(data)]
         if name in figures:
             out.append(f'<figure><img src="{_e(figures[name].name)}" alt="{_e(captions[name])}">'
                        f"<figcaption>{_e(captions[name])}</figcaption></figure>")
@@ -155,6 +158,19 @@ def _mfu_table(data: dict[str, Any]) -> str:
                     "peak TFLOP/s (dense bf16)", "MFU"], rows, "mfu")
             + "<p>MFU = model TFLOP/s per GPU / the device's dense bf16 peak (docs/goodput.md); no peak is known "
               "for CPUs and unlisted devices.</p>")
+
+
+def _moe_html(data: dict[str, Any]) -> str:
+    """The collapse rule and the routers it names at the last record (runtime/observation/moe_balance.py)."""
+    from megalaunch.runtime.observation.moe_balance import COLLAPSE_CAPTURE, COLLAPSE_INTERVALS, collapsing
+
+    rule = (f"A router collapses when one expert takes at least {COLLAPSE_CAPTURE:.0%} of the way from its even "
+            f"share of the tokens (top-k / experts) to all of them, in {COLLAPSE_INTERVALS} log intervals in a row.")
+    found = collapsing(data["moe"])
+    named = "".join(f'<li class="moe-collapse">layer {_e(c["layer"])}: expert {_e(c["expert"])} took '
+                    f'{_e(f"{c["share"]:.0%}")} of the tokens (even {_e(f"{c["even"]:.1%}")}) since iteration '
+                    f"{_e(c['since'])}</li>" for c in found)
+    return f"<p>{_e(rule)}</p>" + (f"<ul>{named}</ul>" if named else "<p>No router is collapsing.</p>")
 
 
 def _eval_table(data: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from megalaunch.rundir.files import append_jsonl
 from megalaunch.rundir.state import write_progress
 from megalaunch.runtime.checkpoint.resume import one_line
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
+from megalaunch.runtime.observation.moe_balance import summary, wandb_figures
 from megalaunch.runtime.observation.rank_output import SLOW_MARK
 from megalaunch.runtime.observation.timeline import Timeline
 from megalaunch.runtime.observation.warm_imports import WarmImports, imported_since, record, recorded
@@ -79,6 +80,7 @@ class Observer:
         self.step_timer: Any = None  # stragglers.StepTimer, made when torch is imported
         self.health: dict[str, Any] | None = None  # the health check's figures (runtime/health/health.py)
         self.stragglers: dict[str, Any] | None = None  # the latest step-time spread summary
+        self.moe: Any = None  # observation/moe_load.MoeLoad on an MoE run (from distributed_ready)
         self._said_slow = False  # this rank printed SLOW_MARK (its held output goes to the log from then on)
         self._forward_section: Any = None
         self._window: tuple[float, int, float] | None = None  # (time, consumed samples, flops)
@@ -103,6 +105,9 @@ class Observer:
         self.timeline.mark("distributed_ready")
         self._modules_before = set(sys.modules)
         from megalaunch.runtime.health import stragglers
+        from megalaunch.runtime.observation.moe_load import start
+
+        self.moe = start(self.ctx, self.config.log_interval)  # MoE: the routers' load, counted from here on
 
         if stragglers.nvrx_start():
             self.ctx.log("stragglers: nvidia-resiliency-ext's Detector is on")
@@ -187,8 +192,9 @@ class Observer:
     def report(self, iteration: int, flops_so_far: float) -> None:
         """The watchdog's beat; on rank 0 every log interval, progress, metrics and W&B."""
         self.beat(f"iteration {iteration}")
+        moe = self.moe.collect(iteration) if self.moe is not None else None  # every rank: one all-reduce
         if self.ctx.is_zero and iteration % self.config.log_interval == 0:
-            self._report(iteration, flops_so_far)
+            self._report(iteration, flops_so_far, moe)
 
     def gather_stragglers(self, at: str) -> None:
         """A collective at a point every rank reaches together (after a save, at the segment's end)."""
@@ -265,7 +271,7 @@ class Observer:
         self.gather_stragglers("save")
 
     # --- progress, metrics, W&B ----------------------------------------------------------------------------
-    def _report(self, iteration: int, flops_so_far: float) -> None:
+    def _report(self, iteration: int, flops_so_far: float, moe: dict[str, Any] | None = None) -> None:
         from megatron.training import get_args
 
         args = get_args()
@@ -282,7 +288,7 @@ class Observer:
         paths = self.ctx.paths
         write_progress(paths, iteration=iteration, consumed_samples=samples, loss=self.loss,
                        tokens_per_s=tokens_per_s, tflops_per_gpu=tflops, lr=self.lr, grad_norm=self.grad_norm,
-                       train_iters=self.config.train_iters)
+                       train_iters=self.config.train_iters, **({"moe": summary(moe)} if moe else {}))
         metrics = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s,
                    "tflops_per_gpu": tflops, "consumed_samples": samples}
         try:
@@ -291,7 +297,7 @@ class Observer:
         except OSError as e:
             self.ctx.log(f"could not append to {paths.metrics}: {e}")
         if self.wandb is not None:
-            self._log_wandb(iteration, metrics)
+            self._log_wandb(iteration, {**metrics, **wandb_figures(moe)} if moe else metrics)
 
     def _log_wandb(self, iteration: int, metrics: dict[str, Any]) -> None:
         extra: dict[str, Any] = {}
