@@ -93,6 +93,7 @@ def prepare_change(paths: RunPaths, sets: list[str]) -> SettingsChange:
     layout = None  # the layout the checkpoints were written with stays, unless --set parallel=auto asks anew
     if any(k in ("parallel", "parallel.layout") for k in keys) and recipe.parallel.layout == "auto":
         recipe, layout = with_layout(recipe, tree, prov)
+    _check_expert_layout(paths, old_plain, recipe)
     manifest = read_json(paths.manifest) or {}
     loaded = LoadedRecipe(recipe=recipe, raw=tree, provenance=prov, source=str(manifest.get("recipe_source", "")),
                           layout=layout)
@@ -111,6 +112,29 @@ def prepare_change(paths: RunPaths, sets: list[str]) -> SettingsChange:
         recipe_sha256={"old": manifest.get("recipe_sha256"),
                        "new": hashlib.sha256(prepared.files["run.yaml"].encode()).hexdigest()},
         data_changed=data_changed)
+
+
+def _check_expert_layout(paths: RunPaths, old_plain: dict[str, Any], recipe: Recipe) -> None:
+    """Megatron 0.19 cannot load an MoE checkpoint into another expert layout: EP or expert TP decide which
+    parameters form the expert-parallel optimizer group (and, with the distributed optimizer, its buffers),
+    and the load fails in the job ("Could not find parameter group", a missing `chained_N` key;
+    tests/megatron/test_moe_resume.py). Refused here, before anything is written."""
+    from megalaunch.config.model.moe import is_moe
+
+    old_model, old_par = old_plain.get("model", {}), old_plain.get("parallel", {})
+    if not (is_moe(recipe.model) and old_model.get("num_experts") and checkpoint_iterations(paths)):
+        return
+    p = recipe.parallel
+    old_ep, new_ep = old_par.get("expert_model_parallel_size", 1), p.expert_model_parallel_size
+    old_etp = old_par.get("expert_tensor_parallel_size") or old_par.get("tensor_model_parallel_size", 1)
+    new_etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if (old_ep, old_etp) != (new_ep, new_etp):
+        field = "expert_model_parallel_size" if old_ep != new_ep else "expert_tensor_parallel_size"
+        raise ConfigError(f"cannot change on resume from EP {old_ep} x expert TP {old_etp} to EP {new_ep} x expert "
+                          f"TP {new_etp}: Megatron cannot load the run's MoE checkpoints into another expert layout",
+                          field=f"parallel.{field}",
+                          fix=f"keep parallel.expert_model_parallel_size={old_ep} (and expert TP {old_etp}), or "
+                              "convert the checkpoint (megalaunch convert) and submit a new run from it")
 
 
 def _without_spent_load(paths: RunPaths, loaded: LoadedRecipe) -> LoadedRecipe:

@@ -185,3 +185,7 @@ def _patch_megatron() -> None:
 
     # The GPU architecture probe (Blackwell checks) would call into CUDA.
     marguments.get_device_arch_version = lambda: 0
+
+    from megalaunch.runtime.model import moe_cpu
+
+    moe_cpu.enable()  # the MoE token dispatcher's host copies
