@@ -98,7 +98,7 @@ def test_layout_pinned_keeps_the_recipe_as_written_and_still_names_a_slower_one(
     ("tiny", [], "a CPU job"),
     ("llama3-8b", ["cluster.gpu=null"], "no cluster.gpu"),
     ("llama3-8b", ["cluster.gpu=MI300X", "cluster.gpu_memory_gb=192"], "not one the planner knows"),
-    ("llama3-8b", ["model.num_experts=8"], "mixture-of-experts"),
+    ("tiny-moe", [], "a CPU job"),  # a mixture-of-experts model on the CPU: as the dense tiny
 ])
 def test_no_gpu_type_to_plan_for_keeps_the_layout_as_written_with_the_reason(ref: str, sets: list[str],
                                                                              why: str) -> None:

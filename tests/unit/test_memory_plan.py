@@ -97,17 +97,16 @@ def test_unknown_gpu_is_refused_naming_the_field() -> None:
         preflight(load_recipe("llama3-8b", ["cluster.gpu=X1"]).recipe)
 
 
-def test_mixture_of_experts_is_not_planned_nor_refused_with_dense_figures() -> None:
-    """The memory model is dense: an MoE recipe gets no fit check (not a dense model's figures, which
-    refuse this layout) and `plan` refuses it naming the field."""
+def test_mixture_of_experts_is_planned_and_refused_with_its_own_figures() -> None:
+    """An MoE recipe gets the fit check with the experts counted (config/planner/moe.py): 64 experts of llama3-8b's
+    MLP at EP 8 hold ~57 GiB of expert weights alone per GPU, refused with the breakdown; `plan` ranks MoE layouts."""
     layout = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
-              "training.micro_batch_size=4", "parallel.layout=pinned"]
-    with pytest.raises(PreflightError, match=r"^parallel: .*needs ~"):  # the dense model does not fit an H100
-        preflight(load_recipe("llama3-8b", layout).recipe)
+              "training.micro_batch_size=1", "parallel.layout=pinned"]
     moe = load_recipe("llama3-8b", [*layout, "model.num_experts=64", "parallel.expert_model_parallel_size=8"]).recipe
-    preflight(moe)
-    with pytest.raises(PreflightError, match=r"model\.num_experts: .*mixture-of-experts"):
-        plan_recipe(moe, 128256)
+    with pytest.raises(PreflightError, match=r"^parallel: TP 1 x PP 1 x DP 32 x EP 8, .*needs ~\d+ GiB.*weights"):
+        preflight(moe)
+    plan = plan_recipe(moe, 128256)
+    assert plan.candidates and all(c.layout.etp == 1 and 64 % c.layout.ep == 0 for c in plan.candidates)
 
 
 def test_no_gpu_type_means_no_memory_check() -> None:

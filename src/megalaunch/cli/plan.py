@@ -71,6 +71,7 @@ def table(cands: list[Candidate], top: int) -> list[str]:
         lines.append(f"{i:>3} {c.layout.describe():<52} {c.memory.needed_gib():>6.1f} GiB {c.step_s:>7.2f} "
                      f"{c.tokens_per_s:>12,.0f} {c.tflops:>8.0f}  {p['compute']:.2f}/{p['tp']:.2f}/"
                      f"{p['pp_bubble']:.2f}/{p['dp'] + p['optimizer']:.2f}"
+                     + (f" +{p['ep']:.2f} all-to-all" if p.get("ep") else "")
                      + (f" +{p['memory_pressure']:.2f} memory pressure" if p.get("memory_pressure") else "")
                      + ("" if c.fits else "  (does not fit)"))
     return lines

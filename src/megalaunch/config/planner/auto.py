@@ -2,18 +2,18 @@
 GPUs per node and GPU type the recipe asks for, when the recipe is loaded (config/loader.py), so that every
 command sees the layout that will run and run.yaml records it (each field's origin: `parallel: auto (...)`).
 
-The layout is the fields of `LAYOUT_FIELDS`: TP, PP, VPP, CP, sequence parallelism, micro-batch and
-recompute. A field the recipe file, an include or `--set` gives is *pinned*: its value wins and the planner
+The layout is the fields of `LAYOUT_FIELDS`: TP, PP, VPP, CP, sequence parallelism, micro-batch,
+recompute, data sharding and, for a mixture-of-experts model, EP and expert TP (the planner's: expert TP 1, EP a
+divisor of the experts and of TP x CP x DP, SP on with TP > 1; a dense model's stay as written). A field the recipe file, an include or `--set` gives is *pinned*: its value wins and the planner
 chooses the rest around it (the fastest layout with those values). `parallel: auto` written as a value (or
 `--set parallel=auto`) unpins what came before it: every layout field is the planner's unless given later.
 `parallel.layout: pinned` (the schema's default, for recipes that do not say auto) keeps every field as
 written. Either way, a layout the planner predicts `SLOWER` or more slower than its first is named
 (`LayoutChoice.slower`), with the switch.
 
-Where the planner cannot rank (a CPU job, no or an unknown `cluster.gpu`, a mixture-of-experts model, a
-`workload` run, pinned values outside the layouts it enumerates), the layout is the recipe's as written
+Where the planner cannot rank (a CPU job, no or an unknown `cluster.gpu`, a `workload` run, pinned values outside the layouts it enumerates), the layout is the recipe's as written
 (schema defaults for the rest: TP 1, PP 1, micro-batch 1), with the reason in `LayoutChoice.reason`.
-Expert parallelism is never chosen: the planner models dense models only. Resume never plans: run.yaml
+Resume never plans: run.yaml
 holds the resolved fields (launcher/prepare/resume_check.py re-plans only for `resume --set parallel=auto`)."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from megalaunch.errors import MegalaunchError, PreflightError
 LAYOUT_FIELDS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                  "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
                  "parallel.sequence_parallel", "training.micro_batch_size", "training.recompute",
-                 "parallel.data_sharding")
+                 "parallel.data_sharding", "parallel.expert_model_parallel_size",
+                 "parallel.expert_tensor_parallel_size")
 SLOWER = 0.10  # a layout predicted this much slower than the planner's first is named at submit
 SWITCH = "--set parallel=auto"
 
@@ -66,15 +67,21 @@ class LayoutChoice:
 
 
 def layout_values(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's layout fields; an MoE model's expert TP as Megatron resolves it (null: TP)."""
+    from megalaunch.config.model.moe import expert_tensor_parallel_size, is_moe
+
     p, t = recipe.parallel, recipe.training
+    etp = expert_tensor_parallel_size(recipe) if is_moe(recipe.model) else p.expert_tensor_parallel_size
     return dict(zip(LAYOUT_FIELDS, (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
-                                    p.sequence_parallel, t.micro_batch_size, t.recompute, p.data_sharding), strict=True))
+                                    p.sequence_parallel, t.micro_batch_size, t.recompute, p.data_sharding,
+                                    p.expert_model_parallel_size, etp), strict=True))
 
 
 def _candidate_values(layout: Any) -> dict[str, Any]:
     return dict(zip(LAYOUT_FIELDS, (layout.tp, layout.pp, layout.vpp, layout.cp, layout.sequence_parallel,
-                                    layout.micro_batch, layout.recompute, layout.sharding), strict=True))
+                                    layout.micro_batch, layout.recompute, layout.sharding, layout.ep, layout.etp),
+                    strict=True))
 
 
 def unpin(tree: dict[str, Any], prov: dict[str, str]) -> None:
@@ -105,8 +112,6 @@ def _unplannable(recipe: Recipe) -> str | None:
         return "a workload runs instead of Megatron"
     if cl.gpus_per_node == 0:
         return "a CPU job (cluster.gpus_per_node 0): the planner ranks GPU layouts"
-    if recipe.model.num_experts:
-        return "a mixture-of-experts model: the planner models dense models only"
     if not cl.gpu:
         return "no cluster.gpu to plan for: set it (e.g. --set cluster.gpu=H100)"
     if gpu_spec(cl.gpu) is None:
@@ -195,6 +200,7 @@ def check_fits(choice: LayoutChoice | None) -> None:
 
 def describe_layout(recipe: Recipe) -> str:
     """The recipe's layout in the planner's words (Layout.describe)."""
+    from megalaunch.config.planner.fit import expert_layout
     from megalaunch.config.planner.memory import Layout
 
     p, t = recipe.parallel, recipe.training
@@ -202,7 +208,8 @@ def describe_layout(recipe: Recipe) -> str:
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                   dp=max(1, recipe.cluster.world_size // max(mp, 1)), vpp=p.virtual_pipeline_model_parallel_size,
                   micro_batch=t.micro_batch_size, recompute=t.recompute,
-                  sequence_parallel=p.sequence_parallel, sharding=p.data_sharding).describe()
+                  sequence_parallel=p.sequence_parallel, sharding=p.data_sharding,
+                  **expert_layout(recipe)).describe()
 
 
 def _nothing_fits(recipe: Recipe, plan: Any, want: dict[str, Any]) -> PreflightError:

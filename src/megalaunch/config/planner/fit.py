@@ -15,13 +15,22 @@ from megalaunch.errors import PreflightError
 
 
 def model_shape(recipe: Recipe, vocab_size: int | None) -> ModelShape:
+    from megalaunch.config.model.moe import is_moe, moe_layer_pattern
+
     m = recipe.model
+    moe: dict = {}
+    if is_moe(m):
+        moe = dict(experts=m.num_experts, topk=m.moe_router_topk, shared_gate=m.moe_shared_expert_gate,
+                   expert_ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size,
+                   shared_ffn=m.moe_shared_expert_intermediate_size or 0, moe_pattern=tuple(moe_layer_pattern(m)),
+                   capacity=m.moe_expert_capacity_factor, dispatcher=m.moe_token_dispatcher_type)
     return ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                       kv_heads=m.num_query_groups or m.num_attention_heads, ffn=m.ffn_hidden_size or 4 * m.hidden_size,
                       vocab=vocab_size or 32000, seq=m.seq_length, swiglu=m.swiglu,
                       tied=not m.untie_embeddings_and_output_weights, norm=m.normalization,
                       bias=not m.disable_bias_linear, qkv_bias=m.add_qkv_bias,
-                      vocab_divisible_by=m.make_vocab_size_divisible_by)
+                      vocab_divisible_by=m.make_vocab_size_divisible_by, kv_channels=m.kv_channels,
+                      qk_norm=m.qk_layernorm, **moe)
 
 
 def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
@@ -30,10 +39,19 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
                   num_microbatches=num_microbatches, recompute=t.recompute, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision, fp8_recipe=t.fp8_recipe,
-                  sharding=p.data_sharding,
+                  sharding=p.data_sharding, **expert_layout(recipe),
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
                   fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
                   kernels=speed_kernels(recipe))
+
+
+def expert_layout(recipe: Recipe) -> dict:
+    """The Layout's EP and expert TP (Megatron's: expert TP null means TP); none for a dense model."""
+    from megalaunch.config.model.moe import expert_tensor_parallel_size, is_moe
+
+    if not is_moe(recipe.model):
+        return {}
+    return {"ep": recipe.parallel.expert_model_parallel_size, "etp": expert_tensor_parallel_size(recipe)}
 
 
 def speed_kernels(recipe: Recipe) -> str:
@@ -98,11 +116,10 @@ def _alternatives(recipe: Recipe, layout: Layout) -> list[tuple[str, Layout]]:
 
 
 def check_memory(recipe: Recipe, dp: int, num_microbatches: int, vocab_size: int | None) -> MemoryEstimate | None:
-    """Refuse a layout whose estimated peak does not fit the GPU, with the breakdown and what would fit.
-    Mixture-of-experts models are not modelled (experts, their parallelism and token routing): no check,
-    rather than a dense model's figures for them (`megalaunch plan` refuses them outright)."""
+    """Refuse a layout whose estimated peak does not fit the GPU, with the breakdown and what would fit
+    (mixture-of-experts models too: config/planner/moe.py)."""
     mem = gpu_memory(recipe)
-    if mem is None or recipe.workload or recipe.model.num_experts:
+    if mem is None or recipe.workload:
         return None
     shape = model_shape(recipe, vocab_size)
     layout = recipe_layout(recipe, dp, num_microbatches)

@@ -26,15 +26,23 @@ tensor by tensor (bench/memory_trace.py; docs/results.md, "The memory model at T
 layers, one H200), gives 1.149 GiB per llama3-8b layer and micro-batch with `training.fused_kernels`
 (4 h + 3 f + q + 2 kv + q + kv + q = 1.141; RoPE's cos and sin and the attention's log-sum-exp, 9 MiB, are
 left out), 1.587 without (5 f). RoPE's halves and a second copy of the attention's output, counted before,
-were never kept (-0.14 GiB a layer at TP 1)."""
+were never kept (-0.14 GiB a layer at TP 1).
+
+Mixture-of-experts models (config/planner/moe.py, with the arithmetic): the routed experts' weights, gradients and
+optimizer state per GPU divided over EP x expert TP, their optimizer state over the expert data-parallel group
+(world / (ETP x EP x PP)); an MoE layer's MLP activations (router, shared expert, routed tokens and the dispatch
+buffers) in place of the dense MLP's; the attention, the norms (QK-norm's over the head size) and dense layers as
+above, with the head size `kv_channels` where the model gives it."""
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 from megalaunch.config.planner.gpus import GIB
+from megalaunch.config.planner.moe import expert_params_per_gpu, expert_shard, moe_mlp_bytes
+from megalaunch.config.planner.shape import FSDP_NAMES, Layout, ModelShape
+
+__all__ = ["FSDP_NAMES", "Layout", "MemoryEstimate", "ModelShape", "estimate", "optimizer_shard"]
 
 RESERVED_GIB = 2.5  # CUDA context, cuBLAS workspaces, NCCL buffers: memory the allocator does not count
 FRAGMENTATION = 0.05  # the caching allocator's slack over max allocated (reserved - allocated), as a fraction
@@ -46,106 +54,6 @@ RECOMPUTES = ("none", "selective", "full")
 # llama3-1b tensorwise at micro-batches 1-6 on one H200 (0.79-0.83), then predicting llama3-8b's TP 1 and
 # TP 2 + SP within 0.2 GiB (docs/results.md). Rowwise's per-row scales (4 bytes a row) are left out.
 FP8_SAVED_FRACTION = 0.81
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The model, in the numbers memory and FLOPs depend on."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int  # the tokenizer's vocabulary (Megatron pads it)
-    seq: int
-    swiglu: bool = True
-    tied: bool = False  # embeddings shared with the output layer
-    norm: str = "RMSNorm"
-    bias: bool = False
-    qkv_bias: bool = False
-    vocab_divisible_by: int = 128
-
-    # cached: `megalaunch plan` and `parallel: auto` ask each shape for them thousands of times (per layout)
-    @functools.cached_property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @functools.cached_property
-    def q_size(self) -> int:
-        return self.heads * self.head_dim
-
-    @functools.cached_property
-    def kv_size(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def padded_vocab(self, tp: int) -> int:
-        step = self.vocab_divisible_by * tp
-        return math.ceil(self.vocab / step) * step
-
-    def layer_matmul_params(self) -> int:
-        """Parameters of one layer that TP splits (the linears)."""
-        return self._matmul_params
-
-    @functools.cached_property
-    def _matmul_params(self) -> int:
-        h, f = self.hidden, self.ffn
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = (3 if self.swiglu else 2) * h * f
-        biases = 0
-        if self.bias:
-            biases = self.q_size + 2 * self.kv_size + h + (2 * f if self.swiglu else f) + h
-        elif self.qkv_bias:
-            biases = self.q_size + 2 * self.kv_size
-        return attn + mlp + biases
-
-    def layer_norm_params(self) -> int:
-        return 2 * self.hidden * (1 if self.norm == "RMSNorm" else 2)
-
-    def total_params(self) -> int:
-        emb = self.padded_vocab(1) * self.hidden
-        return (self.layers * (self.layer_matmul_params() + self.layer_norm_params()) + emb * (1 if self.tied else 2)
-                + self.hidden)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one training step runs on the GPUs."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    vpp: int | None = None
-    micro_batch: int = 1
-    num_microbatches: int = 1
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = True
-    precision: str = "bf16"
-    attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
-    fused: bool = False  # training.fused_kernels: 4 h + 3 f per token and layer kept, not 6 h + 4 f
-    fused_loss: bool = False  # training.kernels: liger: its fused linear cross entropy (TP 1) keeps no logits
-    kernels: str = "megatron"  # speed only (config/planner/plan.py): "liger" = training.kernels auto|liger on GPUs
-    fp8_recipe: str = "tensorwise"  # with precision fp8: training.fp8_recipe
-    sharding: str = "optimizer"  # parallel.data_sharding: optimizer | optimizer_grads | optimizer_grads_params (FSDP)
-
-    @property
-    def fp8(self) -> str | None:
-        """The FP8 recipe the layers run, or None (not fp8)."""
-        return self.fp8_recipe if self.precision == "fp8" else None
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def describe(self) -> str:
-        dims = [f"TP {self.tp}", f"PP {self.pp}", *([f"VPP {self.vpp}"] if self.vpp else []),
-                *([f"CP {self.cp}"] if self.cp > 1 else []), f"DP {self.dp}"]
-        extras = [f"micro-batch {self.micro_batch}", *(["SP"] if self.sequence_parallel else []),
-                  *([FSDP_NAMES[self.sharding]] if self.sharding in FSDP_NAMES else []),
-                  *([f"recompute {self.recompute}"] if self.recompute != "none" else [])]
-        return " x ".join(dims) + ", " + ", ".join(extras)
 
 
 @dataclass(frozen=True)
@@ -181,7 +89,6 @@ class MemoryEstimate:
             f" = {self.total / GIB:.1f} GiB"
 
 
-FSDP_NAMES = {"optimizer_grads": "FSDP ZeRO-2", "optimizer_grads_params": "FSDP ZeRO-3"}
 
 
 def optimizer_shard(layout: Layout) -> int:
@@ -189,12 +96,11 @@ def optimizer_shard(layout: Layout) -> int:
     return layout.dp * layout.cp if layout.distributed_optimizer or layout.sharding in FSDP_NAMES else 1
 
 
-def _bytes_per_param(layout: Layout) -> tuple[float, float, float]:
+def _bytes_per_param(layout: Layout, shard: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter held by a rank. Megatron-FSDP splits the fp32 main
     gradients too (ZeRO-2) and the weights (ZeRO-3): measured on llama3-8b, TP 1 x DP 4 on H200s, ZeRO-3 held
     34.0 GiB less than the distributed optimizer (73.2 against 107.2), where weights and gradients / 4 predict
-    33.7 (docs/results.md)."""
-    shard = optimizer_shard(layout)
+    33.7 (docs/results.md). `shard`: optimizer_shard, or the experts' (config/planner/moe.py)."""
     w, g, o = (4.0, 4.0, 8.0) if layout.precision == "fp32" else (2.0, 4.0, 12.0)  # fp32: no master copy
     if layout.sharding in FSDP_NAMES:
         g /= shard
@@ -204,10 +110,12 @@ def _bytes_per_param(layout: Layout) -> tuple[float, float, float]:
 
 
 def stage_params(shape: ModelShape, layout: Layout, stage: int) -> int:
-    """Parameters held by one TP rank of pipeline stage `stage`."""
+    """Parameters held by one TP rank of pipeline stage `stage`, the routed experts left out (moe.py)."""
     tp, pp = layout.tp, layout.pp
-    per_layer = shape.layer_matmul_params() // tp + shape.layer_norm_params()
-    n = shape.layers // pp * per_layer
+    dense, moe = shape.stage_layers(pp, stage)
+    norms = shape.layer_norm_params()
+    n = dense * ((shape.attn_params + shape.mlp_params(shape.ffn)) // tp + norms)
+    n += moe * (shape.moe_tp_params // tp + shape.router_params + norms)
     emb = shape.padded_vocab(tp) * shape.hidden // tp
     if stage == 0:
         n += emb
@@ -218,16 +126,17 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int) -> int:
     return n
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, float]:
-    """(bytes one layer keeps for its backward, bytes it holds while it runs) per micro-batch on one GPU."""
+def layer_activation_bytes(shape: ModelShape, layout: Layout, moe: bool = False) -> tuple[float, float]:
+    """(bytes one layer keeps for its backward, bytes it holds while it runs) per micro-batch on one GPU; `moe`:
+    an MoE layer's, its MLP part moe.py's `moe_mlp_bytes`."""
     tokens = layout.micro_batch * shape.seq / layout.cp
     t = layout.tp
     sp = layout.sequence_parallel and t > 1
     rep = shape.hidden * 4 / (t if sp else 1)
     q, kv = shape.q_size, shape.kv_size
-    mlp = ((3 if layout.fused else 5) if shape.swiglu else 2) * shape.ffn
+    mlp = 0 if moe else ((3 if layout.fused else 5) if shape.swiglu else 2) * shape.ffn
     sharded = ((q + 2 * kv) + (q + kv) + q + mlp) / t
-    full = (rep + sharded) * 2 * tokens
+    full = (rep + sharded) * 2 * tokens + (moe_mlp_bytes(shape, layout) if moe else 0.0)
     running = full
     if layout.attention == "local":  # softmax probabilities, [b, heads/t, s, s] in bf16 (causal: all stored)
         probs = 2 * layout.micro_batch * (shape.heads / t) * (shape.seq / layout.cp) * shape.seq / layout.cp
@@ -238,7 +147,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> tuple[float, fl
         return kept, running
     if layout.fp8:  # QKV's and FC1's inputs in FP8 (gathered under SP), FC2's input in FP8
         full += FP8_SAVED_FRACTION * tokens * (2 * (shape.hidden - 2 * shape.hidden / (t if sp else 1))
-                                               - shape.ffn / t)
+                                               - (0 if moe else shape.ffn) / t)
     return full, running
 
 
@@ -258,35 +167,47 @@ def in_flight(layout: Layout, stage: int) -> float:
 
 def estimate_stage(shape: ModelShape, layout: Layout, stage: int) -> MemoryEstimate:
     n = stage_params(shape, layout, stage)
-    wb, gb, ob = _bytes_per_param(layout)
+    dense_layers, moe_layers = shape.stage_layers(layout.pp, stage)
+    ne = expert_params_per_gpu(shape, layout, moe_layers)  # the routed experts' (0 for a dense model)
+    wb, gb, ob = _bytes_per_param(layout, optimizer_shard(layout))
+    wbe, gbe, obe = _bytes_per_param(layout, expert_shard(layout))
     tokens = layout.micro_batch * shape.seq / layout.cp
     per_layer, running = layer_activation_bytes(shape, layout)
     layers = shape.layers // layout.pp
-    acts = per_layer * layers * in_flight(layout, stage)
+    acts = per_layer * dense_layers * in_flight(layout, stage)
+    layer_weights = shape.layer_matmul_params() / layout.tp  # of the largest layer, per GPU
+    if shape.moe:
+        per_moe, running_moe = layer_activation_bytes(shape, layout, moe=True)
+        acts += per_moe * moe_layers * in_flight(layout, stage)
+        running = max(running if dense_layers else 0.0, running_moe if moe_layers else 0.0)
+        layer_weights = max((shape.attn_params + shape.mlp_params(shape.ffn)) / layout.tp if dense_layers else 0.0,
+                            shape.moe_tp_params / layout.tp + shape.router_params
+                            + expert_params_per_gpu(shape, layout, 1) if moe_layers else 0.0)
     sp = layout.sequence_parallel and layout.tp > 1
     if stage == 0:  # embedding output (bf16) of each micro-batch in flight
         acts += 2 * shape.hidden * tokens / (layout.tp if sp else 1) * in_flight(layout, stage)
     logits = loss_bytes(shape, layout, tokens) if stage == layout.pp - 1 else 0.0
     # The backward's working set: one layer's activation gradients plus a layer's weight gradient (bf16,
     # before it is added into the fp32 main grads); with full recompute, the layer rebuilt for its backward.
-    grad_work = running * 0.5 + 2 * shape.layer_matmul_params() / layout.tp
+    grad_work = running * 0.5 + 2 * layer_weights
     if layout.sharding in FSDP_NAMES:  # a layer's fp32 gradients before their reduce-scatter
-        grad_work += 4 * shape.layer_matmul_params() / layout.tp
+        grad_work += 4 * layer_weights
     if layout.sharding == "optimizer_grads_params":  # two layers' weights gathered (the one in use, the next)
-        grad_work += 2 * 2 * shape.layer_matmul_params() / layout.tp
+        grad_work += 2 * 2 * layer_weights
     if layout.recompute == "full":
         grad_work += running
     # The optimizer step (torch AdamW, foreach): one fp32 temporary per parameter of its shard (the second
     # moment's square root): measured 4.02-4.04 bytes per parameter on one H200 (llama3-8b's width, 4 and 8
     # layers, seq 4096, where the step is the peak; 5 bytes overestimated those by 4 %).
-    step_work = 4.0 * n / optimizer_shard(layout)
+    step_work = 4.0 * (n / optimizer_shard(layout) + ne / expert_shard(layout))
     # The loss peaks before the layers' backward begins and is freed by then: the peak is the larger of the two
     # (measured: no layer's gradient is alive at the peak of any case of docs/results.md "The memory model at TP 1").
     transient = max(0.0, grad_work - logits)
     if step_work > acts + logits + transient:  # the step runs after the activations are freed
         transient, acts, logits = step_work, 0.0, 0.0
-    fp8_weights = 2.0 * layers * shape.layer_matmul_params() / layout.tp if layout.fp8 else 0.0
-    return MemoryEstimate(params=wb * n, grads=gb * n, optimizer=ob * n, activations=acts, logits=logits,
+    fp8_weights = 2.0 * (layers * shape.layer_matmul_params() / layout.tp + ne) if layout.fp8 else 0.0
+    return MemoryEstimate(params=wb * n + wbe * ne, grads=gb * n + gbe * ne, optimizer=ob * n + obe * ne,
+                          activations=acts, logits=logits,
                           transient=transient, stage=stage, fp8_weights=fp8_weights)
 
 

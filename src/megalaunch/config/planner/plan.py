@@ -18,20 +18,20 @@ The throughput model, per optimizer step on one GPU:
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from megalaunch.config.planner.gpus import GPUSpec, gpu_spec, known_gpus
+from megalaunch.config.planner.layouts import layouts
 from megalaunch.config.planner.memory import (
     FSDP_NAMES,
-    RECOMPUTES,
     Layout,
     MemoryEstimate,
     ModelShape,
     estimate,
     optimizer_shard,
 )
+from megalaunch.config.planner.moe import active_ffn, expert_params_per_gpu, moe_step_parts
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
 
@@ -88,8 +88,10 @@ class Candidate:
 
 @functools.lru_cache(maxsize=64)
 def flops_parts(shape: ModelShape) -> tuple[float, float]:
-    """(one transformer layer, the output layer) FLOPs of one training token, forward + backward."""
-    layer = 3 * (2 * shape.layer_matmul_params() + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
+    """(one transformer layer, the output layer) FLOPs of one training token, forward + backward: Megatron's
+    num_floating_point_operations (the active parameters: an MoE layer's top-k experts and shared expert, no
+    router; the attention's width heads x kv_channels)."""
+    layer = 3 * (2 * shape.active_matmul_params + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
     return layer, 3 * 2 * shape.hidden * shape.padded_vocab(1)
 
 
@@ -97,49 +99,6 @@ def flops_per_token(shape: ModelShape) -> float:
     """Model FLOPs of one training token (forward + backward), without recompute."""
     layer, logits = flops_parts(shape)
     return shape.layers * layer + logits
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
-            precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
-            fused_loss: bool = False, kernels: str = "megatron", fp8_recipe: str = "tensorwise",
-            fsdp: bool = True) -> list[Layout]:
-    """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
-    the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
-    micro-batch dividing the batch per DP rank; SP on or off with TP; each recompute mode; with `fsdp`,
-    Megatron-FSDP's ZeRO-3 beside the distributed optimizer where there is no PP and DP x CP > 1."""
-    out = []
-    for tp in _divisors(min(gpus_per_node, world)):
-        if shape.heads % tp or shape.kv_heads % tp or shape.ffn % tp:
-            continue
-        for pp in _divisors(world // tp):
-            if shape.layers % pp:
-                continue
-            for cp in _divisors(world // (tp * pp)):
-                if cp > 1 and (attention == "sdpa" or shape.seq % (2 * cp)):
-                    continue
-                dp = world // (tp * pp * cp)
-                if global_batch % dp:
-                    continue
-                for mb in (1, 2, 4, 8, 16):
-                    if (global_batch // dp) % mb:
-                        continue
-                    m = global_batch // (dp * mb)
-                    vpps: list[int | None] = [None]
-                    if pp > 1:
-                        vpps += [v for v in range(2, 9) if shape.layers % (pp * v) == 0 and m % pp == 0]
-                    shardings = ("optimizer", "optimizer_grads_params") if fsdp and pp == 1 and dp * cp > 1 \
-                        else ("optimizer",)
-                    for vpp, sp, rc, sh in itertools.product(vpps, (False, True) if tp > 1 else (False,), RECOMPUTES,
-                                                             shardings):
-                        out.append(Layout(tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp, micro_batch=mb, num_microbatches=m,
-                                          recompute=rc, sequence_parallel=sp, distributed_optimizer=distributed_optimizer,
-                                          precision=precision, attention=attention, fused=fused, fused_loss=fused_loss,
-                                          kernels=kernels, fp8_recipe=fp8_recipe, sharding=sh))
-    return out
 
 
 def _ring(bytes_: float, n: int, gbps: float) -> float:
@@ -182,8 +141,16 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
     dp_bw = gpu.nvlink_gbps if L.tp * L.cp * L.pp * L.dp <= gpus_per_node else INTERNODE_GBPS
     dp_comm = _dp_wait(L, n, dp_bw, compute, layers)
     optimizer = 40 * n / optimizer_shard(L) / (gpu.hbm_tbps * 1e12)
-    return {"compute": compute, "tp": tp_comm, "cp": cp_comm, "pp_bubble": bubble + pp_comm, "dp": dp_comm,
-            "optimizer": optimizer}
+    parts = {"compute": compute, "tp": tp_comm, "cp": cp_comm, "pp_bubble": bubble + pp_comm, "dp": dp_comm,
+             "optimizer": optimizer}
+    if shape.moe:  # config/planner/moe.py
+        moe = moe_step_parts(shape, L, flop_rate=gpu.peak_tflops * 1e12 * eff, recompute_factor=recompute_factor,
+                             nvlink_gbps=gpu.nvlink_gbps, internode_gbps=INTERNODE_GBPS, gpus_per_node=gpus_per_node,
+                             dp_gbps=dp_bw, hbm_tbps=gpu.hbm_tbps)
+        moe["pp_bubble"] = moe["compute"] * (L.pp - 1) / ((L.vpp or 1) * m)
+        for key, value in moe.items():
+            parts[key] = parts.get(key, 0.0) + value
+    return parts
 
 
 def _dp_wait(L: Layout, n: float, bw: float, compute: float, layers: float) -> float:
@@ -198,11 +165,12 @@ def _dp_wait(L: Layout, n: float, bw: float, compute: float, layers: float) -> f
 def memory_bound(shape: ModelShape, L: Layout, layers: float, tokens: float) -> float:
     """Bytes one GPU moves per step in memory-bound kernels (the constants above): `layers` of the stage
     (recomputed ones counted again), `tokens` of its micro-batches."""
-    width = (shape.hidden / L.tp if L.sequence_parallel else shape.hidden) + shape.ffn / L.tp
+    width = (shape.hidden / L.tp if L.sequence_parallel else shape.hidden) + active_ffn(shape) / L.tp
     liger = L.kernels == "liger"
     kind = "liger" if liger else ("fused" if L.fused else "unfused")
     loss = LOSS_BYTES["liger" if liger and L.tp == 1 else "megatron"] * shape.padded_vocab(L.tp) / L.tp * tokens
-    params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp)
+    params = shape.layer_matmul_params() * shape.layers / (L.tp * L.pp) + \
+        expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp
     wgrad = 0.0 if liger else WGRAD_ACCUM_BYTES * params * L.num_microbatches
     casts = 0.0
     if L.fp8:  # QKV, proj, FC1, FC2: each input (QKV's and FC1's gathered under SP) and output gradient
@@ -263,7 +231,9 @@ def set_lines(layout: Layout) -> list[str]:
             f"parallel.context_parallel_size={layout.cp}",
             f"parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
             f"training.micro_batch_size={layout.micro_batch}",
-            f"training.recompute={layout.recompute}", f"parallel.data_sharding={layout.sharding}"]
+            f"training.recompute={layout.recompute}", f"parallel.data_sharding={layout.sharding}",
+            f"parallel.expert_model_parallel_size={layout.ep}",
+            f"parallel.expert_tensor_parallel_size={'null' if layout.etp is None else layout.etp}"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -294,11 +264,6 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     from megalaunch.config.planner.fit import model_shape, speed_kernels
 
     cl = recipe.cluster
-    if recipe.model.num_experts:
-        raise PreflightError(f"{recipe.name} is a mixture-of-experts model ({recipe.model.num_experts} experts): "
-                             "the memory and speed models cover dense transformers only", field="model.num_experts",
-                             valid="a dense model (num_experts unset)",
-                             fix="plan the dense model of the same width, or size the MoE layout by hand")
     nodes = nodes or cl.nodes
     gpn = gpus_per_node if gpus_per_node is not None else cl.gpus_per_node
     if nodes < 1 or gpn < 1:
