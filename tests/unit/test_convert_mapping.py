@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -139,15 +140,62 @@ def test_llama31_rope_scaling_and_transformers4_keys() -> None:
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 2.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, "low_freq_factor"),
-    ({"head_dim": 32}, "kv_channels"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8},
+     "['Qwen3MoeForCausalLM'] (mixture of experts"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8},
+     "['MixtralForCausalLM'] (mixture of experts"),
+    ({"head_dim": None, "hidden_size": 60, "num_attention_heads": 8}, "no head_dim"),
     ({"hidden_act": "gelu"}, "silu"),
 ])
 def test_unsupported_configs_name_the_problem(change: dict[str, object], message: str) -> None:
     with pytest.raises(UnsupportedModelError) as e:
         families.model_from_hf_config({**LLAMA_CFG, **change})
     assert message in str(e.value)
-    assert "LlamaForCausalLM" in str(e.value) and "\n" not in str(e.value)
+    assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value) and "\n" not in str(e.value)
+
+
+QWEN3_CFG = {**LLAMA_CFG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
+             "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+             "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True}
+
+
+def test_qwen3_reads_head_dim_and_qk_norm() -> None:
+    hf = families.model_from_hf_config(QWEN3_CFG)
+    m = hf.model
+    assert hf.family == "qwen3" and not hf.notes
+    assert (m.kv_channels, m.qk_layernorm, m.add_qkv_bias, m.untie_embeddings_and_output_weights) == \
+        (32, True, False, False)
+    assert (m.rotary_base, m.norm_epsilon) == (1000000, 1e-6)
+    # Qwen3-8B's head size equals hidden / heads: kv_channels is still explicit, and equal to a recipe without it
+    same = families.model_from_hf_config({**QWEN3_CFG, "head_dim": 16}).model
+    assert same.kv_channels == 16
+    assert families.differences(dataclasses.replace(same, kv_channels=None), same) == []
+    assert [d[0] for d in families.differences(dataclasses.replace(m, kv_channels=None), m)] == ["kv_channels"]
+    assert [d[0] for d in families.differences(dataclasses.replace(m, qk_layernorm=False), m)] == ["qk_layernorm"]
+
+
+def test_qwen3_table_maps_the_per_head_norms() -> None:
+    d = Dims.from_model(families.model_from_hf_config(QWEN3_CFG).model, vocab=300)
+    assert (d.head_dim, d.qk_norm, d.tied) == (32, True, True)
+    work = {i.rule.mcore: i for i in items(TABLES["qwen3"], d) if i.layer in (None, 1)}
+    q = work["decoder.layers.self_attention.q_layernorm.weight"]
+    assert q.hf_names == ("model.layers.1.self_attn.q_norm.weight",) and d.shape(q.rule.mcore_shape) == (32,)
+    assert work["decoder.layers.self_attention.k_layernorm.weight"].hf_names == ("model.layers.1.self_attn.k_norm.weight",)
+    qkv = work["decoder.layers.self_attention.linear_qkv.weight"]
+    assert d.shape(qkv.rule.mcore_shape) == ((4 + 2 * 2) * 32, 64)  # the attention is 128 wide, hidden is 64
+    assert d.shape(work["decoder.layers.self_attention.linear_proj.weight"].rule.mcore_shape) == (64, 128)
+    assert "output_layer.weight" not in work
+    llama = {i.rule.mcore for i in items(TABLES["llama"], dims())}
+    assert not {k for k in llama if "q_layernorm" in k or "k_layernorm" in k}
+
+
+def test_head_dim_other_than_hidden_over_heads_maps_for_mistral_too() -> None:
+    """Mistral Nemo's shape (head_dim x heads != hidden): kv_channels, no QK-norm."""
+    hf = families.model_from_hf_config({**LLAMA_CFG, "architectures": ["MistralForCausalLM"], "head_dim": 32})
+    assert (hf.model.kv_channels, hf.model.qk_layernorm) == (32, False)
+    assert families.model_from_hf_config(LLAMA_CFG).model.kv_channels is None  # 16 x 4 == 64
 
 
 def test_mistral_sliding_window_is_a_note() -> None:
@@ -165,17 +213,18 @@ def test_differences_name_fields_and_ignore_training_choices() -> None:
                                 dataclasses.replace(hf, num_query_groups=4)) == []
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("scaling", [False, True])
 def test_hf_config_from_model_round_trips(family: str, scaling: bool) -> None:
     model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                         rotary_base=500000, use_rope_scaling=scaling, rope_scaling_factor=32.0 if scaling else 8.0, add_qkv_bias=family == "qwen2",
                         untie_embeddings_and_output_weights=family != "qwen2", max_position_embeddings=64,
-                        seq_length=64)
+                        seq_length=64, qk_layernorm=family == "qwen3", kv_channels=32 if family == "qwen3" else None)
     cfg = families.hf_config_from_model(model, family=family, vocab_size=512, dtype="float32")
     back = families.model_from_hf_config(cfg)
     assert back.family == family and back.vocab_size == 512
     assert families.differences(model, back.model) == []
+    assert cfg["head_dim"] == (32 if family == "qwen3" else 16)
 
 
 def test_hf_config_from_model_refuses_what_does_not_fit() -> None:
@@ -185,6 +234,12 @@ def test_hf_config_from_model_refuses_what_does_not_fit() -> None:
     with pytest.raises(UnsupportedModelError):
         families.hf_config_from_model(dataclasses.replace(model, swiglu=False), family="qwen2", vocab_size=10,
                                       dtype="float32")
+    plain = dataclasses.replace(model, add_qkv_bias=False)
+    with pytest.raises(UnsupportedModelError, match="qk_layernorm=False does not fit family 'qwen3'"):
+        families.hf_config_from_model(plain, family="qwen3", vocab_size=10, dtype="float32")
+    with pytest.raises(UnsupportedModelError, match="qk_layernorm=True does not fit family 'llama'"):
+        families.hf_config_from_model(dataclasses.replace(plain, qk_layernorm=True), family="llama", vocab_size=10,
+                                      dtype="float32")
 
 
 def test_dims_refuse_inconsistent_shapes() -> None:
@@ -193,3 +248,36 @@ def test_dims_refuse_inconsistent_shapes() -> None:
     model = ModelConfig(num_layers=1, hidden_size=60, num_attention_heads=8)
     with pytest.raises(ConversionError, match="hidden_size"):
         Dims.from_model(model, vocab=10)
+    nemo = dataclasses.replace(model, kv_channels=16, num_query_groups=2)
+    assert Dims.from_model(nemo, vocab=10).shape(("q", "kv", "d")) == (128, 32, 16)  # 8 heads, 2 groups of 16
+
+
+# The published Qwen3 dense config.json values: (layers, hidden, intermediate, heads, tied)
+QWEN3_PUBLISHED = {"0.6b": (28, 1024, 3072, 16, True), "1.7b": (28, 2048, 6144, 16, True),
+                   "4b": (36, 2560, 9728, 32, True), "8b": (36, 4096, 12288, 32, False),
+                   "14b": (40, 5120, 17408, 40, False), "32b": (64, 5120, 25600, 64, False)}
+
+
+@pytest.mark.parametrize("size", sorted(QWEN3_PUBLISHED))
+def test_shipped_qwen3_recipes_describe_the_published_models(size: str, tmp_path: Path) -> None:
+    """hf-to-mcore --recipe qwen3-SIZE on the published checkpoint finds no differing field, and the config
+    written back has the published head size, width and ties."""
+    from megalaunch.config.loader import load_recipe
+
+    layers, hidden, ffn, heads, tied = QWEN3_PUBLISHED[size]
+    published = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                 "head_dim": 128, "hidden_act": "silu", "hidden_size": hidden, "intermediate_size": ffn,
+                 "max_position_embeddings": 40960, "max_window_layers": layers, "model_type": "qwen3",
+                 "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": 8,
+                 "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+                 "tie_word_embeddings": tied, "torch_dtype": "bfloat16", "use_sliding_window": False,
+                 "vocab_size": 151936}
+    hf = families.model_from_hf_config(published)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"include: [models/qwen3-{size}, training/pretrain, clusters/slurm]\nname: m\n"
+                      "data: {mock: true, vocab_size: 151936}\n")
+    model = load_recipe(str(recipe)).recipe.model
+    assert families.differences(model, hf.model) == []
+    back = families.hf_config_from_model(model, family="qwen3", vocab_size=151936, dtype="bfloat16")
+    keys = ("head_dim", "hidden_size", "intermediate_size", "num_attention_heads", "tie_word_embeddings")
+    assert {k: back[k] for k in keys} == {k: published[k] for k in keys}

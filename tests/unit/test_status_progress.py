@@ -1,6 +1,7 @@
 """`status` on a run directory written by megalaunch's own writers: the iteration it shows is never
 behind the last checkpoint, and tokens/s and the ETA come from a window of recent log intervals (the
-run's average once nothing runs), never from zero."""
+run's average once nothing runs), never from zero; the forecast's durations read as seconds and minutes,
+never in e-notation."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.unit.helpers import counter_recipe
 from megalaunch.launcher.prepare.prepare import prepare_submission
 from megalaunch.launcher.prepare.write import write_run
 from megalaunch.launcher.status import run_status
-from megalaunch.launcher.status_format import format_run_status
+from megalaunch.launcher.status_format import forecast_line, format_run_status, short_duration
 from megalaunch.rundir.files import append_jsonl, atomic_write_text
 from megalaunch.rundir.ledger import Ledger
 from megalaunch.rundir.paths import RunPaths
@@ -75,3 +76,24 @@ def test_tokens_per_s_is_the_recent_window_while_running_and_the_run_average_aft
     average = 55 / (30 / 1000 + 5 / 400 + 20 / 100)
     assert st["chain_state"] == "stopped" and st["tokens_per_s"] == pytest.approx(average)
     assert f"tokens/s: {average:.0f} (run average)" in format_run_status(st)
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.25, "0.25 s"), (1.4321, "1.43 s"), (13.92, "13.9 s"), (45.0, "45 s"), (119.6, "120 s"), (120.4, "2 min"),
+    (150, "2 min 30 s"), (1234.0, "20 min 34 s"), (3900, "1 h 5 min"), (None, "-"), (float("nan"), "-"),
+])
+def test_short_durations_read_like_a_person_writes_them(seconds: float | None, text: str) -> None:
+    assert short_duration(seconds) == text
+
+
+def test_forecast_line_never_prints_seconds_in_e_notation() -> None:
+    """issue #49: the stop save read "1.2e+02 s"."""
+    fc = {"target": 5000, "seconds_left": 7200.0, "segments_left": 2, "segments_done": 1, "running": False,
+          "source": {"step": "measured", "stop save": "measured (1 save)"}, "predicted_step_s": 1234.5, "gpus": 8,
+          "gpu_hours_left": 16.0, "gpu_hours_spent": 4.0, "step_s": 1.4321, "startup_s": 312.0, "stop_save_s": 123.0,
+          "periodic_save_s": 1500.0}
+    line = forecast_line(fc)
+    assert "e+" not in line
+    assert "step 1.43 s, 20 min 34 s predicted, start-up 5 min 12 s, stop save 2 min 3 s, periodic save 25 min " in line
+    assert "no room for an iteration of 20 min 34 s " in forecast_line({**fc, "seconds_left": None,
+                                                                        "step_s": 1234.5})

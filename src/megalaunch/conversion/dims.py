@@ -31,6 +31,8 @@ class Dims:
     """Rows of the Megatron embedding (vocab padded to make_vocab_size_divisible_by x TP)."""
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """An RMSNorm over head_dim on each head's queries and keys (Qwen3; Megatron's q_layernorm/k_layernorm)."""
 
     def __post_init__(self) -> None:
         if self.heads % self.groups:
@@ -42,24 +44,26 @@ class Dims:
     @classmethod
     def from_model(cls, model: ModelConfig, *, vocab: int, padded_vocab: int | None = None,
                    tensor_parallel: int = 1) -> Dims:
-        if model.hidden_size % model.num_attention_heads:
+        if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
             raise ConversionError(f"hidden_size {model.hidden_size} is not a multiple of "
-                                  f"{model.num_attention_heads} heads", field="model.hidden_size")
+                                  f"{model.num_attention_heads} heads", field="model.hidden_size",
+                                  fix="set model.kv_channels (the head size)")
         if padded_vocab is None:
             padded_vocab = padded_vocab_size(vocab, model.make_vocab_size_divisible_by, tensor_parallel)
         return cls(num_layers=model.num_layers, hidden=model.hidden_size,
                    ffn=model.ffn_hidden_size or 4 * model.hidden_size,
                    heads=model.num_attention_heads,
                    groups=model.num_query_groups or model.num_attention_heads,
-                   head_dim=model.hidden_size // model.num_attention_heads,
+                   head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
                    vocab=vocab, padded_vocab=padded_vocab,
-                   tied=not model.untie_embeddings_and_output_weights, qkv_bias=model.add_qkv_bias)
+                   tied=not model.untie_embeddings_and_output_weights, qkv_bias=model.add_qkv_bias,
+                   qk_norm=model.qk_layernorm)
 
     def symbols(self) -> dict[str, int]:
         q = self.heads * self.head_dim
         kv = self.groups * self.head_dim
         return {"h": self.hidden, "f": self.ffn, "2f": 2 * self.ffn, "q": q, "kv": kv,
-                "qkv": q + 2 * kv, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers}
+                "qkv": q + 2 * kv, "d": self.head_dim, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers}
 
     def shape(self, symbolic: tuple[str, ...]) -> tuple[int, ...]:
         table = self.symbols()

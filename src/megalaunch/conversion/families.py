@@ -1,4 +1,4 @@
-"""Hugging Face configs <-> megalaunch ModelConfig for the Llama family (Llama 2/3/3.1, Mistral, Qwen2).
+"""Hugging Face configs <-> megalaunch ModelConfig for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3 dense).
 
 Only plain dicts (config.json) here: no transformers import, so this also runs where transformers is
 absent and is cheap to test."""
@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "mistral"),
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
 }
 FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
 # Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor: 8 for
@@ -27,7 +28,9 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
                "rope_scaling_factor", "normalization",
                "norm_epsilon", "swiglu", "disable_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights", "num_experts")
+               "untie_embeddings_and_output_weights", "num_experts", "kv_channels", "qk_layernorm")
+# Families whose attention has an RMSNorm over head_dim on each head's queries and keys (Megatron's --qk-layernorm).
+QK_NORM_FAMILIES = ("qwen3",)
 
 
 @dataclass(frozen=True)
@@ -62,18 +65,42 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(cfg.get("rope_theta", 10000.0)), scaling or None
 
 
-def _check_mappable(cfg: dict[str, Any], family: str, hidden: int, heads: int) -> None:
+def _check_mappable(cfg: dict[str, Any], family: str) -> None:
     """Refuse what has no exact Megatron counterpart (one line naming the config field)."""
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise _unsupported(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the recipe schema "
-                           "has no kv_channels field yet")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _unsupported(f"hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
     if cfg.get("mlp_bias"):
         raise _unsupported("mlp_bias: true has no mapping (Megatron's biases are all-or-nothing)")
-    if family == "llama" and cfg.get("attention_bias"):
+    if family != "qwen2" and cfg.get("attention_bias"):
         raise _unsupported("attention_bias: true (bias on o_proj too) has no mapping; add_qkv_bias covers QKV only")
+
+
+def _kv_channels(cfg: dict[str, Any], family: str, hidden: int, heads: int) -> int | None:
+    """model.kv_channels: the config's head_dim where it is not hidden / heads (Qwen3, Mistral Nemo), and always
+    for Qwen3 (as its recipes write it); None where the head size follows from hidden / heads."""
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise _unsupported(f"hidden_size {hidden} is not a multiple of {heads} heads and the config has no head_dim")
+        return None
+    if family in QK_NORM_FAMILIES or int(head_dim) * heads != hidden:
+        return int(head_dim)
+    return None
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """The config's supported architecture (by `architectures`, else `model_type`), or the one-line refusal."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        by_type = {mt: a for a, (_, mt) in ARCHITECTURES.items()}
+        arch = by_type.get(cfg.get("model_type", ""))
+    if arch is None:
+        moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")) \
+            or any("Moe" in str(a) or "Mixtral" in str(a) for a in archs)
+        what = " (mixture of experts: only dense models convert so far)" if moe else ""
+        raise _unsupported(f"architecture {archs or cfg.get('model_type')!r}{what} has no Megatron mapping")
+    return arch
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, bool, float]:
@@ -94,19 +121,13 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, bool, float]:
 
 def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: int = 128) -> HFModel:
     """Read a Hugging Face config.json dict; refuse what Megatron's GPT cannot represent exactly."""
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        by_type = {mt: a for a, (_, mt) in ARCHITECTURES.items()}
-        arch = by_type.get(cfg.get("model_type", ""))
-    if arch is None:
-        raise _unsupported(f"architecture {archs or cfg.get('model_type')!r} has no Megatron mapping")
+    arch = _architecture(cfg)
     family = ARCHITECTURES[arch][0]
     notes: list[str] = []
 
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    _check_mappable(cfg, family, hidden, heads)
-    qkv_bias = family == "qwen2"
+    _check_mappable(cfg, family)
+    kv_channels = _kv_channels(cfg, family, hidden, heads)
     if cfg.get("use_sliding_window") or (family == "mistral" and cfg.get("sliding_window")
                                          and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)):
         notes.append(f"sliding_window {cfg.get('sliding_window')} is not in the recipe schema: logits agree only "
@@ -120,6 +141,8 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        kv_channels=kv_channels,
+        qk_layernorm=family in QK_NORM_FAMILIES,
         seq_length=min(max_pos, 4096),
         max_position_embeddings=max_pos,
         position_embedding_type="rope",
@@ -130,7 +153,7 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         swiglu=True,
         disable_bias_linear=True,
-        add_qkv_bias=qkv_bias,
+        add_qkv_bias=family == "qwen2",
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
@@ -138,9 +161,14 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
     return HFModel(family, arch, model, int(cfg["vocab_size"]), dtype, tuple(notes))
 
 
+def head_dim(model: ModelConfig) -> int:
+    """The head size: model.kv_channels, else hidden / heads."""
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
 def _normalized(model: ModelConfig) -> ModelConfig:
     return replace(model, num_query_groups=model.num_query_groups or model.num_attention_heads,
-                   ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size)
+                   ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size, kv_channels=head_dim(model))
 
 
 def differences(recipe: ModelConfig, hf: ModelConfig) -> list[tuple[str, Any, Any]]:
@@ -165,7 +193,11 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
                                     f"the {family} family")
     if model.add_qkv_bias != (family == "qwen2"):
         raise UnsupportedModelError(f"add_qkv_bias={model.add_qkv_bias} does not fit family {family!r}",
-                                    fix="use --family qwen2 for QKV biases, llama or mistral otherwise")
+                                    fix="use --family qwen2 for QKV biases, qwen3 for QK-norm, llama or mistral "
+                                        "otherwise")
+    if model.qk_layernorm != (family in QK_NORM_FAMILIES):
+        raise UnsupportedModelError(f"qk_layernorm={model.qk_layernorm} does not fit family {family!r}",
+                                    fix="use --family qwen3 for QK-norm, llama, mistral or qwen2 otherwise")
     rope: dict[str, Any] = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
     llama3 = {"factor": float(model.rope_scaling_factor), **LLAMA3_ROPE}
     if model.use_rope_scaling:
@@ -180,7 +212,7 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups or model.num_attention_heads,
-        "head_dim": model.hidden_size // model.num_attention_heads,
+        "head_dim": head_dim(model),
         "hidden_act": "silu",
         "max_position_embeddings": model.max_position_embeddings,
         "rms_norm_eps": model.norm_epsilon,
@@ -196,7 +228,9 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
         cfg.update(attention_bias=False, mlp_bias=False)
     if family == "mistral":
         cfg["sliding_window"] = None
-    if family == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None)
+    if family in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers)
+    if family == "qwen3":
+        cfg["attention_bias"] = False
     return cfg
 

@@ -3,8 +3,9 @@
 One `Rule` per Megatron tensor. Layer tensors use Megatron's stacked key (the layer index is the
 first dimension of the global tensor, as `GPTModel.sharded_state_dict()` writes it) and `{i}` in
 the Hugging Face names. Shapes are symbolic (see `Dims.symbols`); `when` names a condition on
-`Dims` ("qkv_bias", "untied"). Llama 2/3/3.1, Mistral and Qwen2 share the Hugging Face names; the
-conditions cover their differences (Qwen2's QKV bias, tied embeddings of small models)."""
+`Dims` ("qkv_bias", "untied", "qk_norm"). Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 share the Hugging Face
+names; the conditions cover their differences (Qwen2's QKV bias, Qwen3's per-head query and key norms, tied
+embeddings of small models)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Rule:
         return self.mcore.startswith("decoder.layers.")
 
     def applies(self, dims: Dims) -> bool:
-        return {None: True, "qkv_bias": dims.qkv_bias, "untied": not dims.tied}[self.when]
+        return {None: True, "qkv_bias": dims.qkv_bias, "untied": not dims.tied, "qk_norm": dims.qk_norm}[self.when]
 
     def hf_names(self, layer: int | None) -> tuple[str, ...]:
         return tuple(n.format(i=layer) for n in self.hf)
@@ -54,6 +55,10 @@ LLAMA: tuple[Rule, ...] = (
     Rule("decoder.layers.self_attention.linear_qkv.bias",
          (f"{_ATTN}.q_proj.bias", f"{_ATTN}.k_proj.bias", f"{_ATTN}.v_proj.bias"),
          (("q",), ("kv",), ("kv",)), ("qkv",), "qkv", when="qkv_bias"),
+    Rule("decoder.layers.self_attention.q_layernorm.weight", (f"{_ATTN}.q_norm.weight",), (("d",),), ("d",),
+         when="qk_norm"),
+    Rule("decoder.layers.self_attention.k_layernorm.weight", (f"{_ATTN}.k_norm.weight",), (("d",),), ("d",),
+         when="qk_norm"),
     Rule("decoder.layers.self_attention.linear_proj.weight", (f"{_ATTN}.o_proj.weight",), (("h", "q"),), ("h", "q")),
     Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{i}.post_attention_layernorm.weight",),
          (("h",),), ("h",)),
@@ -71,7 +76,7 @@ LLAMA: tuple[Rule, ...] = (
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
                        "mlp.linear_fc1", "mlp.linear_fc2")
 
-TABLES: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA}
+TABLES: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA}
 
 # Hugging Face tensors that carry no weights (buffers some old exports include).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

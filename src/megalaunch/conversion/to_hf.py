@@ -47,6 +47,9 @@ def model_from_megatron_args(args: Any) -> ModelConfig:
         return getattr(args, name, default)
 
     groups = get("num_query_groups") if get("group_query_attention", False) else None
+    kv_channels = get("kv_channels")  # Megatron stores hidden / heads when --kv-channels was not given
+    if kv_channels and get("hidden_size") and kv_channels * get("num_attention_heads") == get("hidden_size"):
+        kv_channels = None
     return ModelConfig(
         num_layers=get("num_layers"), hidden_size=get("hidden_size"), ffn_hidden_size=get("ffn_hidden_size"),
         num_attention_heads=get("num_attention_heads"), num_query_groups=groups or get("num_attention_heads"),
@@ -59,6 +62,7 @@ def model_from_megatron_args(args: Any) -> ModelConfig:
         add_qkv_bias=bool(get("add_qkv_bias", False)),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
         num_experts=get("num_experts"), make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
+        kv_channels=kv_channels, qk_layernorm=bool(get("qk_layernorm", False)),
     )
 
 
@@ -137,7 +141,7 @@ def _hf_source(ref: mcore_layout.CheckpointRef, common: dict[str, Any], *, hf_te
     if vocab is None:
         vocab = padded_rows
         notes.append(f"vocabulary size unknown: kept all {padded_rows} rows (pass --vocab-size to strip padding)")
-    fam = family or ("qwen2" if model.add_qkv_bias else "llama")
+    fam = family or ("qwen2" if model.add_qkv_bias else "qwen3" if model.qk_layernorm else "llama")
     cfg = families.hf_config_from_model(model, family=fam, vocab_size=vocab, dtype=str(dtype).removeprefix("torch."))
     return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes), tokenizer, generated=True)
 

@@ -45,7 +45,7 @@ def megatron_args(model: ModelConfig, dims: Dims, *, tensor_parallel: int, itera
     return argparse.Namespace(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=dims.ffn,
         num_attention_heads=model.num_attention_heads, num_query_groups=dims.groups,
-        group_query_attention=dims.groups != dims.heads, kv_channels=dims.head_dim,
+        group_query_attention=dims.groups != dims.heads, kv_channels=dims.head_dim, qk_layernorm=dims.qk_norm,
         max_position_embeddings=model.max_position_embeddings, seq_length=model.seq_length,
         position_embedding_type=model.position_embedding_type, add_position_embedding=False,
         rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,

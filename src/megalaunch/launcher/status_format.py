@@ -69,25 +69,42 @@ def format_run_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def short_duration(seconds: float | None) -> str:
+    """A measured or predicted duration as a person reads it: '0.25 s', '13.9 s', '120 s', '2 min', '2 min 30 s',
+    '1 h 5 min' (never '1.2e+02 s')."""
+    from megalaunch.config.planner.forecast import duration
+
+    if seconds is None or seconds != seconds:  # None or NaN
+        return "-"
+    if seconds < 1:
+        return f"{max(seconds, 0.0):.2f} s"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 3600:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min" + (f" {rest} s" if rest else "")
+    return duration(seconds)
+
+
 def forecast_line(fc: dict[str, Any]) -> str:
     """The way to the target, from the run's measured figures (launcher/accounting/forecast.py)."""
     from megalaunch.config.planner.forecast import duration
     if fc.get("reached"):
         return f"  forecast: iteration {fc['target']} reached"
     if fc.get("seconds_left") is None:
-        return (f"  forecast: none: a segment has no room for an iteration of {fc['step_s']:.3g} s "
+        return (f"  forecast: none: a segment has no room for an iteration of {short_duration(fc['step_s'])} "
                 "(raise cluster.time)")
     more = fc["segments_left"]
     segs = (f"this segment, then {more} more" if fc["running"] else f"{more} more segment{'s' if more != 1 else ''}")
     total = fc["segments_done"] + more
     measured = [k for k, v in fc["source"].items() if str(v).startswith("measured")]
-    planned = f", {fc['predicted_step_s']:.3g} s predicted" if fc.get("predicted_step_s") else ""
+    planned = f", {short_duration(fc['predicted_step_s'])} predicted" if fc.get("predicted_step_s") else ""
     return (f"  forecast: {duration(fc['seconds_left'])} more to iteration {fc['target']} ({segs}; {total} in all), "
             + (f"{fc['gpu_hours_left']:,.1f} GPU-hours more, {fc['gpu_hours_spent'] + fc['gpu_hours_left']:,.1f} in all; "
                if fc.get("gpus") else "a CPU job; ") +
-            f"step {fc['step_s']:.3g} s{planned}, start-up {fc['startup_s']:.0f} s, stop save {fc['stop_save_s']:.2g} s, "
-            f"periodic save {fc['periodic_save_s']:.2g} s (measured: {', '.join(measured) or 'nothing yet'}; "
-            "the rest as predicted at submit)")
+            f"step {short_duration(fc['step_s'])}{planned}, start-up {short_duration(fc['startup_s'])}, "
+            f"stop save {short_duration(fc['stop_save_s'])}, periodic save {short_duration(fc['periodic_save_s'])} "
+            f"(measured: {', '.join(measured) or 'nothing yet'}; the rest as predicted at submit)")
 
 
 def moe_lines(moe: dict[str, Any] | None) -> list[str]:

@@ -5,7 +5,8 @@ A sample is one conversation: its tokens (truncated to seq_length + 1), padded t
 inputs are tokens[:-1], labels tokens[1:], and the loss mask is the label's mask byte (1 only where
 the label is an assistant's token; 0 on the prompt and on the padding). Position ids start at 0 for
 every conversation, so nothing resets mid-sequence and no conversation sees another (why one per
-sequence and not packed: docs/finetuning.md). The order is a permutation of the split's
+sequence and not packed: docs/finetuning.md). The padding token is the tokenizer's pad token where it has
+one that Megatron accepts, else 0 (`padding_token`). The order is a permutation of the split's
 conversations per epoch, from the seed: sample i is always the same conversation, so Megatron's
 consumed-samples counter resumes the data exactly."""
 
@@ -21,6 +22,19 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from megalaunch.runtime.flows.chat_format import MASK_SUFFIX
+
+
+def padding_token(pad: Any, vocab_size: Any = None) -> int:
+    """The token id that fills a sequence after its conversation. Any id of the vocabulary would do (padding
+    is never a label that counts, loss mask 0, and comes after the conversation under causal attention), so
+    the tokenizer's pad where it is one, else 0. What Megatron gives as `pad` depends on the tokenizer: None
+    for a Hugging Face tokenizer without a pad token (Llama 3's base models), -1 where the pad token is also
+    the end of text (Megatron's "collides" case), an id past the base vocabulary for an added pad token."""
+    if isinstance(pad, bool) or not isinstance(pad, (int, numpy.integer)) or pad < 0:
+        return 0
+    if isinstance(vocab_size, (int, numpy.integer)) and not isinstance(vocab_size, bool) and pad >= vocab_size:
+        return 0
+    return int(pad)
 
 
 class ChatDocuments:
@@ -57,7 +71,7 @@ class ChatDataset(MegatronDataset):
         seed = config.random_seed + {Split.train: 0, Split.valid: 1, Split.test: 2}[index_split]
         self.order = numpy.concatenate([numpy.random.RandomState(seed + e).permutation(n) for e in range(epochs)]
                                        ) if n else numpy.zeros(0, dtype=numpy.int64)
-        self.pad = self._pad_token_id if self._pad_token_id >= 0 else 0
+        self.pad = padding_token(self._pad_token_id, getattr(config.tokenizer, "vocab_size", None))
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: ChatDocuments) -> int:
