@@ -205,7 +205,7 @@ def mcore_to_hf(
                                                                           "only).")] = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
-    family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 (when no Hugging Face "
+    family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 | qwen3 (when no Hugging Face "
                                                                 "config travels with the checkpoint).")] = None,
     vocab_size: Annotated[int | None, typer.Option("--vocab-size", min=1, help="Rows to keep (strips "
                                                                                "Megatron's padding).")] = None,

@@ -23,7 +23,8 @@ HF_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn
            "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
            "rotary_base": "rope_theta", "use_rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling",
            "norm_epsilon": "rms_norm_eps", "untie_embeddings_and_output_weights": "tie_word_embeddings",
-           "add_qkv_bias": "architectures", "max_position_embeddings": "max_position_embeddings"}
+           "add_qkv_bias": "architectures", "max_position_embeddings": "max_position_embeddings",
+           "kv_channels": "head_dim", "qk_layernorm": "architectures"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _FIX = "pass a Hugging Face model directory (config.json, *.safetensors, tokenizer files) to --from-hf"
 
@@ -52,7 +53,7 @@ def model_values(model_dir: str, cfg: dict[str, Any], recipe_seq_length: int) ->
         hf = model_from_hf_config(cfg)
     except UnsupportedModelError as e:
         raise ConfigError(f"{model_dir}/config.json: {e.message}", field="--from-hf", valid=e.valid,
-                          fix="fine-tune a Llama, Mistral or Qwen2 checkpoint (docs/conversion.md)") from None
+                          fix="fine-tune a Llama, Mistral, Qwen2 or Qwen3 checkpoint (docs/conversion.md)") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{model_dir}/config.json lacks or garbles {e}", field="--from-hf", fix=_FIX) from None
     values = {name: getattr(hf.model, name) for name in SHAPE_FIELDS}
