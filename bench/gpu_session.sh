@@ -22,6 +22,7 @@
 #   bash bench/gpu_session.sh fsdptests          # 4 GPUs: Megatron-FSDP's GPU tests, bf16 and fp8 side by side (~5 min)
 #   bash bench/gpu_session.sh fsdp_e2e           # parallel.data_sharding=optimizer_grads_params: bf16, fp8 (FSDP_*) (~5 min)
 #   bash bench/gpu_session.sh fsdp_probe         # 4 GPUs: llama3-8b under Megatron-FSDP (TP 1) via megatron_args, bf16/fp8 (~6 min)
+#   bash bench/gpu_session.sh moe                # MoE on one GPU: SequentialMLP vs grouped-GEMM experts, moe-3b + Mixtral-like (~5 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -263,12 +264,20 @@ stage_fp8tests() {  # issue 34: the GPU tests of fp8: Triton casts bit for bit, 
     | grep -E "^\[|passed|failed|error|Error" || true
 }
 
+stage_moe() {  # issue 48: the experts on torch's grouped GEMM beside Megatron's SequentialMLP, one GPU, same seed and data
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=${MOE_GPU:-0} timeout "${MOE_S:-560}" "$PY" bench/moe.py --out "$WORK/moe" ${MOE_ARGS:-} 2>&1 \
+    | tee "$OUT/moe.txt" | grep -v "^  {" || true
+  cp "$WORK/moe/moe.json" "$OUT/" 2>/dev/null || true
+  tar -czf "$OUT/moe_logs.tgz" -C "$WORK" --exclude runs moe 2>/dev/null || true
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e|moe) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, moe, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

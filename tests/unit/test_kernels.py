@@ -156,8 +156,11 @@ def test_shipped_recipes_run_as_shipped_with_and_without_liger(monkeypatch, pres
     for ref in _shipped():
         recipe = load_recipe(ref).recipe
         assert recipe.training.kernels == "auto", ref
-        choice = kernels.resolve_kernels("auto", megatron_args(recipe, RunPaths(tmp_path)), cpu=False)
-        assert choice.library == ("liger" if present and kernels.LIGER_FASTER else "megatron"), (ref, choice)
+        argv = megatron_args(recipe, RunPaths(tmp_path))
+        choice = kernels.resolve_kernels("auto", argv, cpu=False, device=H200)
+        fits = kernels.LIGER_FASTER - set(kernels.liger_unsupported(argv))  # none for qwen3-235b-a22b (MoE, TP 4)
+        assert choice.library == ("liger" if present and fits else "megatron"), (ref, choice)
+        assert choice.experts == ("grouped" if recipe.model.num_experts else ""), (ref, choice)
         assert present or "not importable" in choice.why
 
 
@@ -257,3 +260,116 @@ def test_wgrad_fusion_needs_torch_2_8_and_an_ampere_gpu(monkeypatch, version, ca
     why = wgrad_fusion.supported()
     assert why is None if words is None else words in why
     assert wgrad_fusion.fp32_output_matmul(0) == (words is None)
+
+
+# --- the experts of mixture-of-experts layers ----------------------------------------------------------------
+
+MOE = [*LLAMA, "--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear"]
+H200 = kernels.Device("NVIDIA H200", (9, 0), grouped_mm=True)
+
+
+@pytest.mark.parametrize(("requested", "argv", "cpu", "device", "experts", "words"), [
+    ("auto", MOE, False, H200, "grouped", "grouped: torch grouped_mm on NVIDIA H200"),
+    ("liger", MOE, False, H200, "grouped", "grouped_mm"),
+    ("megatron", MOE, False, H200, "sequential", "kernels: megatron"),
+    ("auto", MOE, True, H200, "sequential", "on the CPU"),
+    ("auto", MOE, False, kernels.Device("NVIDIA A100-SXM4-80GB", (8, 0), True), "sequential", "compute capability 8.0"),
+    ("auto", MOE, False, kernels.Device("NVIDIA H100", (9, 0), False), "sequential", "no grouped_mm"),
+    ("auto", MOE[:-1], False, H200, "sequential", "biases"),
+    ("auto", LLAMA, False, H200, "", ""),  # a dense model: nothing to choose
+])
+def test_experts_are_chosen_with_the_kernels(monkeypatch, requested, argv, cpu, device, experts, words) -> None:
+    _installed(monkeypatch, "liger_kernel")
+    monkeypatch.delenv(kernels.EXPERTS_ENV, raising=False)
+    choice = kernels.resolve_kernels(requested, argv, cpu=cpu, device=device)
+    assert choice.experts == experts and words in choice.experts_why, choice
+    assert choice.ledger()["experts"] == experts and choice.ledger()["experts_why"] == choice.experts_why
+
+
+def test_te_keeps_its_own_experts(monkeypatch) -> None:
+    _installed(monkeypatch, "transformer_engine")
+    monkeypatch.delenv(kernels.EXPERTS_ENV, raising=False)
+    te = [*MOE[:-1 - 8], "--transformer-impl", "transformer_engine", *MOE[-7:]]
+    choice = kernels.resolve_kernels("auto", te, cpu=False, device=H200)
+    assert (choice.library, choice.experts) == ("te", "te"), choice
+
+
+@pytest.mark.parametrize("value", ["grouped", "sequential"])
+def test_the_environment_overrides_the_experts_choice(monkeypatch, value) -> None:
+    monkeypatch.setenv(kernels.EXPERTS_ENV, value)
+    for cpu in (True, False):  # grouped also on the CPU (tests), sequential also on an H200 (benchmarks)
+        choice = kernels.resolve_kernels("auto", MOE, cpu=cpu, device=H200)
+        assert choice.experts == value and kernels.EXPERTS_ENV in choice.experts_why
+
+
+@pytest.mark.parametrize(("value", "argv", "words"), [
+    ("grouped-gemm", MOE, "is not one of grouped, sequential"),
+    ("grouped", MOE[:-1], "biases"),
+])
+def test_the_environment_refuses_what_cannot_work(monkeypatch, value, argv, words) -> None:
+    monkeypatch.setenv(kernels.EXPERTS_ENV, value)
+    with pytest.raises(ConfigFailure, match=words):
+        kernels.resolve_kernels("auto", argv, cpu=True)
+
+
+def test_the_layer_spec_swaps_only_the_routed_experts() -> None:
+    """model.layer_spec with experts=grouped: the MoE layer's experts are GroupedExperts; its router and shared
+    experts, and every other part of the layer, are Megatron's local spec's."""
+    pytest.importorskip("megatron.core")
+    from megalaunch.runtime.model.experts.grouped import grouped_experts_class
+    from megalaunch.runtime.model.model import layer_spec
+
+    class Config:
+        num_moe_experts = 8
+        moe_grouped_gemm = False
+
+    seq = layer_spec(Config(), experts="sequential")  # type: ignore[arg-type]
+    grouped = layer_spec(Config(), experts="grouped")  # type: ignore[arg-type]
+    subs_seq, subs_grouped = seq.submodules.mlp.keywords["submodules"], grouped.submodules.mlp.keywords["submodules"]
+    assert subs_grouped.experts is grouped_experts_class()
+    assert subs_seq.experts.func.__name__ == "SequentialMLP"
+    assert repr(subs_grouped.router) == repr(subs_seq.router) and repr(subs_grouped.shared_experts) == repr(subs_seq.shared_experts)
+    assert seq.submodules.mlp.func is grouped.submodules.mlp.func
+    with pytest.raises(ValueError, match="valid: grouped, sequential"):
+        layer_spec(Config(), experts="loop")  # type: ignore[arg-type]
+
+
+def _resumed_run(tmp_path: Path, before: str | None, tracker: bool = True):  # type: ignore[no-untyped-def]
+    from megalaunch.rundir.ledger import Ledger
+    from megalaunch.rundir.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.ledger.parent.mkdir(parents=True, exist_ok=True)
+    if before is not None:
+        Ledger(paths).append("kernels", requested="auto", chosen="megatron", experts=before)
+    if tracker:
+        paths.checkpoints.mkdir(parents=True, exist_ok=True)
+        paths.tracker.write_text("3")
+    return paths
+
+
+DOPT = [*MOE, "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize(("before", "argv", "tracker", "kept"), [
+    ("sequential", DOPT, True, "sequential"),   # the checkpoint's class stays: the optimizer's buffers are laid out by it
+    ("grouped", DOPT, True, "grouped"),         # same class: nothing to keep
+    ("sequential", MOE, True, "grouped"),       # no distributed optimizer: its state goes by the model's keys
+    ("sequential", DOPT, False, "grouped"),     # no checkpoint yet
+    (None, DOPT, True, "grouped"),              # no earlier segment recorded
+])
+def test_a_resumed_run_keeps_the_experts_of_its_checkpoint(monkeypatch, tmp_path: Path, before, argv, tracker,
+                                                            kept) -> None:
+    monkeypatch.delenv(kernels.EXPERTS_ENV, raising=False)
+    choice = kernels.resolve_kernels("auto", argv, cpu=False, device=H200)
+    assert choice.experts == "grouped"
+    got = kernels.keep_experts(choice, argv, _resumed_run(tmp_path, before, tracker))
+    assert got.experts == kept
+    assert ("kept from the run's checkpoint" in got.experts_why) == (kept != "grouped"), got
+
+
+def test_forcing_the_other_experts_on_a_resumed_run_is_refused(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(kernels.EXPERTS_ENV, "grouped")
+    choice = kernels.resolve_kernels("auto", DOPT, cpu=True)
+    with pytest.raises(ConfigFailure, match="written with the sequential experts"):
+        kernels.keep_experts(choice, DOPT, _resumed_run(tmp_path, "sequential"))

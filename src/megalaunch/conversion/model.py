@@ -48,6 +48,9 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
         fp16=dtype == torch.float16,
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk if model.num_experts else 2,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size if model.num_experts else None,
+        kv_channels=model.kv_channels,
+        qk_layernorm=model.qk_layernorm,
         persist_layer_norm=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -64,7 +67,8 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
 def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",
                     params_dtype: torch.dtype | None = None, pre_process: bool = True,
                     post_process: bool = True, make_vocab_size_divisible_by: int | None = None,
-                    liger_ops: frozenset[str] = frozenset(), **config_overrides: Any) -> GPTModel:
+                    liger_ops: frozenset[str] = frozenset(), experts: str = "sequential",
+                    **config_overrides: Any) -> GPTModel:
     """Build a Megatron-core GPTModel (the one `megalaunch.runtime.train` trains) from a recipe's
     ModelConfig, outside of the training loop.
 
@@ -76,6 +80,8 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
         params_dtype: parameter dtype (default float32).
         make_vocab_size_divisible_by: default `model.make_vocab_size_divisible_by`.
         liger_ops: the ops liger-kernel computes (runtime/model/kernels.py OPS; its kernels need a GPU).
+        experts: a mixture-of-experts model's experts: "sequential" (Megatron's SequentialMLP) or "grouped"
+            (megalaunch's grouped-GEMM experts, runtime/model/experts/); the same checkpoint keys either way.
         config_overrides: extra TransformerConfig fields.
 
     Megatron's model-parallel state must exist: inside training it does; in a test or a converter
@@ -90,7 +96,7 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
     divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
     impl = "transformer_engine" if attention == "te" else "local"
     spec = layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization,
-                      liger_ops=liger_ops)
+                      qk_layernorm=model.qk_layernorm, liger_ops=liger_ops, experts=experts)
     return gpt_class(config, liger_ops)(
         config=config,
         transformer_layer_spec=decoder_spec(config, spec),

@@ -39,7 +39,7 @@ from megalaunch.runtime.health.health import UnhealthyNode
 from megalaunch.runtime.loop.step import megatron_argv, run_pretrain
 from megalaunch.runtime.model import wgrad_fusion
 from megalaunch.runtime.model.fp8 import Fp8Choice, node_fp8
-from megalaunch.runtime.model.kernels import KernelChoice, resolve_kernels, with_wgrad_fusion
+from megalaunch.runtime.model.kernels import KernelChoice, keep_experts, resolve_kernels, with_wgrad_fusion
 from megalaunch.runtime.observation.startup_profile import StartupProfile
 from megalaunch.runtime.rank.dist_env import export_rank_env
 from megalaunch.runtime.rank.failures import (
@@ -151,7 +151,7 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
         ctx.log(note)
         ctx.ledger("kernel", note=note)
     kernels = resolve_kernels(settings.kernels, argv, cpu=cpu, flow=settings.flow)  # no library: config_error
-    kernels = with_wgrad_fusion(kernels, argv, cpu=cpu)
+    kernels = with_wgrad_fusion(keep_experts(kernels, argv, ctx.paths), argv, cpu=cpu)
     if kernels.wgrad_on:
         argv = wgrad_fusion.enable(argv)
     ctx.log(f"kernels: {kernels.library} ({kernels.why})" + "".join(
@@ -228,7 +228,7 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
         argv, attention, kernels, fp8 = _setup(session, settings)
         run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format,
                      flow=settings.flow, liger_ops=kernels.liger_ops, fp8=fp8 if fp8.ours else None,
-                     on_fp8=_fp8_report(session))
+                     on_fp8=_fp8_report(session), experts=kernels.experts)
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger

@@ -121,9 +121,10 @@ def make_forward_step(session: StepHooks | None, *, skip_masked_labels: bool = F
 
 def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, data_format: str = "tokens",
                  flow: str | None = None, liger_ops: frozenset[str] = frozenset(), fp8: Fp8Choice | None = None,
-                 on_fp8: Callable[[list[str], dict[str, str]], None] | None = None) -> None:
+                 on_fp8: Callable[[list[str], dict[str, str]], None] | None = None, experts: str = "sequential") -> None:
     """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain` (with the recipe's
-    data format, the kernels resolved for this node and, when named, a user flow's step: runtime/flows/flow.py)."""
+    data format, the kernels resolved for this node, the MoE layers' `experts` (KernelChoice.experts) and, when
+    named, a user flow's step: runtime/flows/flow.py)."""
     from functools import partial
 
     from megatron.core.enums import ModelType
@@ -141,7 +142,7 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
         sys.argv = saved_argv
     provide_data: Any = partial(dataset_provider, data_format=data_format, flow=flow)
     provide_data.is_distributed = True
-    provide_model = model_provider(attention, liger_ops, fp8=fp8, on_fp8=on_fp8)
+    provide_model = model_provider(attention, liger_ops, fp8=fp8, on_fp8=on_fp8, experts=experts)
     if session is not None:
         provide_model = _timed(provide_model, session, "model_build")
         provide_data = _timed(provide_data, session, "data")

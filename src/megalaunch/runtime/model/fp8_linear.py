@@ -170,9 +170,12 @@ def install(model: Any, fmt: Formats) -> tuple[list[str], dict[str, str]]:
     chunks = model if isinstance(model, list) else [model]
     for i, chunk in enumerate(chunks):
         for name, module in chunk.named_modules():
+            label = f"{i}.{name}" if len(chunks) > 1 else name
+            if getattr(module, "megalaunch_grouped_experts", False):  # runtime/model/experts/grouped.py
+                kept[label] = "grouped experts: torch's bf16 grouped GEMM (FP8 grouped GEMMs are not implemented yet)"
+                continue
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            label = f"{i}.{name}" if len(chunks) > 1 else name
             if name.rsplit(".", 1)[-1] in OUTPUT_LAYERS:
                 kept[label] = "the output layer: logits and loss stay in the working precision"
             elif module.weight is None or not aligned(*module.weight.shape):

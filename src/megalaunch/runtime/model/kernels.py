@@ -10,6 +10,12 @@ and the GPU are known) and recorded in the ledger.
 - `auto`:     te with transformer_impl: transformer_engine; else liger, where liger-kernel is importable on a
   GPU, for the ops measured faster than Megatron's (LIGER_FASTER, docs/results.md); else megatron.
 
+Mixture-of-experts layers (local spec) also get their experts here (`KernelChoice.experts`): `grouped`, megalaunch's
+experts on torch's grouped GEMM (runtime/model/experts/), under auto and liger on CUDA GPUs of compute capability
+9.0 or more where torch has grouped_mm (measured x8.5-x26 faster than the loop for fine-grained experts, x1.4-1.6
+for Mixtral-like ones: docs/results.md); `sequential`, Megatron's SequentialMLP, elsewhere and under megatron.
+MEGALAUNCH_MOE_EXPERTS=grouped|sequential overrides it (benchmarks, tests).
+
 The parameters and their names are the same whichever library computes the op, so a checkpoint saved with
 one choice loads with another (tests/unit/test_kernels.py).
 
@@ -19,9 +25,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megalaunch.runtime.rank.failures import ConfigFailure, flag_value, installed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megalaunch.rundir.paths import RunPaths
 
 KERNELS = ("auto", "megatron", "liger", "te")
 OPS = ("rmsnorm", "rope", "swiglu", "linear_ce")
@@ -31,6 +40,9 @@ OPS = ("rmsnorm", "rope", "swiglu", "linear_ce")
 # without its host syncs). liger's RMSNorm is not faster (x0.93 on the GPU at 1b, and three times the CPU's
 # launch cost): Megatron's torch norm stays.
 LIGER_FASTER: frozenset[str] = frozenset({"rope", "swiglu", "linear_ce"})
+EXPERTS = ("grouped", "sequential")
+EXPERTS_ENV = "MEGALAUNCH_MOE_EXPERTS"
+GROUPED_MIN_CAPABILITY = (9, 0)  # sm90: torch's CUTLASS grouped kernels, where grouped_mm was measured faster
 LIGER_FIX = ("pip install liger-kernel in the job's environment (it comes with megalaunch[train]), "
              "or --set training.kernels=auto (Megatron's kernels where liger-kernel is missing)")
 
@@ -45,6 +57,8 @@ class KernelChoice:
     liger_ops: frozenset[str] = frozenset()      # the ops liger-kernel computes (library == liger)
     fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why Megatron's computes it instead
     wgrad_fusion: str = ""                       # "on: ..." / "off: ..." (runtime/model/wgrad_fusion.py); "" n/a
+    experts: str = ""                            # grouped | sequential | te: MoE layers' experts; "" without MoE
+    experts_why: str = ""
 
     @property
     def wgrad_on(self) -> bool:
@@ -53,7 +67,7 @@ class KernelChoice:
     def ledger(self) -> dict[str, object]:
         return {"requested": self.requested, "chosen": self.library, "why": self.why,
                 "liger_ops": sorted(self.liger_ops), "fallbacks": dict(self.fallbacks),
-                "wgrad_fusion": self.wgrad_fusion}
+                "wgrad_fusion": self.wgrad_fusion, "experts": self.experts, "experts_why": self.experts_why}
 
 
 def liger_unsupported(argv: list[str], flow: bool = False) -> dict[str, str]:
@@ -89,11 +103,20 @@ def liger_unsupported(argv: list[str], flow: bool = False) -> dict[str, str]:
     return out
 
 
-def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | None = None) -> KernelChoice:
+def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | None = None,
+                    device: Device | None = None) -> KernelChoice:
     """`training.kernels` decided for this node; raises ConfigFailure when the recipe asks for a library
     this node lacks (before Megatron starts, so the chain stops after one segment: outcome config_error).
     With a training flow (`flow`), the fused loss is left out: a flow reads the model's per-token losses,
-    which the fused loss does not make (it gives their sum, spread as the mean over the labelled tokens)."""
+    which the fused loss does not make (it gives their sum, spread as the mean over the labelled tokens).
+    The experts of mixture-of-experts layers are decided with it (`experts_choice`; `device`: this node's GPU,
+    looked up when not given)."""
+    choice = _library(requested, argv, cpu=cpu, flow=flow)
+    experts, why = experts_choice(choice, argv, cpu=cpu, device=device)
+    return replace(choice, experts=experts, experts_why=why)
+
+
+def _library(requested: str, argv: list[str], *, cpu: bool, flow: str | None = None) -> KernelChoice:
     if requested not in KERNELS:
         raise ConfigFailure(f"training.kernels: {requested!r} is not one of {', '.join(KERNELS)}",
                             "--set training.kernels=auto")
@@ -124,6 +147,84 @@ def resolve_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | N
                             "(bench/kernels.py); training.kernels=liger uses them")
     return _liger(requested, argv, LIGER_FASTER, "auto: liger-kernel is importable; its kernels where measured faster",
                   flow=bool(flow))
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the experts' choice needs to know of this node's GPU."""
+
+    name: str
+    capability: tuple[int, int]
+    grouped_mm: bool  # torch has torch.nn.functional.grouped_mm (or torch._grouped_mm)
+
+
+def this_device() -> Device | None:
+    """This node's GPU (None: no CUDA GPU is visible)."""
+    import torch
+
+    from megalaunch.runtime.model.experts.gmm import grouped_mm_fn
+
+    if not torch.cuda.is_available():
+        return None
+    return Device(torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability()),  # type: ignore[arg-type]
+                  grouped_mm_fn() is not None)
+
+
+def experts_choice(choice: KernelChoice, argv: list[str], *, cpu: bool,
+                   device: Device | None = None) -> tuple[str, str]:
+    """Which experts the mixture-of-experts layers get, and why ("" without MoE); MEGALAUNCH_MOE_EXPERTS first."""
+    if not flag_value(argv, "--num-experts"):
+        return "", ""
+    bias = "--disable-bias-linear" not in argv
+    forced = os.environ.get(EXPERTS_ENV, "").strip()
+    if forced:
+        if forced not in EXPERTS:
+            raise ConfigFailure(f"{EXPERTS_ENV}={forced!r} is not one of {', '.join(EXPERTS)}",
+                                f"unset {EXPERTS_ENV}, or set it to one of {', '.join(EXPERTS)}")
+        if forced == "grouped" and (bias or choice.library == "te"):
+            raise ConfigFailure(f"{EXPERTS_ENV}=grouped: " + ("the experts have biases (grouped experts take none)"
+                                if bias else "transformer_impl: transformer_engine brings its own experts"),
+                                f"unset {EXPERTS_ENV}, or --set model.disable_bias_linear=true")
+        return forced, f"{forced}: set by {EXPERTS_ENV}"
+    if choice.library == "te":
+        return "te", "te: transformer-engine's layer spec brings its experts"
+    if choice.requested == "megatron":
+        return "sequential", "sequential: kernels: megatron"
+    if cpu:
+        return "sequential", "sequential: on the CPU"
+    if bias:
+        return "sequential", "sequential: the experts have biases (grouped experts take none)"
+    dev = device or this_device()
+    if dev is None:
+        return "sequential", "sequential: no CUDA GPU is visible"
+    if not dev.grouped_mm:
+        return "sequential", "sequential: this torch has no grouped_mm"
+    if dev.capability < GROUPED_MIN_CAPABILITY:
+        cap = ".".join(map(str, dev.capability))
+        return "sequential", f"sequential: {dev.name} (compute capability {cap}; grouped_mm is measured on 9.0+)"
+    return "grouped", f"grouped: torch grouped_mm on {dev.name}"
+
+
+def keep_experts(choice: KernelChoice, argv: list[str], paths: RunPaths) -> KernelChoice:
+    """The choice with the experts of the run's checkpoint kept. Both classes write the same model checkpoint, but
+    the distributed optimizer saves its state per gradient buffer (dp_reshardable), laid out by the parameters (one
+    3D weight per linear layer, or one per expert): resumed by the other class, the Adam moments would load into
+    the wrong elements without an error (measured on tiny-moe: the losses after the resume moved by 1e-3). So a
+    resumed run keeps the experts of its previous segment (its `kernels` record); MEGALAUNCH_MOE_EXPERTS asking for
+    the other is refused."""
+    from megalaunch.rundir.ledger import Ledger
+
+    if not choice.experts or "--use-distributed-optimizer" not in argv or paths.read_tracker() is None:
+        return choice
+    before = str((Ledger(paths).last("kernels") or {}).get("experts") or "")
+    if not before or before == choice.experts:
+        return choice
+    if os.environ.get(EXPERTS_ENV, "").strip():
+        raise ConfigFailure(f"{EXPERTS_ENV}={choice.experts}: this run's checkpoint was written with the {before} "
+                            "experts, and the distributed optimizer's state does not carry over between them",
+                            f"unset {EXPERTS_ENV} (the run keeps {before}), or start a new run")
+    return replace(choice, experts=before, experts_why=f"{before}: kept from the run's checkpoint (the distributed "
+                   f"optimizer's state is laid out per experts class; this node alone: {choice.experts_why})")
 
 
 def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch_why: Any = None) -> KernelChoice:

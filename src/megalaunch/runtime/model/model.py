@@ -25,9 +25,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def layer_spec(config: TransformerConfig, *, attention: str = "local", transformer_impl: str = "local",
                normalization: str = "RMSNorm", qk_layernorm: bool = False,
-               liger_ops: frozenset[str] = frozenset()) -> ModuleSpec:
+               liger_ops: frozenset[str] = frozenset(), experts: str = "sequential") -> ModuleSpec:
     """The transformer-layer spec for this attention implementation, with liger-kernel's norm and SwiGLU
-    where `liger_ops` names them (runtime/model/kernels.py; the rotary embedding and the loss are the model's)."""
+    where `liger_ops` names them (runtime/model/kernels.py; the rotary embedding and the loss are the model's)
+    and, in mixture-of-experts layers, `experts`: Megatron's SequentialMLP ("sequential") or megalaunch's
+    grouped-GEMM experts ("grouped", runtime/model/experts/; the shared experts stay Megatron's)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
     num_experts = getattr(config, "num_moe_experts", None)
@@ -45,6 +47,13 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = \
             sdpa_attention_class() if attention == "sdpa" else flash_attention_class()
+    if num_experts and experts == "grouped":
+        from megalaunch.runtime.model.experts.grouped import with_grouped_experts
+
+        spec = copy.deepcopy(spec)
+        spec.submodules.mlp = with_grouped_experts(spec.submodules.mlp)
+    elif experts not in ("sequential", "te", ""):
+        raise ValueError(f"experts {experts!r}; valid: grouped, sequential")
     if liger_ops & {"rmsnorm", "swiglu"}:
         from megalaunch.runtime.model import liger_layers
 
@@ -77,11 +86,13 @@ def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | N
 # --- inside Megatron's loop -------------------------------------------------------------------
 
 def model_provider(attention: str, liger_ops: frozenset[str] = frozenset(), fp8: Fp8Choice | None = None,
-                   on_fp8: Callable[[list[str], dict[str, str]], None] | None = None) -> Any:
+                   on_fp8: Callable[[list[str], dict[str, str]], None] | None = None,
+                   experts: str = "sequential") -> Any:
     """Megatron's `model_provider(pre_process, post_process, vp_stage, config, pg_collection)` for
     a GPT built from the parsed Megatron arguments, with the given attention implementation, the
     ops liger-kernel computes (runtime/model/kernels.py) and, with `fp8`, FP8 GEMMs in the transformer
-    layers (runtime/model/fp8_linear.py; `on_fp8` hears which layers took them and which did not)."""
+    layers (runtime/model/fp8_linear.py; `on_fp8` hears which layers took them and which did not) and, in
+    mixture-of-experts layers, the experts `KernelChoice.experts` names (grouped or sequential)."""
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                 config: Any = None, pg_collection: Any = None) -> GPTModel:
@@ -91,7 +102,8 @@ def model_provider(attention: str, liger_ops: frozenset[str] = frozenset(), fp8:
         args = get_args()
         cfg = config if config is not None else core_transformer_config_from_args(args)
         spec = layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
-                          normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops)
+                          normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops,
+                          experts=experts)
         model = gpt_class(cfg, liger_ops)(
             config=cfg,
             transformer_layer_spec=decoder_spec(cfg, spec, vp_stage),
