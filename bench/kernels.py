@@ -181,7 +181,9 @@ def stage_e2e(out: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     def ready(name: str) -> bool:  # a profiled case ends once its trace is written: an iteration after it logged
         if not name.endswith("+prof"):
             return True
-        logged = [int(m.group(1)) for m in calib.ITER_RE.finditer((out / f"{name}.log").read_text(errors="replace"))]
+        log = out / f"{calib.run_name(name)}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        logged = [int(m.group(1)) for m in calib.ITER_RE.finditer(text)]
         return trace_of(out, name) is not None and max(logged, default=0) > a.iters + 2 + PROFILE_STEPS
 
     rows = calib.run_cases(cases, out, a.iters, torch.cuda.device_count(), a.timeout, cases=defs, ready=ready)

@@ -30,7 +30,10 @@ expert in MoE layers, no router) at the dense GEMM efficiency, the experts' shar
 `expert_gemm_ratio` (narrow grouped GEMMs); the token exchange: per MoE layer and micro-batch, t x top-k x
 hidden x 2 bytes each way (dispatch and combine), forward and backward (x 2 x 2), at the NVLink bandwidth when the
 EP x ETP group fits in a node (`EP_NVLINK_FRACTION` of it: all-to-all, not a ring) and `INTERNODE_GBPS` across.
-No measured MoE step time yet: `MOE_STEP_CALIBRATION` is where the first one goes."""
+Calibrated on one H200 (docs/results.md, "Mixture-of-experts"): `MOE_STEP_CALIBRATION` slows the experts' GEMMs
+further, and `ROUTED_BYTES` charges every routed element (token x top-k x hidden, per MoE layer) with the memory
+traffic of Megatron's permutation, unpermutation, the routing weights and the fp32 gradient accumulation, at the
+GPU's memory bandwidth (the profile of moe-3b: 40 % of the step in copies, gathers and elementwise kernels)."""
 
 from __future__ import annotations
 
@@ -50,9 +53,12 @@ EXPERT_FFN_HALF = 360.0
 # NCCL's all-to-all inside an NVSwitch node, of the ring bus bandwidth (gpus.py), for the MB-sized messages of a
 # micro-batch: not measured here, a guess (every pair of GPUs talks at full link rate; a ring's pipelining is lost).
 EP_NVLINK_FRACTION = 0.9
-# The first measured MoE step goes here: predicted step / measured step of moe-3b on one H200 (bench/moe.py).
-# 1.0 until measured; plan.py multiplies the MoE layers' compute by it.
-MOE_STEP_CALIBRATION = 1.0
+# Fitted on two H200 runs at their planner layouts, 2026-12-02 (moe-3b micro-batch 4 x 16, 3.98 s a step; 2 layers
+# of Mixtral 8x7B micro-batch 2 x 8, 0.97 s): the experts' GEMM time x 1.49, and 69 bytes of memory traffic per
+# routed element. Held out: Mixtral-like micro-batch 1 -7.4 %, micro-batch 1 with Megatron's loss +5.6 %; moe-3b
+# micro-batch 1 with Megatron's loss over its 152k vocabulary -23.7 % (docs/results.md).
+MOE_STEP_CALIBRATION = 1.49
+ROUTED_BYTES = 69.0
 
 
 def expert_shard(layout: Layout) -> int:
@@ -134,6 +140,8 @@ def moe_step_parts(shape: ModelShape, layout: Layout, *, flop_rate: float, recom
     compute = expert * (1 / expert_gemm_ratio(shape) - 1)
     compute += (expert + compute) * (MOE_STEP_CALIBRATION - 1)
     passes = 1.5 if L.recompute == "full" else 1.0
+    routed = tokens * m * shape.topk * shape.hidden * shape.moe_layers / L.pp / L.tp * passes
+    compute += routed * ROUTED_BYTES / (hbm_tbps * 1e12)
     ep = a2a_seconds(shape, L, shape.moe_layers / L.pp, nvlink_gbps, internode_gbps, gpus_per_node) * m * passes
     ne = expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp
     g = L.expert_dp
