@@ -132,7 +132,7 @@ def test_a_stale_step_gets_stacks_asked_then_killed_through_slurm(tmp_path: Path
     outcome = read_json(paths.outcome)
     assert outcome["status"] == "hung" and outcome["job_id"] == "42" and outcome["by"] == "hang watcher"
     assert "rendezvous" in outcome["reason"] and "no stacks could be gathered" in outcome["reason"]
-    assert [e["event"] for e in map(__import__("json").loads, paths.ledger.read_text().splitlines())] == ["hang_killed"]
+    assert [e["event"] for e in map(__import__("json").loads, paths.ledger.read_text().splitlines())] == ["hang_limit", "hang_killed"]
 
 
 def test_an_outcome_the_trainer_wrote_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@ tests/slurm/test_scale_slurm.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tests.unit.test_nodes import events, slurm_chain
 
@@ -64,12 +66,35 @@ def test_a_lost_batch_host_ends_the_segment_in_the_ledger_and_is_a_suspect(tmp_p
     assert ended["lost_nodes"] == ["node1"] and ended["outcome"] == "killed" and "batch host node1" in ended["reason"]
     assert ended["accounted_by"] == "11's keeper on node2"
     assert [e["node"] for e in events(paths, "node_suspected")] == ["node1"]
+    (successor,) = chain.pending_successors("11")  # queued at `job begin`, before the host died: kept off it
+    assert sched.excluded == {successor: ["node1"]}
+    assert [e["excluded"] for e in events(paths, "exclusion") if e["job_id"] == successor] == [["node1"]]
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[2-3]")
     sched.states["11"] = "CANCELLED"
     assert chain.begin("100").proceed  # the successor: the segment is already accounted for
-    assert len(events(paths, "ended")) == 1 and sched.excluded == {"101": ["node1"]}
+    assert len(events(paths, "ended")) == 1 and sched.excluded == {successor: ["node1"], "101": ["node1"]}
     chain.batch_host_lost("11", "node1", "node2")  # once ended (by `job end` or a keeper), never again
     assert len(events(paths, "ended")) == 1
+
+
+def test_the_queued_successor_is_kept_off_a_lost_batch_host_through_scontrol(tmp_path, monkeypatch) -> None:
+    """At the subprocess boundary: Slurm's own `scontrol update JobId=S ExcNodeList=...` for the successor."""
+    from megalaunch.launcher.backends.slurm_backend import SlurmBackend
+    from megalaunch.launcher.chain.chain import Chain
+
+    paths, sched, chain = slurm_chain(tmp_path, monkeypatch, 2, "node[1-2]")
+    assert chain.begin("11").proceed
+    (successor,) = chain.pending_successors("11")
+    bindir, calls = tmp_path / "bin", tmp_path / "calls"
+    bindir.mkdir()
+    for name, body in (("scontrol", f'echo "scontrol $*" >> {calls}'), ("sinfo", "echo 'node[1-3]'")):
+        (bindir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bindir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    Chain(paths, SlurmBackend()).batch_host_lost("11", "node1", "node2")
+    assert calls.read_text().splitlines() == [f"scontrol update JobId={successor} ExcNodeList=node1"]
+    (ended,) = events(paths, "ended")
+    assert ended["lost_nodes"] == ["node1"]
 
 
 def test_detach_writes_the_keepers_own_log_and_ignores_the_signals_that_are_not_its_own(tmp_path) -> None:

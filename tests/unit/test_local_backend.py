@@ -129,6 +129,7 @@ def test_trigger_abort_stops_without_saving(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert proc.returncode == 3, proc.stderr  # stopped on purpose, without a save
     assert json.loads(paths.outcome.read_text())["status"] == "aborted"
     assert paths.read_tracker() is None  # nothing saved
     assert "abort" in Ledger(paths).stopped()["reason"]
@@ -138,7 +139,7 @@ def test_crash_loop_stops_after_k_segments(tmp_path: Path) -> None:
     recipe = counter_recipe(tmp_path, chain="{max_segments_without_progress: 3, step_time_estimate_s: 0.5, "
                                             "signal_margin_s: 1, min_train_time_s: 5}")
     proc = cli("submit", str(recipe), env={"COUNTER_FAIL": "start"}, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # the guard stopped it: an error (tests/unit/test_exit_status.py)
     paths = _run_dir(tmp_path)
     segs = Ledger(paths).segments()
     assert len(segs) == 3 and all(s.ended["outcome"] == "failed" for s in segs)
@@ -186,7 +187,7 @@ def test_cancel_from_another_shell_stops_a_local_chain(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 3, proc.stderr  # cancelled: stopped on purpose, without a save
     segs = Ledger(paths).segments()
     assert [s.job_id for s in segs] == [seg.job_id]
     assert Ledger(paths).stopped()["reason"].startswith("cancelled by")

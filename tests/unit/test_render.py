@@ -32,9 +32,13 @@ def render_combo(recipe: str, cluster: str) -> str:
     return prepared.files["job.sbatch"]
 
 
+SELF_CLI = "/opt/venv/bin/megalaunch"  # stands for the submitting megalaunch (launcher/prepare/self_cli.py)
+
+
 @pytest.fixture(autouse=True)
 def _fixed_home(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", "/home/user")  # ~ is expanded at render time
+    monkeypatch.setattr("megalaunch.launcher.prepare.self_cli.submitting_megalaunch", lambda: SELF_CLI)
 
 
 @pytest.mark.parametrize(("recipe", "cluster"), COMBOS, ids=[f"{r}-{c}" for r, c in COMBOS])
@@ -128,7 +132,8 @@ def test_hostile_strings_render_into_inert_scripts(tmp_path: Path) -> None:
         "description": hostile[5],
         "workload": ["/bin/echo", *hostile],
         "cluster": {"backend": "slurm", "gpus_per_node": 0, "venv": str(venv), "modules": hostile[:3],
-                    "env": {f"V{i}": h for i, h in enumerate(hostile)}, "time": "00:10:00"},
+                    "env": {f"V{i}": h for i, h in enumerate(hostile)}, "time": "00:10:00",
+                    "megalaunch": "megalaunch"},  # the stand-in on PATH below
         "megatron_args": {"note": hostile[0]},
     }))
     loaded = load_recipe(str(recipe))

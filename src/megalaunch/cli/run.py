@@ -38,7 +38,12 @@ def submit(
                                              "folder of them), tokenized by the chain's first stage, or the "
                                              "output of `megalaunch data sft`.")] = None,
 ) -> None:
-    """Validate a recipe, create the run directory and start the chain."""
+    """Validate a recipe, create the run directory and start the chain.
+
+    On the local backend the command runs the chain and waits for it; its exit status then says how the
+    chain ended: 0 finished (or an exit trigger saved and stopped it), 3 an abort trigger or `cancel`
+    stopped it without a save, 1 it ended on an error (configuration error, failure, hang, storage full,
+    the crash-loop guard, a first stage that failed)."""
     from megalaunch.finetune.layers import submit_layers
     from megalaunch.launcher.backends.registry import backend_for
     from megalaunch.launcher.prepare.outlook import outlook_lines
@@ -69,6 +74,7 @@ def submit(
         if r.chain.export_hf and (started.paths.root / "hf" / "config.json").is_file():
             say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
         say(f"  {ml()} status {started.paths.root}")
+        _exit_as_chain(started.exit_code)
         return
     say(f"run directory: {started.paths.root}")
     say(f"submitted job {started.job_id} (chain {prepared.chain_name}; each segment queues its successor)")
@@ -212,7 +218,8 @@ def resume(
         "blend hash, who, when) in the ledger and manifest.json.")] = None,
 ) -> None:
     """Restart a stopped chain from its last checkpoint (or an older one with --from), optionally with
-    changed settings (--set). Checks like submit before anything is queued."""
+    changed settings (--set). Checks like submit before anything is queued. On the local backend it
+    waits for the chain, with submit's exit status (0 finished or exit trigger, 3 abort or cancel, 1 error)."""
     from megalaunch.config.loader import load_run_recipe
     from megalaunch.launcher.backends.registry import backend_for
     from megalaunch.launcher.chain.resume_from import check_not_live, check_resume_from, resume_chain
@@ -251,8 +258,18 @@ def resume(
         say(f"done: {started.outcome}")
         if (started.paths.root / "hf" / "config.json").is_file():
             say(f"Hugging Face model: {started.paths.root / 'hf'} (transformers: AutoModelForCausalLM.from_pretrained)")
+        _exit_as_chain(started.exit_code)
     else:
         say(f"submitted job {started.job_id}; {ml()} status {paths.root}")
+
+
+def _exit_as_chain(code: int) -> None:
+    """A command that waited for the chain exits as the chain ended (launcher/backends/local.py, `exit_status`)."""
+    if code:
+        import sys
+
+        print(f"megalaunch: the chain did not finish (exit status {code})", file=sys.stderr)
+        raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

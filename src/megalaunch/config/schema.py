@@ -233,12 +233,14 @@ class ChainConfig:
     step_time_estimate_s: float = doc("expected seconds per iteration", 10.0)
     min_train_time_s: int = doc("least training time a segment must get after the lead", 60)
     trigger_interval: int = doc("iterations between looks at the trigger directory", 1)
-    hang_timeout_s: float = doc("no iteration or save for this long: every rank dumps its stacks, outcome hung "
-                                "(in Python; after the first iteration the job's hang watcher kills the step "
-                                "a little later if that could not act)", 1800.0)
-    startup_timeout_s: float = doc("before the first iteration (imports, rendezvous, NCCL init, checkpoint "
-                                   "load), no sign of life for this long: stacks, kill the step, outcome hung",
-                                   1800.0)
+    hang_timeout_s: float | Literal["auto"] = doc(
+        "no iteration or save for this long: every rank dumps its stacks, outcome hung (in Python; the job's hang "
+        "watcher kills the step a little later if that could not act); auto: 10 x the measured step + the save "
+        "allowance, at least 120 s, 1800 until measured (docs/training.md, Hangs)", "auto")
+    startup_timeout_s: float | Literal["auto"] = doc(
+        "before the first iteration (imports, rendezvous, NCCL init, checkpoint load), no sign of life for this "
+        "long: stacks, kill the step, outcome hung; auto: 3 x the longest start-up measured in the chain, at "
+        "least 300 s, 1800 until measured", "auto")
     notify: NotifyConfig = doc("commands and webhooks told when the chain needs a person or finishes",
                                NotifyConfig())
     export_hf: bool = doc("at the target, `job end` converts the last checkpoint to Hugging Face in RUN/hf", False)
@@ -252,9 +254,9 @@ class ChainConfig:
             raise ValueError(f"chain.restarts_per_segment must be 0-100, got {self.restarts_per_segment}; "
                              "fix: --set chain.restarts_per_segment=2 (0 turns in-job restarts off)")
         for name, value in (("hang_timeout_s", self.hang_timeout_s), ("startup_timeout_s", self.startup_timeout_s)):
-            if not value > 0:  # also refuses NaN
+            if value != "auto" and not value > 0:  # also refuses NaN
                 raise ValueError(f"chain.{name} must be > 0 seconds, got {value}; "
-                                 f"fix: --set chain.{name}=1800 (or another positive number)")
+                                 f"fix: --set chain.{name}=1800 (or another positive number, or auto)")
 
 
 @dataclass(frozen=True, kw_only=True)

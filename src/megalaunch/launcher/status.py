@@ -14,6 +14,7 @@ from typing import Any
 
 from megalaunch.launcher.backends.registry import backend_for
 from megalaunch.launcher.chain.backend import Live, unfinished
+from megalaunch.rundir.files import read_json
 from megalaunch.rundir.ledger import Ledger, Segment, segment_numbers
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, read_progress, shown_iteration
@@ -97,6 +98,9 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
     checkpoint = paths.read_tracker()
     stopped = ledger.stopped(rest)
     chain_state = _chain_state(rows, stopped)
+    vanished = _vanished(paths, recipe.cluster.backend, segments, rows, rest) if chain_state == "idle" else None
+    if vanished is not None:  # the chain died with its newest job: say which, and why as far as anything tells
+        chain_state = "failed"
     metrics = read_appended(paths.metrics, "metrics", parse_jsonl)  # once, for the goodput, the pace and tokens/s
     rate = tokens_per_s(metrics, running=chain_state == "running")
     figures = efficiency(paths, recipe, shown_iteration(progress, checkpoint), metrics, events, numbers, rate, chain_state == "running")
@@ -113,10 +117,48 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "tokens_per_s_over": "recent" if chain_state == "running" else "run",
         "loss": progress.get("loss"), "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": box.pending(), "consumed_triggers": len(box.consumed()),
-        "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error,
+        "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error, "vanished": vanished,
+        "hang_limits": read_json(paths.hang_limit(segments[-1].job_id)) if segments else None,
         **_history(paths, recipe, rest),
         "next": _next_command(paths, chain_state, recipe.training.train_iters, _last(rest, "exported")),
     }
+
+
+def _vanished(paths: RunPaths, backend: str, segments: list[Segment], rows: list[dict[str, Any]],
+              rest: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest segment when it ended before `job begin` recorded it (no `started`, no `ended`, not queued or
+    running, not cancelled, not stopped at its begin): the job script died at its start (a missing command,
+    a script error, a node gone); its row becomes FAILED with Slurm's state (while Slurm remembers the job)
+    and the last lines of its log, which is where the shell's error went."""
+    if not segments:
+        return None
+    s, row = segments[-1], rows[-1]
+    stopped_at_begin = {str(e.get("job_id")) for e in rest if e["event"] == "chain_stopped"}
+    if s.started is not None or s.ended is not None or s.skipped or row["state"] != "GONE" or s.job_id in stopped_at_begin:
+        return None
+    try:
+        slurm_state = backend_for(backend).state(s.job_id)
+    except Exception:  # Slurm did not answer: the state is unknown, the rest still tells
+        slurm_state = None
+    log = paths.segment_log(s.job_id)
+    tail = _log_tail(log)
+    row["state"] = "FAILED"
+    row["reason"] = (f"ended before megalaunch started (no `job begin` record); Slurm: {slurm_state or 'state unknown'}"
+                     + (f"; log: {tail[-1]}" if tail else f"; no log at {log}"))
+    return {"segment": row["segment"], "job_id": s.job_id, "slurm_state": slurm_state, "log": str(log),
+            "log_tail": tail}
+
+
+def _log_tail(log: Any, lines: int = 3, max_bytes: int = 4096) -> list[str]:
+    """The last `lines` non-empty lines of a segment's log, read from its last `max_bytes` only, each cut to
+    200 characters (a log is the job's, of any size)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.rstrip()[:200] for line in text.splitlines() if line.strip()][-lines:]
 
 
 def _history(paths: RunPaths, recipe: Any, rest: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,8 +277,6 @@ def _listed(paths: RunPaths) -> dict[str, Any]:
 def _listed_settings(paths: RunPaths) -> tuple[str, int]:
     """The run's backend and `training.train_iters`: from runtime.json, which the job reads and every
     render writes with run.yaml (submit, `resume --set`); from the recipe where it lacks them."""
-    from megalaunch.rundir.files import read_json
-
     if not paths.run_yaml.is_file():
         raise FileNotFoundError(paths.run_yaml)
     data = read_json(paths.runtime_json)

@@ -13,8 +13,7 @@ def format_run_status(st: dict[str, Any]) -> str:
 
     lines = [f"run {st['chain_name']}  ({st['backend']})  {st['run_dir']}",
              f"  chain: {st['chain_state']}" + (f" - {st['stop_reason']}" if st["stop_reason"] else "")]
-    if st.get("stop_fix"):
-        lines.append(f"  fix: {st['stop_fix']}")
+    lines += ([f"  fix: {st['stop_fix']}"] if st.get("stop_fix") else []) + vanished_lines(st.get("vanished"), st["run_dir"])
     it = st["iteration"]
     lines.append(f"  iteration: {it if it is not None else '-'} / {st['target']}   last checkpoint: "
                  f"{st['last_checkpoint'] if st['last_checkpoint'] is not None else '-'}"
@@ -40,16 +39,7 @@ def format_run_status(st: dict[str, Any]) -> str:
                      "a new checkpoint)")
     if st["slurm_error"]:
         lines.append(f"  slurm: {st['slurm_error']}")
-    for line in st.get("nodes") or []:
-        lines.append(f"  nodes: {line}")
-    for line in st.get("restarts") or []:
-        lines.append(f"  in-job restart: {line}")
-    for line in st.get("health") or []:
-        lines.append(f"  health check: {line}")
-    for line in st.get("stragglers") or []:
-        lines.append(f"  stragglers: {line}")
-    for line in st.get("stop_signal") or []:
-        lines.append(f"  stop signal: {line}")
+    lines += _watch_lines(st)
     lines += moe_lines(st.get("moe")) + format_usage(st.get("storage"))
     lines += format_resume(st.get("resume"))
     lines.append("  segments:")
@@ -69,6 +59,24 @@ def format_run_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def vanished_lines(v: dict[str, Any] | None, run_dir: str) -> list[str]:
+    """The chain's newest job that died before megalaunch started in it (status._vanished): which, Slurm's
+    state, the end of its log, and what to do."""
+    if not v:
+        return []
+    lines = [f"  segment {v['segment']} (job {v['job_id']}) ended before megalaunch started in it "
+             f"(Slurm: {v['slurm_state'] or 'state unknown'}); nothing queues the next segment"]
+    if v["log_tail"]:
+        lines.append(f"  its log ({v['log']}) ends:")
+        lines += [f"    | {line}" for line in v["log_tail"]]
+    else:
+        lines.append(f"  no log at {v['log']}")
+    import shlex
+
+    lines.append(f"  fix: the cause in its log, then: megalaunch resume {shlex.quote(run_dir)}")
+    return lines
+
+
 def short_duration(seconds: float | None) -> str:
     """A measured or predicted duration as a person reads it: '0.25 s', '13.9 s', '120 s', '2 min', '2 min 30 s',
     '1 h 5 min' (never '1.2e+02 s')."""
@@ -85,6 +93,27 @@ def short_duration(seconds: float | None) -> str:
         return f"{minutes} min" + (f" {rest} s" if rest else "")
     return duration(seconds)
 
+
+
+def _watch_lines(st: dict[str, Any]) -> list[str]:
+    """What the job's watchers said: nodes, in-job restarts, health checks, stragglers, the stop signal, the
+    hang limits in force."""
+    out: list[str] = []
+    for line in st.get("nodes") or []:
+        out.append(f"  nodes: {line}")
+    for line in st.get("restarts") or []:
+        out.append(f"  in-job restart: {line}")
+    for line in st.get("health") or []:
+        out.append(f"  health check: {line}")
+    for line in st.get("stragglers") or []:
+        out.append(f"  stragglers: {line}")
+    for line in st.get("stop_signal") or []:
+        out.append(f"  stop signal: {line}")
+    lim = st.get("hang_limits")
+    if lim:  # runtime/hangwatch.record_limits: the newest segment's effective limits
+        out.append(f"  hang limits: start-up {lim['startup_s']:g} s ({lim['startup_why']}), then "
+                     f"{lim.get('in_python_s') or lim['hang_s']:g} s without progress ({lim['hang_why']})")
+    return out
 
 def forecast_line(fc: dict[str, Any]) -> str:
     """The way to the target, from the run's measured figures (launcher/accounting/forecast.py)."""

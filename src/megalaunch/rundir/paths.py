@@ -117,6 +117,10 @@ class RunPaths:
         """Rank 0's sign of life in one segment (runtime/health/heartbeat.py), watched by runtime/hangwatch.py."""
         return self.state / "heartbeat" / f"{job_id}.json"
 
+    def hang_limit(self, job_id: str) -> Path:
+        """The hang limits in effect in one segment and why (runtime/hangwatch.py); status shows them."""
+        return self.state / "hang_limit" / f"{job_id}.json"
+
     def step_stacks(self, job_id: str, rank: int) -> Path:
         """Python stacks a rank dumps when the hang watcher asks (SIGURG, runtime/health/watchdog.py)."""
         return self.debug / f"stacks-step-job{job_id}-rank{rank}.txt"

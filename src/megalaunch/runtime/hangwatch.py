@@ -32,9 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megalaunch.rundir.files import append_jsonl
+from megalaunch.rundir.files import append_jsonl, atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
+from megalaunch.runtime.health.hang_limit import (
+    AUTO,
+    HangLimit,
+    configured_s,
+    is_auto,
+    measured_startups,
+    startup_limit,
+)
 from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
 from megalaunch.runtime.health.node_loss import LOST_LINE, StepNodes
 from megalaunch.runtime.health.slurm_step import (
@@ -60,14 +68,34 @@ NEXT = {"step_start": "srun starting the tasks", "task_start": "the trainer's st
         "first_iteration_end": "an iteration", "iteration": "an iteration", "save_start": "a checkpoint save",
         "save_end": "an iteration"}
 
+def outer_s(inner_s: float) -> float:
+    """The watcher's limit for an in-Python limit: after the watchdog has surely acted."""
+    return backstop_after_s(inner_s) + OUTER_MARGIN_S
+
+
 @dataclass(frozen=True)
 class Limits:
     startup_s: float
-    hang_s: float
+    hang_s: float  # explicit; with `auto`, until the step is measured (runtime/health/hang_limit.py)
+    auto: bool = False
+    save_estimate_s: float = 60.0
+    startup_why: str = "chain.startup_timeout_s"
 
     @classmethod
-    def for_settings(cls, startup_timeout_s: float, hang_timeout_s: float) -> Limits:
-        return cls(startup_timeout_s, backstop_after_s(hang_timeout_s) + OUTER_MARGIN_S)
+    def for_settings(cls, startup_timeout_s: float | str | None, hang_timeout_s: float | str | None, *,
+                     save_estimate_s: float = 60.0, startups: list[float] | None = None) -> Limits:
+        """`startups`: the earlier segments' measured start-ups (hang_limit.measured_startups), for `auto`."""
+        startup, why = startup_limit(startup_timeout_s, startups or [])
+        return cls(startup, outer_s(configured_s(hang_timeout_s)), is_auto(hang_timeout_s), save_estimate_s, why)
+
+    @classmethod
+    def for_run(cls, paths: RunPaths, job_id: str) -> Limits:
+        """From the run's runtime.json and its earlier segments' timelines."""
+        from megalaunch.runtime.rank.settings import RuntimeSettings
+
+        s = RuntimeSettings.load(paths)
+        return cls.for_settings(s.startup_timeout_s, s.hang_timeout_s, save_estimate_s=s.save_time_estimate_s,
+                                startups=measured_startups(paths.timeline(job_id).parent, job_id))
 
 
 @dataclass
@@ -82,6 +110,12 @@ class HangWatch:
     training: bool = False
     unreadable: str | None = None  # why the heartbeat could not be read (unknown, not stale)
     _seen: bytes | None = field(default=None, repr=False)
+    hang: HangLimit | None = field(default=None, repr=False)  # auto: the in-Python limit, measured here too
+    _told: tuple[float, float] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.limits.auto and self.hang is None:
+            self.hang = HangLimit(AUTO, self.limits.save_estimate_s)
 
     def observe(self, now: float, content: bytes | OSError | None) -> None:
         """The heartbeat file's bytes (None: not written yet; an OSError: could not be read)."""
@@ -97,10 +131,27 @@ class HangWatch:
         self.iteration = data["iteration"] if isinstance(data.get("iteration"), int) else self.iteration
         self.step_id = str(data["step_id"]) if data.get("step_id") not in (None, "") else self.step_id
         self.training = self.training or self.phase in TRAINING_PHASES
+        if self.hang is not None:
+            _measure(self.hang, now, self.phase, self.iteration)
+
+    @property
+    def hang_s(self) -> float:
+        return outer_s(self.hang.value) if self.hang is not None and self.hang.measured else self.limits.hang_s
 
     @property
     def limit_s(self) -> float:
-        return self.limits.hang_s if self.training else self.limits.startup_s
+        return self.hang_s if self.training else self.limits.startup_s
+
+    def limit_change(self) -> dict[str, Any] | None:
+        """The effective limits, when they changed since the last call (the first call: always)."""
+        now = (self.limits.startup_s, self.hang_s)
+        if now == self._told:
+            return None
+        self._told = now
+        inner = self.hang.record() if self.hang is not None else {"hang_s": None, "why": "chain.hang_timeout_s"}
+        return {"startup_s": self.limits.startup_s, "startup_why": self.limits.startup_why,
+                "in_python_s": inner.pop("hang_s"), "hang_s": round(self.hang_s, 3), "hang_why": inner.pop("why"),
+                **inner}
 
     def idle_s(self, now: float) -> float:
         return now - self.last_change
@@ -123,9 +174,39 @@ class HangWatch:
 
     def reason(self, now: float) -> str:
         which = "hang_timeout_s" if self.training else "startup_timeout_s"
+        if self.training and self.hang is not None and self.hang.measured:
+            which += f" {self.hang.why}:"
+        elif not self.training and self.limits.startup_why != "chain.startup_timeout_s":
+            which += f" {self.limits.startup_why}:"
         at = f" at iteration {self.iteration}" if self.training and self.iteration is not None else ""
         return (f"no sign of life for {self.idle_s(now):.0f} s ({which} limit {self.limit_s:g} s): stuck in "
                 f"{NEXT.get(self.phase, 'what follows ' + self.phase)} (last phase: {self.phase}{at})")
+
+
+def _measure(hang: HangLimit, now: float, phase: str, iteration: int | None) -> None:
+    """The step and save times, from the heartbeat's phases (the watcher's clock)."""
+    if phase in ("iteration", "first_iteration_end"):
+        hang.progress.iteration(now, iteration)
+    elif phase == "save_start":
+        hang.progress.save_started(now)
+    elif phase == "save_end":
+        hang.progress.save_ended(now)
+    else:
+        hang.progress.other()
+    hang.update()
+
+
+def record_limits(paths: RunPaths, job_id: str, change: dict[str, Any]) -> None:
+    """The effective limits: a `hang_limit` ledger line and RUN/state/hang_limit/<job>.json (status reads it)."""
+    record = {"time": time.time(), "job_id": job_id, **change}
+    try:
+        append_jsonl(paths.ledger, {"event": "hang_limit", **record})
+        paths.hang_limit(job_id).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(paths.hang_limit(job_id), record)
+    except OSError as e:
+        log(f"could not record the hang limits: {e}")
+    log(f"limits: start-up {change['startup_s']:g} s ({change['startup_why']}), then {change['hang_s']:g} s "
+        f"({change['hang_why']})")
 
 
 def _json(content: bytes) -> dict[str, Any]:
@@ -186,6 +267,8 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
         if nodes is not None and (lost := nodes.check(now)):
             return _end_lost(paths, job_id, lost, nodes.decision.grace_s, hw, step, sleep)
         hw.observe(now, read_beat(beat_file))
+        if (change := hw.limit_change()) is not None:
+            record_limits(paths, job_id, change)
         if hw.idle_s(now) < hw.limit_s:
             told_unknown = False
             continue
@@ -244,8 +327,6 @@ def _fire(paths: RunPaths, job_id: str, hw: HangWatch, step: SlurmStep,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megalaunch.runtime.rank.settings import RuntimeSettings
-
     parser = argparse.ArgumentParser(prog="megalaunch job watch", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
     parser.add_argument("--shell-pid", type=int, required=True, help="the job script's pid (srun's parent)")
@@ -254,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if not job_id:
         parser.error("no SLURM_JOB_ID in the environment: the job script runs this")
     paths = RunPaths(Path(opts.run_dir).absolute())
-    settings = RuntimeSettings.load(paths)
-    limits = Limits.for_settings(settings.startup_timeout_s, settings.hang_timeout_s)
+    limits = Limits.for_run(paths, job_id)
     log(f"watching {paths.heartbeat(job_id)}: startup limit {limits.startup_s:g} s, then {limits.hang_s:g} s")
     watch(paths, job_id, limits, SlurmStep(job_id, opts.shell_pid))
     return 0

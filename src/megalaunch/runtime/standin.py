@@ -35,6 +35,7 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import write_outcome, write_progress
 from megalaunch.rundir.triggers import Decision
 from megalaunch.runtime.checkpoint import resume
+from megalaunch.runtime.health.hang_limit import configured_s
 from megalaunch.runtime.health.health import UnhealthyNode, node_name
 from megalaunch.runtime.health.watchdog import EXIT_HUNG, Watchdog, backstop_after_s
 from megalaunch.runtime.rank.dist_env import export_rank_env
@@ -75,7 +76,7 @@ class StandIn:
         self.settings, self.flag, self.addr, self.port = settings, flag, env.master_addr, env.master_port
         self.session = Session(paths, settings, flag, rank=env.rank, world=env.world_size, resume_from=resume_from)
         self.ctx = self.session.ctx
-        hang = settings.hang_timeout_s  # a silent peer: the watchdog acts first, as on the real trainer
+        hang = configured_s(settings.hang_timeout_s)  # a silent peer: the watchdog acts first, as on the real trainer
         self.group = Group(env.rank, env.world_size, backstop_after_s(hang) + 30 if hang > 0 else 1800.0)
         try:
             self.argv = read_args_file(paths.megatron_args)
@@ -97,7 +98,7 @@ class StandIn:
 
         self.watchdog = session.observe.watchdog = Watchdog(
             ctx.paths.debug, rank=ctx.rank, job_id=ctx.job_id, timeout_s=s.hang_timeout_s, on_hang=on_hang,
-        ).start(stacks_file=ctx.paths.step_stacks(ctx.job_id or "nojob", ctx.rank))
+            save_estimate_s=s.save_time_estimate_s).start(stacks_file=ctx.paths.step_stacks(ctx.job_id or "nojob", ctx.rank))
         reason: str | None = "did not start"
         status, fix, code, figures = "failed", None, 1, {}
         try:
@@ -146,7 +147,7 @@ class StandIn:
         maybe_skip_rendezvous(ctx)  # test hook: that rank never joins
         began = time.monotonic()
         step = f"{ctx.job_id}.{os.environ.get('MEGALAUNCH_STEP', 0)}"  # a rank of another job or step is turned away
-        self.group.join(self.addr, self.port, host=node_name(), job=step, within_s=s.startup_timeout_s)
+        self.group.join(self.addr, self.port, host=node_name(), job=step, within_s=configured_s(s.startup_timeout_s))
         install(self.group)
         if ctx.is_zero:
             ctx.log(f"stand-in trainer ({DEVICE}, no Megatron): {ctx.world} rank(s) on "

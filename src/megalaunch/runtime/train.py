@@ -213,6 +213,7 @@ def run_session(session: Session, settings: RuntimeSettings) -> int:
 
     session.observe.watchdog = Watchdog(ctx.paths.debug, rank=ctx.rank, job_id=ctx.job_id,
                                         timeout_s=settings.hang_timeout_s, on_hang=on_hang,
+                                        save_estimate_s=settings.save_time_estimate_s,
                                         ).start(stacks_file=ctx.paths.step_stacks(ctx.job_id or "nojob", ctx.rank))
     try:
         end = _train(session, settings)

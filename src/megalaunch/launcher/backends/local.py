@@ -26,6 +26,7 @@ from megalaunch.config.preflight import signal_lead_s
 from megalaunch.config.schema import Recipe
 from megalaunch.launcher.chain.backend import Echo, Live, Started, record_cancel, resumed_event, unfinished
 from megalaunch.launcher.chain.chain import Chain, Verdict
+from megalaunch.launcher.chain.notify import StopKind
 from megalaunch.launcher.prepare.job_inputs import job_command, max_connections, task_supervisor
 from megalaunch.launcher.prepare.prepare import PreparedRun
 from megalaunch.launcher.prepare.signal_lead import record_lead, safe_plan
@@ -34,7 +35,14 @@ from megalaunch.rundir.evals import queued
 from megalaunch.rundir.ledger import Ledger, Segment
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.registry import register
-from megalaunch.runtime.hangwatch import STACKS_WAIT_S, HangWatch, Limits, read_beat, record_hang
+from megalaunch.runtime.hangwatch import (
+    STACKS_WAIT_S,
+    HangWatch,
+    Limits,
+    read_beat,
+    record_hang,
+    record_limits,
+)
 from megalaunch.runtime.health.watchdog import STACKS_SIGNAL
 from megalaunch.runtime.rank.dist_env import free_port
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -73,8 +81,7 @@ def run_segment(paths: RunPaths, recipe: Recipe, job_id: str, chain_name: str,
     limit = recipe.cluster.time_limit_s
     step = _JobStep(procs, paths, job_id, echo, limit=limit, lead=signal_lead_s(recipe) if lead is None else lead,
                     stop_sig=resolve_signal(recipe.chain.stop_signal),
-                    hang=HangWatch(Limits.for_settings(recipe.chain.startup_timeout_s, recipe.chain.hang_timeout_s),
-                                   start))
+                    hang=HangWatch(Limits.for_run(paths, job_id), start))
     echo(f"segment {job_id}: {len(procs)} task(s), limit {limit} s, {step.stop_sig.name} at {limit - step.lead} s; "
          f"log {log_path}")
     while any(p.poll() is None for p in procs):
@@ -167,6 +174,8 @@ class _JobStep:
         task's stacks, then outcome hung and SIGKILL a little later."""
         if self.hang_kill_at is None and not self.killed:
             self.hang.observe(time.monotonic(), read_beat(self.paths.heartbeat(self.job_id)))
+            if (change := self.hang.limit_change()) is not None:
+                record_limits(self.paths, self.job_id, change)
             if self.hang.decide(time.monotonic(), "RUNNING") == "fire":
                 reason = self.hang.reason(time.monotonic())
                 _send(self.procs, STACKS_SIGNAL)  # faulthandler in each trainer dumps every thread's stack
@@ -187,10 +196,53 @@ def _send(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
                 os.killpg(p.pid, sig)
 
 
+EXIT_ERROR = 1  # the chain ended on an error: config_error, failed, hung, storage_full, the guard, a first stage
+EXIT_STOPPED_UNSAVED = 3  # a person stopped it without a save: an abort trigger or `megalaunch cancel`
+
+
+def exit_status(kind: StopKind | None, reason: str, needs_person: bool, last_outcome: str | None) -> int:
+    """The waiting command's exit status for how the chain ended: 0 when it reached its target or an exit
+    trigger saved and stopped it; EXIT_STOPPED_UNSAVED for an abort trigger or a cancel; EXIT_ERROR for
+    anything that needs a person. `kind`: how `Chain.stop` stopped it, None when it stopped without
+    (one segment only, auto-requeue off: then the segment's outcome decides)."""
+    if kind == "finished":
+        return 0
+    if kind == "by_user":
+        return 0 if reason.startswith("exit trigger") else EXIT_STOPPED_UNSAVED
+    if kind is not None or needs_person:
+        return EXIT_ERROR
+    if last_outcome in ("finished", "saved", "exited"):
+        return 0
+    return EXIT_STOPPED_UNSAVED if last_outcome in ("aborted", "cancelled") else EXIT_ERROR
+
+
+@dataclass(frozen=True)
+class ChainEnd(Verdict):
+    """The local chain's last verdict, with the exit status of the command that waited for it."""
+
+    exit_code: int = 0
+
+
+class _LocalChain(Chain):
+    """The chain as everywhere, remembering how `stop` ended it (the kind that chain.notify gets)."""
+
+    stop_kind: StopKind | None = None
+
+    def stop(self, job_id: str | None, reason: str, *, fix: str | None = None,
+             kind: StopKind = "needs_person") -> Verdict:
+        self.stop_kind = kind
+        return super().stop(job_id, reason, fix=fix, kind=kind)
+
+    def ended(self, job_id: str, verdict: Verdict) -> ChainEnd:
+        outcome = next((s.outcome for s in self.ledger.segments() if s.job_id == job_id), None)
+        code = exit_status(self.stop_kind, verdict.reason, verdict.needs_person, outcome)
+        return ChainEnd(verdict.proceed, verdict.reason, verdict.needs_person, exit_code=code)
+
+
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
-                    echo: Callable[[str], None] = print) -> Verdict:
+                    echo: Callable[[str], None] = print) -> ChainEnd:
     os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
-    chain = Chain(paths, LocalBackend(), RuntimeSettings.load(paths))
+    chain = _LocalChain(paths, LocalBackend(), RuntimeSettings.load(paths))
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
         job_id = f"local-{n}"
@@ -198,7 +250,7 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
         verdict = chain.begin(job_id)
         if not verdict.proceed:
             echo(f"chain stopped: {verdict.reason}")
-            return verdict
+            return chain.ended(job_id, verdict)
         lead = safe_plan(paths, chain.settings, echo)  # this segment's timer, from the saves measured so far
         if lead is not None and lead.raised:
             record_lead(chain.ledger, job_id, lead, echo)
@@ -207,7 +259,7 @@ def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
         verdict = chain.end(job_id, code)
         echo(f"segment {job_id} done (exit status {code}): {verdict.reason}")
         if not verdict.proceed:
-            return verdict
+            return chain.ended(job_id, verdict)
         n += 1
 
 
@@ -227,6 +279,11 @@ def start_eval_worker(paths: RunPaths, echo: Callable[[str], None] = print) -> i
     return p.pid
 
 
+def _started(paths: RunPaths, verdict: Verdict) -> Started:
+    code = verdict.exit_code if isinstance(verdict, ChainEnd) else (EXIT_ERROR if verdict.needs_person else 0)
+    return Started(paths, None, verdict.reason, exit_code=code)
+
+
 class LocalBackend:
     """This machine: the chain runs in the foreground process, segment after segment."""
 
@@ -237,15 +294,13 @@ class LocalBackend:
         register(paths.root)
         echo(f"run directory: {paths.root}")
         echo("running the chain on this machine (Ctrl-C stops it; `megalaunch resume` continues it)")
-        verdict = run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo)
-        return Started(paths, None, verdict.reason)
+        return _started(paths, run_local_chain(paths, prepared.recipe, prepared.chain_name, echo=echo))
 
     def resume(self, paths: RunPaths, echo: Echo, from_iteration: int | None = None) -> Started:
         with contextlib.suppress(FileNotFoundError):
             paths.cancel_requested.unlink()
         Ledger(paths).append("chain_resumed", **resumed_event(from_iteration))
-        verdict = run_local_chain(paths, load_run_recipe(paths), paths.root.name, echo=echo)
-        return Started(paths, None, verdict.reason)
+        return _started(paths, run_local_chain(paths, load_run_recipe(paths), paths.root.name, echo=echo))
 
     def cancel(self, paths: RunPaths, timeout_s: float = 60.0) -> list[str]:
         """Ask the chain's process to stop: it kills its running segment and starts no other."""

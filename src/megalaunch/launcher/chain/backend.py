@@ -27,6 +27,7 @@ class Started:
     paths: RunPaths
     job_id: str | None  # queued (Slurm), or None when the chain already ran here (local)
     outcome: str | None = None  # local: why the chain stopped
+    exit_code: int = 0  # local: the waiting command's exit status (backends/local.py, `exit_status`)
 
 
 @dataclass(frozen=True)

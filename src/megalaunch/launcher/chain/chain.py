@@ -165,6 +165,7 @@ class Chain:
         now = resume_point(self.paths)
         reason = f"its batch host {host} (the node of the job script) was lost"
         self.suspects.record_lost(job_id, [host], f"job {job_id}: {reason}")
+        self.suspects.exclude_from(self.pending_successors(job_id))  # queued at `job begin`: kept off the host
         self.ledger.append("ended", job_id=job_id, outcome="killed", reason=reason, slurm_state="NODE_FAIL",
                            exit_code=None, checkpoint_iteration=now,
                            new_checkpoint=advanced((started or {}).get("checkpoint_iteration"), now),

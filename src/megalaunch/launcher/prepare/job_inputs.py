@@ -38,7 +38,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         train_iters=recipe.training.train_iters, save_interval=recipe.checkpoint.save_interval,
         log_interval=recipe.training.log_interval, trigger_interval=recipe.chain.trigger_interval,
         stop_signal=recipe.chain.stop_signal, hang_timeout_s=recipe.chain.hang_timeout_s,
-        startup_timeout_s=recipe.chain.startup_timeout_s,
+        startup_timeout_s=recipe.chain.startup_timeout_s, save_time_estimate_s=recipe.checkpoint.save_time_estimate_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
         cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention, kernels=recipe.training.kernels,
         fp8=recipe.training.fp8_recipe if recipe.training.precision == "fp8" else None,

@@ -28,6 +28,7 @@ from megalaunch.launcher.prepare.explain import yaml_with_origins
 from megalaunch.launcher.prepare.job_inputs import runtime_settings, script_context
 from megalaunch.launcher.prepare.outlook import Outlook, outlook
 from megalaunch.launcher.prepare.render import render
+from megalaunch.launcher.prepare.self_cli import check_job_megalaunch, with_job_megalaunch
 from megalaunch.rundir.files import args_file_text
 from megalaunch.rundir.paths import RunPaths
 
@@ -75,6 +76,7 @@ def run_root(recipe: Recipe) -> Path:
 def prepare_run(loaded: LoadedRecipe, *, chain_name: str | None = None, created: str | None = None,
                 root: Path | None = None, frozen_blend: Any | None = None) -> PreparedRun:
     """Preflight and render; touches no file. `frozen_blend`: a run's own blend (resume), not re-resolved."""
+    loaded = with_job_megalaunch(loaded)  # the job runs the megalaunch that submits it, unless the recipe names one
     recipe = loaded.recipe
     check_fits(loaded.layout)  # `parallel: auto` found no layout that fits: its one line, before preflight's
     topo, blend = preflight(recipe, frozen_blend=frozen_blend)
@@ -119,7 +121,10 @@ def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cl
         sets.append(f"cluster.backend={backend}")
     if not auto_requeue:
         sets.append("chain.auto_requeue=false")
-    return with_disk_budget(prepare_run(load_recipe(ref, sets, name=name, cluster=cluster, layers=layers)), enforce=check_disk)
+    prepared = prepare_run(load_recipe(ref, sets, name=name, cluster=cluster, layers=layers))
+    if check_disk:  # a real submit, not a dry run
+        check_job_megalaunch(prepared.recipe)
+    return with_disk_budget(prepared, enforce=check_disk)
 
 
 def with_disk_budget(prepared: PreparedRun, *, enforce: bool = True) -> PreparedRun:

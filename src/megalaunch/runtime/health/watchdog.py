@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from megalaunch.runtime.health.hang_limit import HangLimit
+
 EXIT_HUNG = 75  # distinct from 0/1 so a log reader sees why the task ended
 STACKS_SIGNAL = signal.SIGURG  # ignored by default: harmless to every process that does not register it
 
@@ -41,14 +43,20 @@ def backstop_after_s(timeout_s: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, debug_dir: Path, *, rank: int, job_id: str | None, timeout_s: float,
+    def __init__(self, debug_dir: Path, *, rank: int, job_id: str | None, timeout_s: float | str | None,
                  on_hang: Callable[[str], None], check_s: float | None = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, save_estimate_s: float = 60.0,
+                 on_limit: Callable[[HangLimit], None] | None = None) -> None:
+        """`timeout_s`: seconds, or "auto" (runtime/health/hang_limit.py: follows the measured step);
+        `on_limit`: told when an auto limit changes."""
         self.debug_dir = debug_dir
         self.rank = rank
         self.job_id = job_id or str(os.getpid())
-        self.timeout_s = timeout_s
-        self.check_s = check_s if check_s is not None else check_period_s(timeout_s)
+        self.limit = HangLimit(timeout_s, save_estimate_s)
+        self.timeout_s = self.limit.value
+        self._fixed_check = check_s is not None
+        self.check_s = check_s if check_s is not None else check_period_s(self.timeout_s)
+        self.on_limit = on_limit
         self.grace_s = min(60.0, 2 * self.check_s + 1)
         self.on_hang = on_hang
         self._exit = exit
@@ -82,9 +90,32 @@ class Watchdog:
         now = time.monotonic()
         self._last = now
         self._what = what
+        if self.limit.auto and self._measure(now, what):
+            self._armed_at = float("-inf")  # re-arm the backstop with the new limit now
         # Re-arming starts a C thread: do it once per check period, not once per iteration.
         if self._backstop_file is not None and now - self._armed_at >= self.check_s:
             self._arm_backstop()
+
+    def _measure(self, now: float, what: str) -> bool:
+        """Feed the step and save measure from the beat's words (runtime/observation/observe.py's); True when
+        the limit changed."""
+        progress = self.limit.progress
+        if what.startswith("iteration "):
+            progress.iteration(now, _int(what.removeprefix("iteration ")))
+        elif what.startswith("save at") and what.endswith("started"):
+            progress.save_started(now)
+        elif what.startswith(("save at", "waited for the save")):
+            progress.save_ended(now)
+        else:
+            progress.other()
+        if not self.limit.update():
+            return False
+        self.timeout_s = self.limit.value
+        if not self._fixed_check:
+            self.check_s = check_period_s(self.timeout_s)
+        if self.on_limit is not None:
+            self.on_limit(self.limit)
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -127,7 +158,8 @@ class Watchdog:
                 return
 
     def _fire(self, idle: float) -> None:
-        reason = (f"no progress for {idle:.0f} s (hang_timeout {self.timeout_s:g} s) on rank {self.rank}; "
+        how = f"; {self.limit.why}" if self.limit.auto else ""
+        reason = (f"no progress for {idle:.0f} s (hang_timeout {self.timeout_s:g} s{how}) on rank {self.rank}; "
                   f"last: {self._what or 'start'}")
         path = self.stack_file()
         faulthandler.cancel_dump_traceback_later()  # this thread runs: the backstop is not needed
@@ -144,6 +176,13 @@ class Watchdog:
             time.sleep(self.grace_s)
         finally:
             self._exit(EXIT_HUNG)
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _remove_if_empty(path: str) -> None:

@@ -17,8 +17,10 @@ class RuntimeSettings:
     log_interval: int = 10
     trigger_interval: int = 1
     stop_signal: str = "SIGUSR2"
-    hang_timeout_s: float = 1800.0
-    startup_timeout_s: float = 1800.0  # the hang watcher's limit before the first iteration
+    # "auto": follows the measured step / the chain's measured start-ups (runtime/health/hang_limit.py)
+    hang_timeout_s: float | str = "auto"
+    startup_timeout_s: float | str = "auto"  # the hang watcher's limit before the first iteration
+    save_time_estimate_s: float = 60.0  # checkpoint.save_time_estimate_s: the auto hang limit's save allowance
     keep_last: int = 2
     milestone_interval: int = 0
     cpu: bool = False  # gpus_per_node == 0: the job hides any GPU and runs on the CPU (gloo)
