@@ -47,7 +47,7 @@ def _section(out: list[str], section: Any, skip: set[str]) -> None:
 def _model_args(recipe: Recipe) -> list[str]:
     out: list[str] = []
     m = recipe.model
-    _section(out, m, MOE_FIELDS | {"use_rope_scaling", "rope_scaling_factor"})
+    _section(out, m, set(MOE_FIELDS) | {"use_rope_scaling", "rope_scaling_factor"})
     if m.use_rope_scaling:
         out += ["--use-rope-scaling", "--rope-scaling-factor", str(m.rope_scaling_factor)]
     if m.num_query_groups is not None:
