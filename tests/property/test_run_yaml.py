@@ -19,6 +19,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.config.typed import to_plain
 from megalaunch.errors import MegalaunchError
 from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.self_cli import with_job_megalaunch
 from megalaunch.launcher.prepare.write import write_run
 
 # debug.code_snapshot names a directory write_run copies into the run directory: arbitrary text can
@@ -50,5 +51,7 @@ def test_run_yaml_round_trip(field: StringField, text: str, profile: str) -> Non
             return
         note(paths.run_yaml.read_text())
         back = load_run_recipe(paths)
-        assert _diff(to_plain(loaded.recipe), to_plain(back)) == []
-        assert back == loaded.recipe
+        # what the run records: the recipe with the job's megalaunch resolved (launcher/prepare/self_cli.py)
+        expected = with_job_megalaunch(loaded).recipe
+        assert _diff(to_plain(expected), to_plain(back)) == []
+        assert back == expected

@@ -43,10 +43,11 @@ def _scalar(value: Any) -> str:
 
 def _scalar_dumped(value: Any) -> str:
     """`value` as YAML on one line that reads back as `value`. PyYAML's readable style can break a
-    string over lines (not allowed for a key) or write U+0085 raw, which reads back as a line break:
-    then every character is escaped inside double quotes."""
+    string over lines (not allowed for a key) or write U+0085, U+2028 or U+2029 raw, which a parser reads
+    as a line break (alone it reads back; as a key before `: ` it breaks the mapping): then every character
+    is escaped inside double quotes."""
     text = _dump(value, allow_unicode=True)
-    if "\n" in text or yaml.safe_load(text) != value:
+    if any(c in text for c in "\n\x85\u2028\u2029") or yaml.safe_load(text) != value:
         text = _dump(value, allow_unicode=False, default_style='"')
     return text
 
