@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +36,25 @@ def _restore_environment() -> Iterator[None]:
     if os.environ != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+def _sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT, as the kernel sees it (C code can set it past Python's getsignal)."""
+    with open("/proc/self/status") as f:
+        mask = next((line.split()[1] for line in f if line.startswith("SigIgn:")), "0")
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves SIGINT ignored (or handled otherwise) in the worker is undone after it: every process
+    a later test starts would inherit SIG_IGN and ignore Ctrl-C (CI runs of 2026-12-02: the ssh client's Ctrl-C
+    and the hang watcher's two SIGINTs to a stand-in srun went unheard). Said on stderr with the test's name."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if _sigint_ignored() or signal.getsignal(signal.SIGINT) is not before:
+        print(f"\n[conftest] {request.node.nodeid} left SIGINT changed; restored", file=sys.stderr)
+        signal.signal(signal.SIGINT, before if callable(before) else signal.default_int_handler)
 
 
 # --- parallel runs (pytest-xdist) -------------------------------------------------------------------
