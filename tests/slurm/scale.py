@@ -18,7 +18,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,6 +242,20 @@ def kill_node(name: str, conf: Path = SCALE_CONF) -> KilledNode:
     slurmstepd's. Everything is SIGSTOPped first, then, once nothing new was forked, SIGKILLed: no
     slurmstepd sees its tasks die and reports it, none of the tasks outlives the others.
     """
+    slurmd, stepds, tasks, frozen = _freeze(name, conf)
+    killed_at = time.time()
+    _signal_all(frozen, signal.SIGKILL)
+    _signal_all(frozen, signal.SIGCONT)  # a stopped process dies at once anyway; harmless
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in frozen) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    still = [p for p in frozen if _alive(p)]
+    assert not still, f"kill_node({name}): still alive after SIGKILL: {still}"
+    return KilledNode(name, killed_at, slurmd, sorted(stepds), sorted(tasks - stepds - {slurmd}))
+
+
+def _freeze(name: str, conf: Path) -> tuple[int | None, set[int], set[int], set[int]]:
+    """SIGSTOP every process of node *name* (see :func:`kill_node`); (slurmd, stepds, tasks, all stopped)."""
     slurmd, stepds, tasks = node_processes(name, conf)
     frozen: set[int] = set()
     for _ in range(5):  # freeze; a process forked meanwhile shows up in the next pass
@@ -253,15 +267,46 @@ def kill_node(name: str, conf: Path = SCALE_CONF) -> KilledNode:
             break
         stepds |= more_stepds
         tasks |= more_tasks
-    killed_at = time.time()
-    _signal_all(frozen, signal.SIGKILL)
-    _signal_all(frozen, signal.SIGCONT)  # a stopped process dies at once anyway; harmless
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in frozen) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    still = [p for p in frozen if _alive(p)]
-    assert not still, f"kill_node({name}): still alive after SIGKILL: {still}"
-    return KilledNode(name, killed_at, slurmd, sorted(stepds), sorted(tasks - stepds - {slurmd}))
+    return slurmd, stepds, tasks, frozen
+
+
+def freeze_node(name: str, conf: Path = SCALE_CONF) -> KilledNode:
+    """Make node *name* freeze as a machine that loses power or its network: every process of it (slurmd, its
+    slurmstepd's, its tasks) SIGSTOPped and left so. Unlike :func:`kill_node`, nothing closes: the node's
+    sockets stay open, its peers' collectives block, slurmctld's pings go unanswered (no connection refused).
+    :func:`thaw_node` ends it (SIGCONT)."""
+    slurmd, stepds, tasks, _ = _freeze(name, conf)
+    frozen_at = time.time()
+    assert slurmd is not None, f"freeze_node({name}): its slurmd does not run"
+    return KilledNode(name, frozen_at, slurmd, sorted(stepds), sorted(tasks - stepds - {slurmd}))
+
+
+def thaw_node(node: KilledNode) -> None:
+    """SIGCONT what :func:`freeze_node` stopped: the node answers slurmctld again; its old tasks find their
+    peers gone and end."""
+    _signal_all(node.pids, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def slurm_default_timeouts(conf: Path = SCALE_CONF) -> Iterator[None]:
+    """Run the block with Slurm's default node timeouts (SlurmdTimeout=300, MessageTimeout=10), which most
+    sites run, instead of the scale cluster's short ones (.ci/slurm-up render_timeouts); restored after
+    (`scontrol reconfigure`). The scale cluster serves one test at a time (tests/slurm/conftest.py)."""
+    original = conf.read_text()
+    lines = [line for line in original.splitlines() if not line.startswith(("SlurmdTimeout=", "MessageTimeout="))]
+    try:
+        conf.write_text("\n".join([*lines, "SlurmdTimeout=300", "MessageTimeout=10"]) + "\n")
+        subprocess.run(["scontrol", "reconfigure"], check=True, timeout=60, capture_output=True)
+        yield
+    finally:
+        conf.write_text(original)
+        subprocess.run(["scontrol", "reconfigure"], check=False, timeout=60, capture_output=True)
+
+
+def slurm_timeouts() -> dict[str, str]:
+    """SlurmdTimeout and MessageTimeout as slurmctld runs them now (`scontrol show config`)."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15).stdout
+    return dict(re.findall(r"^(SlurmdTimeout|MessageTimeout)\s*=\s*(\S+)", out, re.M))
 
 
 def revive_node(name: str, conf: Path = SCALE_CONF, timeout: float = 15) -> int:

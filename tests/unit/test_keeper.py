@@ -38,7 +38,7 @@ def test_keep_polls_through_silence_and_ends_the_job_when_its_host_is_gone() -> 
             raise a
         return a
 
-    got = keep("7", "snode1", ask=ask, on_lost=lambda: done.append("recorded"),
+    got = keep("7", "snode1", ask=ask, on_lost=lambda why: done.append("recorded"),
                cancel=lambda j: done.append(f"scancel {j}"), poll_s=3, sleep=sleeps.append)
     assert got == "lost" and done == ["recorded", "scancel 7"] and sleeps == [3, 3, 3]
 
@@ -46,14 +46,14 @@ def test_keep_polls_through_silence_and_ends_the_job_when_its_host_is_gone() -> 
 def test_keep_cancels_even_when_the_record_fails_and_stops_when_the_job_ends() -> None:
     cancelled: list[str] = []
 
-    def broken() -> None:
+    def broken(why: str | None) -> None:
         raise OSError("disk full")
 
     with pytest.raises(OSError):
         keep("7", "snode1", ask=lambda j: _info("RUNNING", "snode2"), on_lost=broken, cancel=cancelled.append,
              sleep=lambda s: None)
     assert cancelled == ["7"]
-    assert keep("7", "snode1", ask=lambda j: _info("CANCELLED", "snode[1-2]"), on_lost=lambda: None,
+    assert keep("7", "snode1", ask=lambda j: _info("CANCELLED", "snode[1-2]"), on_lost=lambda why: None,
                 cancel=cancelled.append, sleep=lambda s: None) == "ended" and cancelled == ["7"]
 
 

@@ -98,12 +98,14 @@ def keeper(
 
     from megalaunch.launcher.backends.keeper import detach, keep
     from megalaunch.launcher.backends.slurm import SlurmClient
+    from megalaunch.runtime.health.node_beat import HostSilence, beat_dir
 
     detach(log)
     job_id, client = _job_id(), SlurmClient()
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     keep(job_id, batch_host, ask=client.job_state, cancel=lambda j: client.scancel([j]),
-         on_lost=lambda: _chain(run).batch_host_lost(job_id, batch_host, here))
+         on_lost=lambda why: _chain(run).batch_host_lost(job_id, batch_host, here, why),
+         silence=HostSilence(beat_dir(run, job_id), batch_host))
 
 
 @app.command()

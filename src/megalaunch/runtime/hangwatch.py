@@ -22,9 +22,7 @@ silent for twice the limit."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -37,22 +35,22 @@ from megalaunch.rundir.paths import RunPaths
 from megalaunch.rundir.state import read_outcome, write_outcome
 from megalaunch.runtime.health.hang_limit import (
     AUTO,
+    EVAL,
+    PHASES,
+    SAVE,
+    TRAIN,
     HangLimit,
+    beat_kind,
     configured_s,
     is_auto,
+    measure_beat,
     measured_startups,
     startup_limit,
 )
 from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
-from megalaunch.runtime.health.node_loss import LOST_LINE, StepNodes
-from megalaunch.runtime.health.slurm_step import (
-    SRUN_ABORT_WAIT_S,
-    SlurmStep,
-    alive,
-    kill_step,
-    log,
-    wait_gone,
-)
+from megalaunch.runtime.health.node_beat import NodeBeat, StepSilence, beat_dir, this_node
+from megalaunch.runtime.health.node_loss import StepNodes, end_lost_step, ended_lines, silent_lines
+from megalaunch.runtime.health.slurm_step import SlurmStep, alive, kill_step, log
 from megalaunch.runtime.health.watchdog import backstop_after_s
 
 OUTER_MARGIN_S = 30.0  # after the in-Python watchdog's backstop: it had its chance
@@ -66,7 +64,8 @@ NEXT = {"step_start": "srun starting the tasks", "task_start": "the trainer's st
         "load_start": "loading the checkpoint", "load_end": "building the datasets",
         "data_start": "building the datasets", "data_end": "the first iteration",
         "first_iteration_end": "an iteration", "iteration": "an iteration", "save_start": "a checkpoint save",
-        "save_end": "an iteration"}
+        "save_end": "an iteration", "save_written": "an iteration", "eval_start": "an evaluation",
+        "eval": "an evaluation", "eval_end": "an iteration"}
 
 def outer_s(inner_s: float) -> float:
     """The watcher's limit for an in-Python limit: after the watchdog has surely acted."""
@@ -111,7 +110,8 @@ class HangWatch:
     unreadable: str | None = None  # why the heartbeat could not be read (unknown, not stale)
     _seen: bytes | None = field(default=None, repr=False)
     hang: HangLimit | None = field(default=None, repr=False)  # auto: the in-Python limit, measured here too
-    _told: tuple[float, float] | None = field(default=None, repr=False)
+    kind: str = TRAIN  # between saves, during a save (or an asynchronous checkpoint's write), an evaluation
+    _told: tuple[float, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.limits.auto and self.hang is None:
@@ -131,12 +131,17 @@ class HangWatch:
         self.iteration = data["iteration"] if isinstance(data.get("iteration"), int) else self.iteration
         self.step_id = str(data["step_id"]) if data.get("step_id") not in (None, "") else self.step_id
         self.training = self.training or self.phase in TRAINING_PHASES
+        was, self.kind = self.kind, beat_kind(self.phase, bool(data.get("writing")))
         if self.hang is not None:
-            _measure(self.hang, now, self.phase, self.iteration)
+            measure_beat(self.hang, now, was, self.kind, self.phase, self.iteration)
+
+    def phase_s(self, kind: str) -> float:
+        """The watcher's limit in phase `kind`: after the in-Python watchdog's for that phase."""
+        return outer_s(self.hang.for_phase(kind)) if self.hang is not None and self.hang.measured else self.limits.hang_s
 
     @property
     def hang_s(self) -> float:
-        return outer_s(self.hang.value) if self.hang is not None and self.hang.measured else self.limits.hang_s
+        return self.phase_s(self.kind)
 
     @property
     def limit_s(self) -> float:
@@ -144,14 +149,16 @@ class HangWatch:
 
     def limit_change(self) -> dict[str, Any] | None:
         """The effective limits, when they changed since the last call (the first call: always)."""
-        now = (self.limits.startup_s, self.hang_s)
+        now = (self.limits.startup_s, *(self.phase_s(k) for k in PHASES))
         if now == self._told:
             return None
         self._told = now
         inner = self.hang.record() if self.hang is not None else {"hang_s": None, "why": "chain.hang_timeout_s"}
         return {"startup_s": self.limits.startup_s, "startup_why": self.limits.startup_why,
-                "in_python_s": inner.pop("hang_s"), "hang_s": round(self.hang_s, 3), "hang_why": inner.pop("why"),
-                **inner}
+                "in_python_s": inner.pop("hang_s"), "in_python_save_s": inner.pop("save_hang_s", None),
+                "in_python_eval_s": inner.pop("eval_hang_s", None), "hang_s": round(self.phase_s(TRAIN), 3),
+                "save_hang_s": round(self.phase_s(SAVE), 3), "eval_hang_s": round(self.phase_s(EVAL), 3),
+                "hang_why": inner.pop("why"), **inner}
 
     def idle_s(self, now: float) -> float:
         return now - self.last_change
@@ -175,25 +182,12 @@ class HangWatch:
     def reason(self, now: float) -> str:
         which = "hang_timeout_s" if self.training else "startup_timeout_s"
         if self.training and self.hang is not None and self.hang.measured:
-            which += f" {self.hang.why}:"
+            which += f" {self.hang.describe(self.kind)}:"
         elif not self.training and self.limits.startup_why != "chain.startup_timeout_s":
             which += f" {self.limits.startup_why}:"
         at = f" at iteration {self.iteration}" if self.training and self.iteration is not None else ""
         return (f"no sign of life for {self.idle_s(now):.0f} s ({which} limit {self.limit_s:g} s): stuck in "
                 f"{NEXT.get(self.phase, 'what follows ' + self.phase)} (last phase: {self.phase}{at})")
-
-
-def _measure(hang: HangLimit, now: float, phase: str, iteration: int | None) -> None:
-    """The step and save times, from the heartbeat's phases (the watcher's clock)."""
-    if phase in ("iteration", "first_iteration_end"):
-        hang.progress.iteration(now, iteration)
-    elif phase == "save_start":
-        hang.progress.save_started(now)
-    elif phase == "save_end":
-        hang.progress.save_ended(now)
-    else:
-        hang.progress.other()
-    hang.update()
 
 
 def record_limits(paths: RunPaths, job_id: str, change: dict[str, Any]) -> None:
@@ -251,21 +245,26 @@ def _non_empty(path: Path) -> bool:
 
 def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
           check_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-          sleep: Callable[[float], None] = time.sleep, loss: StepNodes | None = None) -> str:
+          sleep: Callable[[float], None] = time.sleep, loss: StepNodes | None = None,
+          silence: StepSilence | None = None) -> str:
     """Watch until the heartbeat goes stale, then gather stacks, record and kill; or until a node of the step
-    is lost (runtime/health/node_loss.py), then end the step. Returns what it did."""
+    is lost (its ranks alone did not end: runtime/health/node_loss.py; it stopped beating while the others
+    beat: runtime/health/node_beat.py), then end the step. Returns what it did."""
     check_s = check_s or max(1.0, min(10.0, limits.startup_s / 10, limits.hang_s / 10))
     beat_file = paths.heartbeat(job_id)
     hw = HangWatch(limits, clock())
     nodes = StepNodes.from_env(paths.tasks(job_id), paths.segment_log(job_id)) if loss is None else loss
+    quiet = StepSilence.from_env(paths.root, job_id) if silence is None else silence
     told_unknown = False  # said once per silent spell that the evidence is unknown
     while True:
-        sleep(min(check_s, 1.0) if nodes is not None else check_s)
+        sleep(min(check_s, 1.0) if nodes is not None or quiet is not None else check_s)
         if step.shell_pid and not alive(step.shell_pid):
             return "the job script is gone"
         now = clock()
         if nodes is not None and (lost := nodes.check(now)):
-            return _end_lost(paths, job_id, lost, nodes.decision.grace_s, hw, step, sleep)
+            return end_lost_step(paths, job_id, ended_lines(lost, nodes.decision.grace_s), hw.step_id, step, sleep)
+        if quiet is not None and (lost := quiet.check(now)):
+            return end_lost_step(paths, job_id, silent_lines(lost, quiet.decision, now), hw.step_id, step, sleep)
         hw.observe(now, read_beat(beat_file))
         if (change := hw.limit_change()) is not None:
             record_limits(paths, job_id, change)
@@ -284,32 +283,6 @@ def watch(paths: RunPaths, job_id: str, limits: Limits, step: SlurmStep, *,
                 told_unknown = True
             continue
         return _fire(paths, job_id, hw, step, clock, sleep)
-
-
-def _end_lost(paths: RunPaths, job_id: str, lost: list[str], grace_s: float, hw: HangWatch, step: SlurmStep,
-              sleep: Callable[[float], None]) -> str:
-    """Say which nodes were lost (the line `job step-end` reads), record it, and end the step."""
-    for node in lost:
-        log(LOST_LINE.format(node=node, grace=grace_s).removeprefix("megalaunch hangwatch: "))
-    with contextlib.suppress(OSError):
-        append_jsonl(paths.ledger, {"event": "step_nodes_lost", "time": time.time(), "job_id": job_id,
-                                    "step": os.environ.get("MEGALAUNCH_STEP"), "nodes": lost, "grace_s": grace_s})
-    # Cancelled, not signalled: Slurm ends the step's tasks wherever it reaches them. srun itself then still
-    # waits KillWait + 2 s for the lost node's tasks ("Job step aborted: Waiting up to 32 seconds" with
-    # Slurm's default KillWait): nothing of this step is left for it to tell, so it is ended after a moment.
-    step_ids = [f"{job_id}.{hw.step_id}"] if hw.step_id else step.step_ids()
-    sruns = step.srun_pids()
-    if step_ids and all(step.cancel(s) for s in step_ids):
-        how = f"cancelled step {', '.join(step_ids)} (scancel)"
-        if not wait_gone(sruns, SRUN_ABORT_WAIT_S, sleep):
-            for pid in sruns:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            how += f", then ended srun, which waits for the lost node's tasks ({SRUN_ABORT_WAIT_S:g} s after)"
-    else:
-        how = kill_step(step, step_ids, sleep)
-    log(f"{how}; `job step-end` decides what follows")
-    return how
 
 
 def _fire(paths: RunPaths, job_id: str, hw: HangWatch, step: SlurmStep,
@@ -337,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunPaths(Path(opts.run_dir).absolute())
     limits = Limits.for_run(paths, job_id)
     log(f"watching {paths.heartbeat(job_id)}: startup limit {limits.startup_s:g} s, then {limits.hang_s:g} s")
+    # the batch host's sign of life for the keeper (launcher/backends/keeper.py), for the whole step
+    if int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) > 1:
+        NodeBeat(beat_dir(paths.root, job_id), this_node(), "hang watcher").start()
     watch(paths, job_id, limits, SlurmStep(job_id, opts.shell_pid))
     return 0
 

@@ -13,6 +13,9 @@ Both backends start every rank through this small supervisor (standard library o
   the command (parent-death signal).
 - **A first sign of life.** Rank 0's supervisor beats the heartbeat when the step starts (the hang
   watcher, runtime/hangwatch.py, then knows the step runs and its id).
+- **The node's sign of life.** The supervisor of a node's first task beats RUN/state/node_beats/ from a
+  thread while its command runs (runtime/health/node_beat.py): a node that stops beating while the
+  others beat is frozen or cut off, whatever its trainer is doing.
 - **Evidence.** It writes RUN/state/tasks/<job>/rank-<R>.json: the node, the pid, when the command
   started and ended, its exit status or the signal that killed it. `job end` reads these to name the
   rank and node that died first. It then leaves the way the command left (the same exit status, or
@@ -36,6 +39,7 @@ from pathlib import Path
 from megalaunch.rundir.files import atomic_write_json
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.health.heartbeat import task_start_beat
+from megalaunch.runtime.health.node_beat import start_for_task
 from megalaunch.runtime.health.procs import proc_stats
 from megalaunch.runtime.observation.rank_output import start as rank_output_start
 from megalaunch.runtime.stop.signals import block, resolve_signal
@@ -205,7 +209,12 @@ def run(command: list[str], stop_signal: signal.Signals, rank_output: str = "all
     except OSError as e:
         print(f"[megalaunch task] cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
         return 127
+    # this node's sign of life for the hang watcher, apart from training progress (runtime/health/node_beat.py):
+    # a thread of this supervisor, which a blocked collective or a slow step never stops
+    node_beat = start_for_task()
     status = _wait_for(child.pid)
+    if node_beat is not None:
+        node_beat.stop()
     child.returncode = 0  # reaped by os.wait above; keep Popen from waiting again
     leftovers = kill_leftovers()
     record = _record(started, child.pid, status, leftovers)

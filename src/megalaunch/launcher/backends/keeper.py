@@ -9,8 +9,11 @@ death does not end them), so the job script starts this keeper beside the traini
 (templates/train.sbatch.j2, with `--no-kill` and more than one node).
 
 Every POLL_S it asks Slurm about its job (one `scontrol show job`, with a timeout; no answer: ask again).
-When the batch host is no longer in the job's node list (Slurm's verdict: the node is DOWN), it records the
-segment as ended with its batch host lost (a suspect in the team's node-health ledger, as a node lost
+Slurm's verdict comes late: the node is DOWN after `SlurmdTimeout` (300 s by default) and its pings. So every
+TICK_S it also reads the batch host's beat (runtime/health/node_beat.py: written by the hang watcher there and
+its tasks' supervisor): a host that stopped beating while other nodes beat is frozen or cut off (a machine
+that lost power closes no socket; its peers block in their collectives). When the batch host went silent,
+or is no longer in the job's node list (the node is DOWN), it records the segment as ended with its batch host lost (a suspect in the team's node-health ledger, as a node lost
 inside a job is: launcher/chain/chain.py Chain.batch_host_lost), then cancels the job so that the successor starts, on other
 nodes. When the job ends otherwise, the keeper is ended with it."""
 
@@ -23,8 +26,10 @@ from collections.abc import Callable
 
 from megalaunch.launcher.backends.slurm import ACTIVE_STATES, JobInfo
 from megalaunch.rundir.hostlist import expand_hostlist
+from megalaunch.runtime.health.node_beat import HostSilence
 
 POLL_S = 5.0
+TICK_S = 1.0  # the batch host's beat (runtime/health/node_beat.py) is read this often
 # Slurm's warning goes to every task of every step (the stop signal, USR1 or USR2); SIGHUP is what srun or
 # a dying session may pass on. None of them is the keeper's to obey: the job's end (SIGTERM, SIGKILL) is.
 IGNORED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -53,21 +58,32 @@ def batch_host_gone(info: JobInfo | None, batch_host: str) -> bool:
 
 
 def keep(job_id: str, batch_host: str, *, ask: Callable[[str], JobInfo | None],
-         on_lost: Callable[[], None], cancel: Callable[[str], None], poll_s: float = POLL_S,
-         sleep: Callable[[float], None] = time.sleep) -> str:
-    """Watch until the job ends ('ended') or its batch host is gone ('lost': on_lost, then cancel)."""
+         on_lost: Callable[[str | None], None], cancel: Callable[[str], None], poll_s: float = POLL_S,
+         sleep: Callable[[float], None] = time.sleep, silence: HostSilence | None = None,
+         clock: Callable[[], float] = time.monotonic) -> str:
+    """Watch until the job ends ('ended'), or its batch host is gone ('lost': Slurm took it out of the job) or
+    went silent ('silent': runtime/health/node_beat.py, without waiting for Slurm); then on_lost(why) and
+    cancel. Slurm is asked every `poll_s`, the beats read every TICK_S."""
+    asked = float("-inf")
     while True:
-        try:
-            info = ask(job_id)
-        except Exception:  # Slurm did not answer: the job may well be fine
-            info = None
-        else:
-            if info is not None and info.state not in ACTIVE_STATES:
-                return "ended"
-        if batch_host_gone(info, batch_host):
+        now = clock()
+        why = silence.check(now) if silence is not None else None
+        gone = False
+        if why is None and (silence is None or now - asked >= poll_s):
+            asked = now
             try:
-                on_lost()
-            finally:
-                cancel(job_id)
-            return "lost"
-        sleep(poll_s)
+                info = ask(job_id)
+            except Exception:  # Slurm did not answer: the job may well be fine
+                info = None
+            else:
+                if info is not None and info.state not in ACTIVE_STATES:
+                    return "ended"
+            gone = batch_host_gone(info, batch_host)
+        if why is None and not gone:
+            sleep(TICK_S if silence is not None else poll_s)
+            continue
+        try:
+            on_lost(why)
+        finally:
+            cancel(job_id)
+        return "silent" if why is not None else "lost"

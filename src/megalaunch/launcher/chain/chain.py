@@ -154,16 +154,17 @@ class Chain:
                                new_checkpoint=advanced(start_iter, now), accounted_by=current,
                                **({"lost_nodes": lost} if lost else {}))
 
-    def batch_host_lost(self, job_id: str, host: str, keeper_node: str) -> None:
-        """The keeper (launcher/backends/keeper.py) saw Slurm take this job's batch host out of the running job:
-        the job script, and with it `job end`, is gone. The segment is recorded as ended (its host lost, a
-        suspect) before the keeper cancels the job and the successor starts."""
+    def batch_host_lost(self, job_id: str, host: str, keeper_node: str, why: str | None = None) -> None:
+        """The keeper (launcher/backends/keeper.py) saw Slurm take this job's batch host out of the running job,
+        or the host stop beating (`why`, runtime/health/node_beat.py): the job script, and with it `job end`,
+        is gone. The segment is recorded as ended (its host lost, a suspect) before the keeper cancels the job
+        and the successor starts."""
         segment = next((s for s in self.ledger.segments() if s.job_id == job_id and s.started), None)
         if segment is not None and segment.ended is not None:  # `job end` ran: the script was not lost
             return
         started = segment.started if segment is not None else None
         now = resume_point(self.paths)
-        reason = f"its batch host {host} (the node of the job script) was lost"
+        reason = f"its batch host {host} (the node of the job script) was lost" + (f" ({why})" if why else "")
         self.suspects.record_lost(job_id, [host], f"job {job_id}: {reason}")
         self.suspects.exclude_from(self.pending_successors(job_id))  # queued at `job begin`: kept off the host
         self.ledger.append("ended", job_id=job_id, outcome="killed", reason=reason, slurm_state="NODE_FAIL",

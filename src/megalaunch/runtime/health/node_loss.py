@@ -16,18 +16,27 @@ within a second or two, and GRACE_S is several times that. Standard library only
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable
+import signal
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megalaunch.rundir.files import read_json
+from megalaunch.rundir.files import append_jsonl, read_json
+from megalaunch.rundir.paths import RunPaths
+from megalaunch.runtime.health.node_beat import NodeSilence
+from megalaunch.runtime.health.slurm_step import SRUN_ABORT_WAIT_S, SlurmStep, kill_step, log, wait_gone
 
 GRACE_S = 5.0
 # What the watcher writes when it ends the step; NODE_FAILURE_LINE reads it as it reads srun's own
 # `Node failure on X` (launcher/accounting/evidence.py: the node is the cause, its peers' ends consequences).
 LOST_LINE = "megalaunch hangwatch: node lost: {node} (no rank of it ended {grace:g} s after the others: ending the step)"
+# a node that stopped beating (runtime/health/node_beat.py): frozen, powered off, cut off
+SILENT_LINE = ("megalaunch hangwatch: node lost: {node} ({why}: frozen, or cut off from the network or the file "
+               "system; ending the step)")
 NODE_FAILURE_LINE = re.compile(r"^(?:srun: error: Node failure on|megalaunch hangwatch: node lost:) (?P<node>[^\s]+)",
                                re.M)
 # srun: error: node2: task 1: Killed / tasks 0-3: Exited with exit code 1 / task 0: Segmentation fault
@@ -144,3 +153,42 @@ class StepNodes:
     def check(self, now: float) -> list[str]:
         self.ranks.update()
         return self.decision.lost(now, self.ranks.ended, self.ranks.failed)
+
+
+def ended_lines(lost: list[str], grace_s: float) -> dict[str, str]:
+    """The segment-log lines for nodes whose ranks alone did not end (StepNodes)."""
+    return {node: LOST_LINE.format(node=node, grace=grace_s) for node in lost}
+
+
+def silent_lines(lost: list[str], decision: NodeSilence, now: float) -> dict[str, str]:
+    """The segment-log lines for nodes that stopped beating (node_beat.StepSilence)."""
+    return {node: SILENT_LINE.format(node=node, why=decision.why(now, node)) for node in lost}
+
+
+def end_lost_step(paths: RunPaths, job_id: str, lines: dict[str, str], step_id: str | None, step: SlurmStep,
+                  sleep: Callable[[float], None]) -> str:
+    """Say which nodes were lost (the lines `job step-end` reads, NODE_FAILURE_LINE), record it, and end the
+    step. `lines`: node -> its line."""
+    for line in lines.values():
+        log(line.removeprefix("megalaunch hangwatch: "))
+    with contextlib.suppress(OSError):
+        append_jsonl(paths.ledger, {"event": "step_nodes_lost", "time": time.time(), "job_id": job_id,
+                                    "step": os.environ.get("MEGALAUNCH_STEP"), "nodes": list(lines),
+                                    "why": [line.split(" (", 1)[-1].rstrip(")") for line in lines.values()]})
+    # Cancelled, not signalled: Slurm ends the step's tasks wherever it reaches them (the survivors blocked in
+    # a collective with a frozen peer too). srun itself then still waits KillWait + 2 s for the lost node's
+    # tasks ("Job step aborted: Waiting up to 32 seconds" with Slurm's default KillWait): nothing of this
+    # step is left for it to tell, so it is ended after a moment.
+    step_ids = [f"{job_id}.{step_id}"] if step_id else step.step_ids()
+    sruns = step.srun_pids()
+    if step_ids and all(step.cancel(s) for s in step_ids):
+        how = f"cancelled step {', '.join(step_ids)} (scancel)"
+        if not wait_gone(sruns, SRUN_ABORT_WAIT_S, sleep):
+            for pid in sruns:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            how += f", then ended srun, which waits for the lost node's tasks ({SRUN_ABORT_WAIT_S:g} s after)"
+    else:
+        how = kill_step(step, step_ids, sleep)
+    log(f"{how}; `job step-end` decides what follows")
+    return how
