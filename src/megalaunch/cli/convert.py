@@ -1,4 +1,4 @@
-"""`megalaunch convert hf-to-mcore | mcore-to-hf`: checkpoint conversion for Llama-family models.
+"""`megalaunch convert hf-to-mcore | mcore-to-hf`: checkpoint conversion for Llama-family models (and their MoEs).
 Commands parse and delegate to megalaunch.conversion; torch, transformers and megatron are imported
 inside the commands only."""
 
@@ -205,8 +205,9 @@ def mcore_to_hf(
                                                                           "only).")] = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
-    family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 | qwen3 (when no Hugging Face "
-                                                                "config travels with the checkpoint).")] = None,
+    family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe "
+                                                                "| qwen3_moe (when no Hugging Face config travels "
+                                                                "with the checkpoint).")] = None,
     vocab_size: Annotated[int | None, typer.Option("--vocab-size", min=1, help="Rows to keep (strips "
                                                                                "Megatron's padding).")] = None,
     dtype: DtypeOpt = "auto",

@@ -1,7 +1,8 @@
 """Hugging Face <-> Megatron-core checkpoint conversion for Llama-family models (Llama 2/3/3.1,
-Mistral, Qwen2): declarative name tables (`tables`), named transforms (`transforms`), streaming
-safetensors and torch_dist I/O (`checkpoint_io`: `safetensors_io`, `mcore_*`), orchestrated by
-`to_mcore` and `to_hf` (shared parts in `converter`).
+Mistral, Qwen2, Qwen3) and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): declarative name
+tables (`tables`), named transforms (`transforms`), streaming safetensors and torch_dist I/O
+(`checkpoint_io`: `safetensors_io`, `mcore_*`), orchestrated by `to_mcore` and `to_hf` (shared parts in
+`converter`).
 
 Importing this package is cheap; torch, megatron and transformers load inside the functions."""
 

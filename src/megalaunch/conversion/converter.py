@@ -85,7 +85,11 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 
 
 def _stacked_shape(item: Item, dims: Dims) -> tuple[int, ...]:
+    """The global tensor's shape: layer tensors stacked on a leading layer axis, expert tensors also on the
+    expert axis after it."""
     shape = dims.shape(item.rule.mcore_shape)
+    if item.rule.per_expert:
+        return (dims.num_layers, dims.num_experts, *shape)
     return (dims.num_layers, *shape) if item.rule.per_layer else shape
 
 
@@ -95,10 +99,12 @@ def _hf_shapes(item: Item, dims: Dims) -> list[tuple[int, ...]]:
 
 def largest_group_bytes(work: list[Item], dims: Dims, element_size: int) -> int:
     """Bytes of the largest tensor group converted together: the embedding (or output layer) on its own,
-    or one transformer layer. Peak memory is bounded by about twice this."""
+    or one transformer layer without its routed experts, or one routed expert (a layer of 128 experts is
+    converted expert by expert: its size does not decide the budget). Peak memory is bounded by about twice this."""
     sizes: dict[object, int] = {}
     for item in work:
-        group = item.layer if item.rule.per_layer else item.rule.mcore
+        group = (item.layer, item.expert) if item.rule.per_expert else item.layer if item.rule.per_layer \
+            else item.rule.mcore
         sizes[group] = sizes.get(group, 0) + _numel(dims.shape(item.rule.mcore_shape)) * element_size
     return max(sizes.values())
 
@@ -142,6 +148,7 @@ class _Staging:
 
 # A dtype conversion (--dtype) reads the source rows through a scratch buffer of at most this size.
 def _offset(item: Item, ndim: int) -> tuple[int, ...]:
-    """Global offset of one item: its layer on the stacked axis, then zeros."""
+    """Global offset of one item: its layer on the stacked axis (and its expert on the expert axis), then zeros."""
     layer = (item.layer or 0,) if item.rule.per_layer else ()
-    return layer + (0,) * ndim
+    expert = (item.expert or 0,) if item.rule.per_expert else ()
+    return layer + expert + (0,) * ndim

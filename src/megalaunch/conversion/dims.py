@@ -33,6 +33,14 @@ class Dims:
     qkv_bias: bool
     qk_norm: bool = False
     """An RMSNorm over head_dim on each head's queries and keys (Qwen3; Megatron's q_layernorm/k_layernorm)."""
+    num_experts: int = 0
+    """Routed experts per layer (0: a dense model; an MoE model has them in every layer)."""
+    expert_ffn: int = 0
+    """Each routed expert's MLP width."""
+    shared_ffn: int = 0
+    """The shared expert's MLP width (0: none)."""
+    shared_gate: bool = False
+    """A sigmoid gate [1, hidden] on the shared expert's output (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
         if self.heads % self.groups:
@@ -57,13 +65,19 @@ class Dims:
                    head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
                    vocab=vocab, padded_vocab=padded_vocab,
                    tied=not model.untie_embeddings_and_output_weights, qkv_bias=model.add_qkv_bias,
-                   qk_norm=model.qk_layernorm)
+                   qk_norm=model.qk_layernorm, num_experts=model.num_experts or 0,
+                   expert_ffn=(model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
+                   if model.num_experts else 0,
+                   shared_ffn=(model.moe_shared_expert_intermediate_size or 0) if model.num_experts else 0,
+                   shared_gate=bool(model.num_experts and model.moe_shared_expert_gate))
 
     def symbols(self) -> dict[str, int]:
         q = self.heads * self.head_dim
         kv = self.groups * self.head_dim
         return {"h": self.hidden, "f": self.ffn, "2f": 2 * self.ffn, "q": q, "kv": kv,
-                "qkv": q + 2 * kv, "d": self.head_dim, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers}
+                "qkv": q + 2 * kv, "d": self.head_dim, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers,
+                "E": self.num_experts, "ef": self.expert_ffn, "2ef": 2 * self.expert_ffn, "sf": self.shared_ffn,
+                "2sf": 2 * self.shared_ffn, "1": 1}
 
     def shape(self, symbolic: tuple[str, ...]) -> tuple[int, ...]:
         table = self.symbols()

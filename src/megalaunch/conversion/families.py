@@ -1,4 +1,5 @@
-"""Hugging Face configs <-> megalaunch ModelConfig for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3 dense).
+"""Hugging Face configs <-> megalaunch ModelConfig for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3 dense)
+and its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: their MoE fields in families_moe.py).
 
 Only plain dicts (config.json) here: no transformers import, so this also runs where transformers is
 absent and is cheap to test."""
@@ -11,6 +12,13 @@ from typing import Any
 
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.errors import UnsupportedModelError
+from megalaunch.conversion.families_moe import (
+    MOE_ARCH_FIELDS,
+    MOE_ARCHITECTURES,
+    hf_moe_config,
+    moe_fields,
+    refuse_deepseek,
+)
 
 # Hugging Face architecture -> (family, model_type).
 ARCHITECTURES = {
@@ -18,6 +26,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("mistral", "mistral"),
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
     "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    **MOE_ARCHITECTURES,
 }
 FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
 # Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor: 8 for
@@ -28,9 +37,11 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
                "rope_scaling_factor", "normalization",
                "norm_epsilon", "swiglu", "disable_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights", "num_experts", "kv_channels", "qk_layernorm")
+               "untie_embeddings_and_output_weights", "kv_channels", "qk_layernorm", *MOE_ARCH_FIELDS)
 # Families whose attention has an RMSNorm over head_dim on each head's queries and keys (Megatron's --qk-layernorm).
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# Families with biases on q, k and v (and nowhere else).
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,14 @@ class HFModel:
 
 def _unsupported(what: str, fix: str | None = None) -> UnsupportedModelError:
     return UnsupportedModelError(what, valid=", ".join(sorted(ARCHITECTURES)), fix=fix)
+
+
+def _named_valid(call: Any, *args: Any) -> Any:
+    """families_moe's refusals, with the valid architectures named (that module cannot import this one)."""
+    try:
+        return call(*args)
+    except UnsupportedModelError as e:
+        raise _unsupported(e.message, e.fix) from None
 
 
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -71,7 +90,7 @@ def _check_mappable(cfg: dict[str, Any], family: str) -> None:
         raise _unsupported(f"hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is mapped")
     if cfg.get("mlp_bias"):
         raise _unsupported("mlp_bias: true has no mapping (Megatron's biases are all-or-nothing)")
-    if family != "qwen2" and cfg.get("attention_bias"):
+    if family not in QKV_BIAS_FAMILIES and cfg.get("attention_bias"):
         raise _unsupported("attention_bias: true (bias on o_proj too) has no mapping; add_qkv_bias covers QKV only")
 
 
@@ -96,9 +115,10 @@ def _architecture(cfg: dict[str, Any]) -> str:
         by_type = {mt: a for a, (_, mt) in ARCHITECTURES.items()}
         arch = by_type.get(cfg.get("model_type", ""))
     if arch is None:
+        _named_valid(refuse_deepseek, archs, str(cfg.get("model_type", "")))
         moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")) \
             or any("Moe" in str(a) or "Mixtral" in str(a) for a in archs)
-        what = " (mixture of experts: only dense models convert so far)" if moe else ""
+        what = " (a mixture of experts the mapping does not know)" if moe else ""
         raise _unsupported(f"architecture {archs or cfg.get('model_type')!r}{what} has no Megatron mapping")
     return arch
 
@@ -128,11 +148,15 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _check_mappable(cfg, family)
     kv_channels = _kv_channels(cfg, family, hidden, heads)
-    if cfg.get("use_sliding_window") or (family == "mistral" and cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") or (family in ("mistral", "mixtral") and cfg.get("sliding_window")
                                          and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)):
         notes.append(f"sliding_window {cfg.get('sliding_window')} is not in the recipe schema: logits agree only "
                      "for sequences up to the window")
     theta, use_rope_scaling, factor = _rope(cfg)
+    moe = _named_valid(moe_fields, cfg, family)
+    if cfg.get("router_jitter_noise"):
+        notes.append(f"router_jitter_noise {cfg['router_jitter_noise']} (training-time noise on the router's inputs) "
+                     "is not in the recipe schema: Megatron routes without it")
 
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     model = ModelConfig(
@@ -153,9 +177,10 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         swiglu=True,
         disable_bias_linear=True,
-        add_qkv_bias=family == "qwen2",
+        add_qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        **moe,
     )
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     return HFModel(family, arch, model, int(cfg["vocab_size"]), dtype, tuple(notes))
@@ -167,8 +192,16 @@ def head_dim(model: ModelConfig) -> int:
 
 
 def _normalized(model: ModelConfig) -> ModelConfig:
-    return replace(model, num_query_groups=model.num_query_groups or model.num_attention_heads,
-                   ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size, kv_channels=head_dim(model))
+    """Defaults spelled out. An MoE model (every layer MoE: the rest is refused) has no dense MLP, so its
+    ffn_hidden_size weighs nothing and only the experts' width (moe_ffn_hidden_size, else ffn_hidden_size)
+    counts; a dense model's MoE fields are unused and compare equal."""
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    out = replace(model, num_query_groups=model.num_query_groups or model.num_attention_heads,
+                  ffn_hidden_size=ffn, kv_channels=head_dim(model))
+    if model.num_experts:
+        return replace(out, ffn_hidden_size=0, moe_ffn_hidden_size=model.moe_ffn_hidden_size or ffn)
+    defaults: dict[str, Any] = {f: ModelConfig.__dataclass_fields__[f].default for f in MOE_ARCH_FIELDS}
+    return replace(out, **defaults)
 
 
 def differences(recipe: ModelConfig, hf: ModelConfig) -> list[tuple[str, Any, Any]]:
@@ -188,16 +221,18 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
     if family not in FAMILY_ARCHITECTURE:
         raise UnsupportedModelError(f"family {family!r}", valid=", ".join(sorted(FAMILY_ARCHITECTURE)))
     if model.normalization != "RMSNorm" or not model.swiglu or not model.disable_bias_linear \
-            or model.position_embedding_type != "rope" or model.num_experts or model.rotary_percent != 1.0:
-        raise UnsupportedModelError("only RMSNorm + SwiGLU + RoPE models without linear biases or experts map to "
+            or model.position_embedding_type != "rope" or model.rotary_percent != 1.0:
+        raise UnsupportedModelError("only RMSNorm + SwiGLU + RoPE models without linear biases map to "
                                     f"the {family} family")
-    if model.add_qkv_bias != (family == "qwen2"):
+    moe = hf_moe_config(model, family)
+    if model.add_qkv_bias != (family == "qwen2") and family != "qwen2_moe":
         raise UnsupportedModelError(f"add_qkv_bias={model.add_qkv_bias} does not fit family {family!r}",
-                                    fix="use --family qwen2 for QKV biases, qwen3 for QK-norm, llama or mistral "
-                                        "otherwise")
+                                    fix="use --family qwen2 (qwen2_moe) for QKV biases, qwen3 (qwen3_moe) for "
+                                        "QK-norm, llama, mistral or mixtral otherwise")
     if model.qk_layernorm != (family in QK_NORM_FAMILIES):
         raise UnsupportedModelError(f"qk_layernorm={model.qk_layernorm} does not fit family {family!r}",
-                                    fix="use --family qwen3 for QK-norm, llama, mistral or qwen2 otherwise")
+                                    fix="use --family qwen3 (qwen3_moe) for QK-norm, llama, mistral, qwen2, mixtral "
+                                        "or qwen2_moe otherwise")
     rope: dict[str, Any] = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
     llama3 = {"factor": float(model.rope_scaling_factor), **LLAMA3_ROPE}
     if model.use_rope_scaling:
@@ -226,11 +261,11 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
     }
     if family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
-    return cfg
+    return {**cfg, **moe}
 

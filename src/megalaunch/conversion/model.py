@@ -46,9 +46,7 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        num_moe_experts=model.num_experts,
-        moe_router_topk=model.moe_router_topk if model.num_experts else 2,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size if model.num_experts else None,
+        **_moe(model),
         kv_channels=model.kv_channels,
         qk_layernorm=model.qk_layernorm,
         persist_layer_norm=False,
@@ -62,6 +60,21 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe(model: ModelConfig) -> dict[str, Any]:
+    """The TransformerConfig fields of the recipe's mixture of experts (as config/model/moe.py's `moe_args` pass
+    them to Megatron in training), so that a converted MoE computes here what it computes in the job."""
+    if not model.num_experts:
+        return {"num_moe_experts": None}
+    return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size,
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=model.moe_shared_expert_gate,
+                moe_router_score_function=model.moe_router_score_function,
+                moe_router_pre_softmax=model.moe_router_score_function == "softmax"
+                and not model.moe_router_topk_normalize,
+                moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor)
 
 
 def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",

@@ -34,6 +34,7 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
+from megalaunch.conversion.families_moe import moe_from_megatron_args
 from megalaunch.conversion.tables import TABLES, Item, items
 from megalaunch.errors import PreflightError
 from megalaunch.runtime.checkpoint.completeness import is_fsdp_dtensor
@@ -61,8 +62,8 @@ def model_from_megatron_args(args: Any) -> ModelConfig:
         swiglu=bool(get("swiglu", False)), disable_bias_linear=not get("add_bias_linear", True),
         add_qkv_bias=bool(get("add_qkv_bias", False)),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
-        num_experts=get("num_experts"), make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
-        kv_channels=kv_channels, qk_layernorm=bool(get("qk_layernorm", False)),
+        make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
+        kv_channels=kv_channels, qk_layernorm=bool(get("qk_layernorm", False)), **moe_from_megatron_args(get),
     )
 
 
@@ -141,9 +142,18 @@ def _hf_source(ref: mcore_layout.CheckpointRef, common: dict[str, Any], *, hf_te
     if vocab is None:
         vocab = padded_rows
         notes.append(f"vocabulary size unknown: kept all {padded_rows} rows (pass --vocab-size to strip padding)")
-    fam = family or ("qwen2" if model.add_qkv_bias else "qwen3" if model.qk_layernorm else "llama")
+    fam = family or _family(model)
     cfg = families.hf_config_from_model(model, family=fam, vocab_size=vocab, dtype=str(dtype).removeprefix("torch."))
     return _Source(cfg, root_assets if root_assets.is_dir() else None, tuple(notes), tokenizer, generated=True)
+
+
+def _family(model: ModelConfig) -> str:
+    """The family a model without a Hugging Face config is written as: by its QKV bias, QK-norm and, for a
+    mixture of experts, its shared expert."""
+    if model.num_experts:
+        return "qwen2_moe" if model.moe_shared_expert_intermediate_size else \
+            "qwen3_moe" if model.qk_layernorm else "mixtral"
+    return "qwen2" if model.add_qkv_bias else "qwen3" if model.qk_layernorm else "llama"
 
 
 def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf_template: Path | None = None,
@@ -177,6 +187,7 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
         table = TABLES[hf.family]
         work = list(items(table, dims))
         _check_mcore_tensors(meta, work, dims, ref.path)
+        _check_all_mapped(meta, work, dims, ref.path, hf.family)
         report = Report(output=out, notes=list(hf.notes) + list(source.notes),
                         largest_group_bytes=largest_group_bytes(work, dims, out_dtype.itemsize))
         plan: list[tuple[str, str, tuple[int, ...]]] = []
@@ -222,9 +233,10 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
     capacity = max(_numel(r.local_shape) * r.dtype.itemsize for r in requests)
     with DirectReader(ckpt) as reader:
         for item, r in zip(work, requests, strict=True):
-            target = staging.tensor(((1,) if r.stacked else ()) + r.local_shape, r.dtype, capacity)
-            reader.read_into(r.key, r.offset, target)
-            tensor = target[0] if r.stacked else target
+            lead = len(r.global_shape) - len(r.local_shape)  # the stacked layer (and expert) axes
+            target = staging.tensor((1,) * lead + r.local_shape, r.dtype, capacity)
+            reader.read_into(r.key, r.offset, target)  # a routed expert: from whichever EP rank saved it
+            tensor = target.view(r.local_shape)
             tensor = tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
             rows = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
             hf_rows = [writer.slots[n].shape[0] if writer.slots[n].shape else 1 for n in item.hf_names]
@@ -242,7 +254,7 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
 def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_dist.ShardRequest:
     info = meta[item.rule.mcore]
     shape = tuple(int(d) for d in info.global_shape)
-    local = shape[1:] if item.rule.per_layer else shape
+    local = shape[2:] if item.rule.per_expert else shape[1:] if item.rule.per_layer else shape
     return mcore_dist.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
                                    info.dtype)
 
@@ -266,6 +278,19 @@ def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckp
             found, expected = found[1:], expected[1:]
         if found != expected:
             raise ShapeMismatchError(key, found, expected, source=f"Megatron checkpoint {ckpt.name}")
+
+
+def _check_all_mapped(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path, family: str) -> None:
+    """Every model tensor of the checkpoint is written somewhere: one the Hugging Face config has no place for
+    (a shared expert under a Mixtral config, a bias under Llama's) is refused, not dropped."""
+    mapped = {item.rule.mcore for item in work}
+    model_keys = [k for k in meta if k.startswith(("embedding.", "decoder.", "output_layer."))
+                  and not k.endswith("_extra_state") and k not in mapped
+                  and not (dims.tied and k == "output_layer.weight")]
+    if model_keys:
+        raise ConversionError(f"tensor '{model_keys[0]}' of {ckpt} has no place in the Hugging Face {family} model "
+                              f"({len(model_keys)} such tensors)",
+                              fix="pass --family or --hf-template for the model the checkpoint holds")
 
 
 def _write_hf_metadata(out: Path, source: _Source, dtype: torch.dtype) -> None:

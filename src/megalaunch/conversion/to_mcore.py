@@ -4,6 +4,7 @@ tensor groups at once on a few threads under a byte budget (converter.py has the
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims, padded_vocab_size
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
-from megalaunch.conversion.tables import EXTRA_STATE_MODULES, IGNORED_HF_SUFFIXES, TABLES, Item, items
+from megalaunch.conversion.families_moe import megatron_moe_args
+from megalaunch.conversion.tables import IGNORED_HF_SUFFIXES, TABLES, Item, extra_state_modules, items
 
 if TYPE_CHECKING:
     import torch
@@ -57,12 +59,15 @@ def megatron_args(model: ModelConfig, dims: Dims, *, tensor_parallel: int, itera
         padded_vocab_size=dims.padded_vocab, tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=1, ckpt_format="torch_dist", iteration=iteration,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, **megatron_moe_args(model),
     )
 
 
-def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims: Dims, source: Path) -> None:
-    """Every tensor the mapping needs exists with the expected shape; nothing is silently left behind."""
+def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims: Dims, source: Path,
+                     family: str = "llama") -> None:
+    """Every tensor the mapping needs exists with the expected shape; nothing is silently left behind (a
+    missing expert, or one more expert than config.json says, is refused before anything is written)."""
+    _check_expert_count(reader, dims, source)
     used: set[str] = set()
     for item in items(table, dims):
         for name, shape in zip(item.hf_names, _hf_shapes(item, dims), strict=True):
@@ -78,14 +83,34 @@ def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims:
              and not (dims.tied and n == "lm_head.weight")]
     if extra:
         raise ConversionError(f"{len(extra)} tensors have no mapping, e.g. '{extra[0]}'",
-                              fix="this model has parts the Llama-family mapping does not cover")
+                              fix=f"this model has parts the {family} mapping does not cover")
+
+
+def _check_expert_count(reader: safetensors_io.SafetensorsReader, dims: Dims, source: Path) -> None:
+    """The experts the safetensors hold (`...experts.E.*`: the largest E + 1) are the experts the model
+    configuration says, else one line naming model.num_experts (a lone missing tensor is named by the caller)."""
+    found = max((_expert_index(n) for n in reader.tensors), default=-1) + 1
+    if found != dims.num_experts and (found or dims.num_experts):
+        raise ConversionError(f"{source} holds {found} experts per layer, the model configuration says "
+                              f"{dims.num_experts}", field="model.num_experts",
+                              fix="config.json's num_local_experts / num_experts (and the recipe's model.num_experts) "
+                                  "must be the checkpoint's expert count")
+
+
+def _expert_index(name: str) -> int:
+    """E of a Hugging Face expert tensor (`...experts.E.w1.weight`), else -1."""
+    parts = name.split(".")
+    for a, b in itertools.pairwise(parts):
+        if a == "experts" and b.isdigit():
+            return int(b)
+    return -1
 
 
 def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vocab_size: int | None = None,
                 tensor_parallel: int = 1, iteration: int | None = None, dtype: str | None = None,
                 threads: int = DEFAULT_THREADS, max_inflight_bytes: int | None = None, overwrite: bool = False,
                 progress: bool = True, fsync: bool = False, crc32: bool = False) -> Report:
-    """Convert a Hugging Face Llama-family model into a Megatron-core checkpoint under `out`.
+    """Convert a Hugging Face Llama-family model (dense or mixture of experts) into a Megatron-core checkpoint under `out`.
 
     model: the recipe's model section; its architecture must match the Hugging Face config (else an
         error names each differing field). None: derived from the Hugging Face config.
@@ -109,7 +134,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
     table = TABLES[hf.family]
     report = Report(output=out, notes=list(hf.notes))
     with safetensors_io.SafetensorsReader(hf_dir) as reader:
-        check_hf_tensors(reader, table, dims, hf_dir)
+        check_hf_tensors(reader, table, dims, hf_dir, hf.family)
         work = list(items(table, dims))
         out_dtype = _dtype(dtype) or safetensors_io.torch_dtype(reader.tensors[work[0].hf_names[0]].dtype)
         shards = _lazy_shards(reader, work, dims, out_dtype)
@@ -127,10 +152,12 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         }
         bar = Progress(report.bytes, f"hf-to-mcore {target.name}", progress)
         start = time.perf_counter()
+        layer_state, expert_state = extra_state_modules(dims)
         with mcore_dist.process_group():
             stats = mcore_save.save(target, shards, common, max_inflight_bytes=budget, threads=max(1, threads),
-                                  extra_state=EXTRA_STATE_MODULES, num_layers=dims.num_layers, fsync=fsync,
-                                  crc32=crc32, on_written=lambda s: bar.update(s.nbytes))
+                                  extra_state=layer_state, num_layers=dims.num_layers, fsync=fsync,
+                                  crc32=crc32, on_written=lambda s: bar.update(s.nbytes),
+                                  expert_extra_state=expert_state, num_experts=dims.num_experts)
         bar.close()
         report.seconds = time.perf_counter() - start
         report.threads, report.max_inflight_bytes = stats.threads, stats.max_inflight_bytes
@@ -179,7 +206,7 @@ def _lazy_shards(reader: safetensors_io.SafetensorsReader, work: list[Item], dim
             key=item.rule.mcore, global_shape=_stacked_shape(item, dims), offset=_offset(item, len(shape)),
             local_shape=shape, stacked=item.rule.per_layer, dtype=out_dtype, produce=produce,
             allow_shape_mismatch=item.rule.vocab_rows, nbytes=_numel(shape) * out_dtype.itemsize,
-            scratch_bytes=scratch))
+            scratch_bytes=scratch, expert_axis=item.rule.per_expert))
     return shards
 
 

@@ -2,8 +2,9 @@
 
 config.json is read with plain `json` and mapped by conversion/families.py (the mapping the converter
 itself uses, so the shape submitted is the shape the first stage's conversion checks against). The shape
-fields replace the recipe's (one SFT recipe fits every Llama-family checkpoint); a `--set` of a shape
-field that disagrees with config.json is an error, any other `--set` wins."""
+fields replace the recipe's (one SFT recipe fits every Llama-family checkpoint, dense or mixture of experts);
+a `--set` of a shape field that disagrees with config.json is an error, any other `--set` wins. The router's
+aux-loss weight (`router_aux_loss_coef`) is taken too, but as a training choice: a `--set` of it wins."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from typing import Any
 from megalaunch.config.loader import parse_set
 from megalaunch.conversion.errors import UnsupportedModelError
 from megalaunch.conversion.families import ARCH_FIELDS, model_from_hf_config
+from megalaunch.conversion.families_moe import MOE_HF_KEYS
 from megalaunch.errors import ConfigError
 
 SHAPE_FIELDS = (*ARCH_FIELDS, "max_position_embeddings")
+# Taken from config.json as well, without being pinned: training choices a --set may change.
+TRAINING_FIELDS = ("moe_aux_loss_coeff",)
 # The config.json key each shape field comes from (named in a conflict's error).
 HF_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
            "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
            "rotary_base": "rope_theta", "use_rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling",
            "norm_epsilon": "rms_norm_eps", "untie_embeddings_and_output_weights": "tie_word_embeddings",
            "add_qkv_bias": "architectures", "max_position_embeddings": "max_position_embeddings",
-           "kv_channels": "head_dim", "qk_layernorm": "architectures"}
+           "kv_channels": "head_dim", "qk_layernorm": "architectures", **MOE_HF_KEYS}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _FIX = "pass a Hugging Face model directory (config.json, *.safetensors, tokenizer files) to --from-hf"
 
@@ -53,10 +57,11 @@ def model_values(model_dir: str, cfg: dict[str, Any], recipe_seq_length: int) ->
         hf = model_from_hf_config(cfg)
     except UnsupportedModelError as e:
         raise ConfigError(f"{model_dir}/config.json: {e.message}", field="--from-hf", valid=e.valid,
-                          fix="fine-tune a Llama, Mistral, Qwen2 or Qwen3 checkpoint (docs/conversion.md)") from None
+                          fix="fine-tune a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint "
+                              "(docs/conversion.md)") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{model_dir}/config.json lacks or garbles {e}", field="--from-hf", fix=_FIX) from None
-    values = {name: getattr(hf.model, name) for name in SHAPE_FIELDS}
+    values = {name: getattr(hf.model, name) for name in (*SHAPE_FIELDS, *TRAINING_FIELDS)}
     if recipe_seq_length > hf.model.max_position_embeddings:
         values["seq_length"] = hf.model.max_position_embeddings
     return values

@@ -31,6 +31,8 @@ class LazyShard:
     """produce(out, scratch) fills `out` (local_shape, dtype); scratch: scratch_bytes of uint8, or None."""
     allow_shape_mismatch: bool = False
     nbytes: int = 0
+    expert_axis: bool = False
+    """A routed expert's tensor: the global tensor's second axis is the expert index (offset[1]), stacked too."""
     scratch_bytes: int = 0
     """Working memory produce needs besides `out` (a dtype conversion reads through it)."""
 
@@ -52,27 +54,32 @@ def _sharded_tensor(shard: LazyShard) -> Any:
 
     data = torch.empty(shard.local_shape, dtype=shard.dtype, device="meta")
     return _from_offsets(ShardedTensor, shard.key, data, shard.global_shape, shard.offset, shard.stacked,
-                         shard.allow_shape_mismatch)
+                         shard.allow_shape_mismatch, shard.expert_axis)
 
 
 def _from_offsets(cls: Any, key: str, data: Any, global_shape: tuple[int, ...], offset: tuple[int, ...],
-                  stacked: bool, allow_shape_mismatch: bool = False) -> Any:
+                  stacked: bool, allow_shape_mismatch: bool = False, expert_axis: bool = False) -> Any:
     """A ShardedTensor as Megatron's layers build them: layer tensors get a prepended layer axis
-    (one fragment per layer), everything else is one whole-tensor chunk."""
-    layer_axis = ((0, offset[0], global_shape[0]),) if stacked else ()
-    return cls.from_rank_offsets(key, data, *layer_axis, replica_id=0, prepend_axis_num=len(layer_axis),
+    (one fragment per layer), a routed expert's tensor also the expert axis after it (one fragment per
+    layer and expert), everything else is one whole-tensor chunk."""
+    axes: tuple[tuple[int, int, int], ...] = ((0, offset[0], global_shape[0]),) if stacked else ()
+    if expert_axis:
+        axes += ((1, offset[1], global_shape[1]),)
+    return cls.from_rank_offsets(key, data, *axes, replica_id=0, prepend_axis_num=len(axes),
                                  allow_shape_mismatch=allow_shape_mismatch)
 
 
 def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, max_inflight_bytes: int,
          threads: int = 4, extra_state: tuple[str, ...] = (), num_layers: int = 0, fsync: bool = False,
-         crc32: bool = False, on_written: Callable[[LazyShard], None] | None = None) -> SaveStats:
+         crc32: bool = False, on_written: Callable[[LazyShard], None] | None = None,
+         expert_extra_state: tuple[str, ...] = (), num_experts: int = 0) -> SaveStats:
     """Write a torch_dist checkpoint into the empty `directory` from lazily produced shards.
 
     Up to `threads` shards are produced and written at once, as long as their bytes fit in
     `max_inflight_bytes` (a shard larger than that is written alone); each shard's buffer is released
     as soon as its file is written. `extra_state`: layer modules (`mlp.linear_fc1`) whose empty
-    `_extra_state` objects Megatron expects. crc32: write zip checksums into the torch.save archives
+    `_extra_state` objects Megatron expects; `expert_extra_state` the same per layer and routed expert
+    (`mlp.experts.experts.linear_fc1`: [layers, experts] objects, as SequentialMLP saves them). crc32: write zip checksums into the torch.save archives
     (torch.load does not check them; computing them costs about as much as writing the data)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -86,6 +93,11 @@ def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, ma
         key = f"decoder.layers.{module}._extra_state"
         for i in range(num_layers):
             model[f"{key}@{i}"] = ShardedObject(key, None, (num_layers,), (i,), replica_id=0)
+    for module in expert_extra_state:
+        key = f"decoder.layers.{module}._extra_state"
+        for i in range(num_layers):
+            for e in range(num_experts):
+                model[f"{key}@{i},{e}"] = ShardedObject(key, None, (num_layers, num_experts), (i, e), replica_id=0)
     state["model"] = model
     pool: BufferPool = BufferPool(max_inflight_bytes)
     strategy = _lazy_strategy_class()(lookup, pool=pool, threads=threads, fsync=fsync, on_written=on_written)
