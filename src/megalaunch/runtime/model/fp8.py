@@ -3,6 +3,9 @@ gradient, weight gradient) through `torch._scaled_mm` with dynamic scaling, the 
 on the GPU (Triton kernels, runtime/model/fp8_cast.py). Master weights, gradients, optimizer state and the
 checkpoint are as under bf16 (no scaling state is kept: a bf16 run resumes an fp8 run's checkpoint and the other
 way round); attention, norms, the embedding and the output layer with its loss stay in the working precision.
+Mixture-of-experts layers: the grouped experts' grouped GEMMs in FP8 too (runtime/model/experts/fp8.py: torch's
+scaled grouped GEMM, this file's `rowwise` recipe whatever the recipe says, as the kernel takes e4m3 only); the router
+stays fp32, SequentialMLP's experts bf16.
 
 Recipes (`training.fp8_recipe`):
 - `tensorwise`: one scale per tensor; e4m3 for activations and weights, e5m2 for gradients (the "hybrid" format);

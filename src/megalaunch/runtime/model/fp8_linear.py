@@ -3,6 +3,7 @@ ColumnParallelLinear and RowParallelLinear get an `_forward_impl` that does what
 `linear_with_grad_accumulation_and_async_allreduce` does (the sequence-parallel all-gather of the input and
 reduce-scatter of its gradient, the tensor-parallel all-reduce of the input gradient, the weight gradient
 accumulated into `main_grad`), with the three GEMMs in FP8. The embedding and the output layer are left alone.
+Grouped experts (runtime/model/experts/) get FP8 grouped GEMMs where the node can run them (experts/fp8.py).
 
 A call it does not cover (a frozen weight, deferred embedding gradients, gathered tensor-parallel weights, a
 token count that is not a multiple of 16) goes to Megatron's own implementation.
@@ -160,6 +161,19 @@ def forward_impl(fmt: Formats, original: Any) -> Any:
     return impl
 
 
+def _experts(module: Any, label: str, fmt: Formats, done: list[str], kept: dict[str, str]) -> None:
+    """Grouped experts take FP8 grouped GEMMs where this node can run them (runtime/model/experts/fp8.py: the
+    rowwise recipe, e4m3, whatever the dense layers' recipe), else stay on torch's bf16 grouped GEMM."""
+    from megalaunch.runtime.model.experts import fp8 as experts_fp8
+
+    why = experts_fp8.refusal(module)
+    if why is None:
+        module.fp8_format = fmt
+        done.append(label)
+    else:
+        kept[label] = f"grouped experts: torch's bf16 grouped GEMM ({why})"
+
+
 def install(model: Any, fmt: Formats) -> tuple[list[str], dict[str, str]]:
     """Give the transformer layers' linear layers of `model` (a module, or Megatron's list of model chunks)
     FP8 GEMMs. Returns the layers converted and, for the rest, why each stayed in the working precision."""
@@ -172,7 +186,7 @@ def install(model: Any, fmt: Formats) -> tuple[list[str], dict[str, str]]:
         for name, module in chunk.named_modules():
             label = f"{i}.{name}" if len(chunks) > 1 else name
             if getattr(module, "megalaunch_grouped_experts", False):  # runtime/model/experts/grouped.py
-                kept[label] = "grouped experts: torch's bf16 grouped GEMM (FP8 grouped GEMMs are not implemented yet)"
+                _experts(module, label, fmt, done, kept)
                 continue
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue

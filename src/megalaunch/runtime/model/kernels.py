@@ -15,6 +15,8 @@ experts on torch's grouped GEMM (runtime/model/experts/), under auto and liger o
 9.0 or more where torch has grouped_mm (measured x8.5-x26 faster than the loop for fine-grained experts, x1.4-1.6
 for Mixtral-like ones: docs/results.md); `sequential`, Megatron's SequentialMLP, elsewhere and under megatron.
 MEGALAUNCH_MOE_EXPERTS=grouped|sequential overrides it (benchmarks, tests).
+Under `precision: fp8` the grouped experts' GEMMs run in FP8 where the GPU can (runtime/model/experts/fp8.py, wired by
+fp8_linear.install); SequentialMLP's stay bf16.
 
 The parameters and their names are the same whichever library computes the op, so a checkpoint saved with
 one choice loads with another (tests/unit/test_kernels.py).

@@ -6,6 +6,8 @@ host sync (`tokens_per_expert.tolist()`).
 - `gmm`:     the grouped GEMM as an autograd function (forward, input and weight gradients), with a per-group
              loop where torch has no grouped GEMM for these operands (old torch, unaligned strides);
 - `grouped`: `GroupedExperts`, the module (weights, initialisation, forward) that replaces `SequentialMLP`;
+- `fp8`:     the same GEMMs in FP8 under `precision: fp8` (torch's scaled grouped GEMM, rowwise e4m3), with the
+             rows padded per expert to multiples of 16 on the device;
 - `sharded`: its distributed-checkpoint layout, which is `SequentialMLP`'s key for key, so a checkpoint
              saved with either class loads into the other.
 

@@ -1,7 +1,9 @@
 """`GroupedExperts`: the local experts of one `MoELayer` as two 3D parameters, `weight1` [E_local, fc1 rows, hidden]
 (fc1 rows: 2 x ffn_local with SwiGLU, the gate rows then the up rows, else ffn_local) and `weight2` [E_local, hidden,
 ffn_local], each expert's slice exactly `SequentialMLP`'s `local_experts.e.linear_fc{1,2}.weight` (Linear's out x in
-layout), computed with one grouped GEMM per linear layer (runtime/model/experts/gmm.py).
+layout), computed with one grouped GEMM per linear layer (runtime/model/experts/gmm.py), or in FP8 under `precision: fp8`
+(runtime/model/experts/fp8.py: `fp8_format` set by fp8_linear.install; the rows padded per expert to multiples of 16
+on the device, both GEMMs run on the padded rows, one scatter in and one gather out).
 
 What it keeps of `SequentialMLP` / `MLP`: the initialisation (Megatron's own initialisers per expert, fc1 then fc2,
 in the same order and RNG streams, so one seed gives the same weights), the activation and the routing
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.runtime.model.experts import sharded
+from megalaunch.runtime.model.experts import fp8, sharded
 from megalaunch.runtime.model.experts.gmm import gmm, grouped_mm_fn, shapes_fit
 
 BIAS_FIX = ("set model.disable_bias_linear: true, or keep Megatron's SequentialMLP "
@@ -44,6 +46,17 @@ def glu(h: Any, config: Any) -> Any:
         gate = gate.clamp(min=None, max=val)
         up = up.clamp(min=-val, max=val)
     return config.activation_func(gate) * (up + config.glu_linear_offset)
+
+
+def fp8_forward(module: Any, hidden: Any, tokens_per_expert: Any, probs: Any) -> Any:
+    """The experts' forward with FP8 grouped GEMMs (`module.fp8_format` set): MLP's arithmetic on the padded rows
+    (runtime/model/experts/fp8.py: zero rows between the groups, with zero probabilities), then back in order."""
+    lay = fp8.layout(tokens_per_expert.to(device=hidden.device, non_blocking=True), hidden.shape[0])
+    fused = module.fp8_format.fused
+    inter = glu(fp8.fp8_gmm(fp8.pad(hidden, lay), module.weight1, lay.offs, fused), module.config)
+    dtype = inter.dtype
+    inter = (inter * fp8.pad(probs, lay).unsqueeze(-1)).to(dtype)
+    return fp8.unpad(fp8.fp8_gmm(inter, module.weight2, lay.offs, fused), lay)
 
 
 def _groups(pg_collection: Any) -> Any:
@@ -120,11 +133,14 @@ def _build_class() -> type:
                 _initialise(self, config, tp_rank, tp_size)
             _mark(self, config, tp_size)
             self.grouped = grouped_mm_fn() is not None and shapes_fit(hidden, local, config.params_dtype)
+            self.fp8_format: Any = None  # fp8_linear.install: FP8 grouped GEMMs (not state: not in the checkpoint)
 
         def forward(self, hidden: Any, tokens_per_expert: Any, probs: Any, **_: Any) -> tuple[Any, None]:
             if self.config.moe_apply_probs_on_input:  # as SequentialMLP: the probabilities scale the input
                 hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
                 probs = torch.ones_like(probs)
+            if self.fp8_format is not None:
+                return fp8_forward(self, hidden, tokens_per_expert, probs), None
             offs = tokens_per_expert.to(device=hidden.device, non_blocking=True).cumsum(0).to(torch.int32)
             inter = glu(gmm(hidden, self.weight1, offs, self.grouped), self.config)
             dtype = inter.dtype  # MLP.forward: the activation times the probabilities, back in its dtype
