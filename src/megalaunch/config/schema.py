@@ -235,8 +235,9 @@ class ChainConfig:
     trigger_interval: int = doc("iterations between looks at the trigger directory", 1)
     hang_timeout_s: float | Literal["auto"] = doc(
         "no iteration or save for this long: every rank dumps its stacks, outcome hung (in Python; the job's hang "
-        "watcher kills the step a little later if that could not act); auto: 10 x the measured step + the save "
-        "allowance, at least 120 s, 1800 until measured (docs/training.md, Hangs)", "auto")
+        "watcher kills the step a little later if that could not act); auto: between saves 10 x the measured step, "
+        "at least 45 s; during a save or an evaluation that + its measured allowance; 1800 until measured "
+        "(docs/training.md, Hangs)", "auto")
     startup_timeout_s: float | Literal["auto"] = doc(
         "before the first iteration (imports, rendezvous, NCCL init, checkpoint load), no sign of life for this "
         "long: stacks, kill the step, outcome hung; auto: 3 x the longest start-up measured in the chain, at "

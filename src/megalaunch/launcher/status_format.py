@@ -111,9 +111,19 @@ def _watch_lines(st: dict[str, Any]) -> list[str]:
         out.append(f"  stop signal: {line}")
     lim = st.get("hang_limits")
     if lim:  # runtime/hangwatch.record_limits: the newest segment's effective limits
-        out.append(f"  hang limits: start-up {lim['startup_s']:g} s ({lim['startup_why']}), then "
-                     f"{lim.get('in_python_s') or lim['hang_s']:g} s without progress ({lim['hang_why']})")
+        out.append(f"  hang limits: start-up {lim['startup_s']:g} s ({lim['startup_why']}), then {_hang_limits(lim)}")
     return out
+
+
+def _hang_limits(lim: dict[str, Any]) -> str:
+    """The in-Python limits (they act first), per phase when they differ: between saves, during a save (until
+    its checkpoint is written), during an evaluation."""
+    between = lim.get("in_python_s") or lim["hang_s"]
+    save, evaluation = lim.get("in_python_save_s") or between, lim.get("in_python_eval_s") or between
+    if save == between and evaluation == between:
+        return f"{between:g} s without progress ({lim['hang_why']})"
+    return (f"without progress {between:.0f} s between saves, {save:.0f} s during a save, {evaluation:.0f} s during "
+            f"an evaluation ({lim['hang_why']})")
 
 def forecast_line(fc: dict[str, Any]) -> str:
     """The way to the target, from the run's measured figures (launcher/accounting/forecast.py)."""

@@ -39,11 +39,10 @@ from megalaunch.runtime.health.hang_limit import (
     PHASES,
     SAVE,
     TRAIN,
+    BeatPhases,
     HangLimit,
-    beat_kind,
     configured_s,
     is_auto,
-    measure_beat,
     measured_startups,
     startup_limit,
 )
@@ -110,7 +109,7 @@ class HangWatch:
     unreadable: str | None = None  # why the heartbeat could not be read (unknown, not stale)
     _seen: bytes | None = field(default=None, repr=False)
     hang: HangLimit | None = field(default=None, repr=False)  # auto: the in-Python limit, measured here too
-    kind: str = TRAIN  # between saves, during a save (or an asynchronous checkpoint's write), an evaluation
+    beats: BeatPhases = field(default_factory=BeatPhases, repr=False)  # a save, an evaluation, or training
     _told: tuple[float, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,9 +130,7 @@ class HangWatch:
         self.iteration = data["iteration"] if isinstance(data.get("iteration"), int) else self.iteration
         self.step_id = str(data["step_id"]) if data.get("step_id") not in (None, "") else self.step_id
         self.training = self.training or self.phase in TRAINING_PHASES
-        was, self.kind = self.kind, beat_kind(self.phase, bool(data.get("writing")))
-        if self.hang is not None:
-            measure_beat(self.hang, now, was, self.kind, self.phase, self.iteration)
+        self.beats.observe(self.hang, now, self.phase, data, self.iteration)
 
     def phase_s(self, kind: str) -> float:
         """The watcher's limit in phase `kind`: after the in-Python watchdog's for that phase."""
@@ -141,7 +138,7 @@ class HangWatch:
 
     @property
     def hang_s(self) -> float:
-        return self.phase_s(self.kind)
+        return self.phase_s(self.beats.kind)
 
     @property
     def limit_s(self) -> float:
@@ -182,7 +179,7 @@ class HangWatch:
     def reason(self, now: float) -> str:
         which = "hang_timeout_s" if self.training else "startup_timeout_s"
         if self.training and self.hang is not None and self.hang.measured:
-            which += f" {self.hang.describe(self.kind)}:"
+            which += f" {self.hang.describe(self.beats.kind)}:"
         elif not self.training and self.limits.startup_why != "chain.startup_timeout_s":
             which += f" {self.limits.startup_why}:"
         at = f" at iteration {self.iteration}" if self.training and self.iteration is not None else ""

@@ -7,6 +7,8 @@
   health check, stragglers, W&B.
 - `window` (runtime/stop/stop_window.py): the signal window at the end of the segment, in which a periodic
   save is skipped (the stop save takes its place).
+- `pacing` (runtime/stop/save_pacing.py): a periodic save due while an asynchronous one is still writing is
+  deferred, not blocked; a stop during such a write may leave with it.
 
 Each room is built from its own slice of RuntimeSettings. `Session` implements the seams' and the step's
 protocols (runtime/rank/hooks.py) by calling the rooms in a fixed order and holds nothing of its own. The
@@ -26,7 +28,9 @@ from megalaunch.runtime.rank.context import RankContext
 from megalaunch.runtime.rank.fault_hooks import FaultHooks
 from megalaunch.runtime.rank.hooks import SaveKind
 from megalaunch.runtime.rank.settings import RuntimeSettings
+from megalaunch.runtime.stop import save_pacing
 from megalaunch.runtime.stop.decisions import DecisionConfig, Decisions
+from megalaunch.runtime.stop.save_pacing import PacingConfig, SavePacing
 from megalaunch.runtime.stop.signals import SignalFlag
 from megalaunch.runtime.stop.stop_window import StopWindow, WindowConfig
 
@@ -37,7 +41,12 @@ def decision_config(s: RuntimeSettings) -> DecisionConfig:
 
 def checkpoint_config(s: RuntimeSettings, resume_from: int | None) -> CheckpointConfig:
     return CheckpointConfig(keep_last=s.keep_last, milestone_interval=s.milestone_interval, resume_from=resume_from,
-                            checkpoint_bytes=s.checkpoint_bytes, train_iters=s.train_iters)
+                            checkpoint_bytes=s.checkpoint_bytes, train_iters=s.train_iters, paced=save_pacing.enabled())
+
+
+def pacing_config(s: RuntimeSettings) -> PacingConfig:
+    return PacingConfig(enabled=save_pacing.enabled(), save_time_estimate_s=s.save_time_estimate_s,
+                        train_iters=s.train_iters)
 
 
 def window_config(s: RuntimeSettings) -> WindowConfig:
@@ -60,6 +69,7 @@ class Session:
         self.decisions = Decisions(self.ctx, decision_config(settings), flag, self.observe.timeline)
         self.checkpoints = Checkpoints(self.ctx, checkpoint_config(settings, resume_from))
         self.window = StopWindow(self.ctx, window_config(settings))
+        self.pacing = SavePacing(self.ctx, pacing_config(settings))
         self.faults = FaultHooks.from_env(rank)
         self.readahead: ReadAhead | None = None  # runtime/checkpoint/readahead.py, started by runtime/train.py
 
@@ -78,24 +88,39 @@ class Session:
     def distributed_ready(self) -> None:
         self.observe.distributed_ready()
 
+    def evaluation(self, what: str) -> None:
+        self.observe.evaluation(what)
+
     def decide(self, iteration: int, force: bool = False) -> int:
         return self.decisions.decide(iteration, force)
 
     def acted(self, decision: int, iteration: int, after_save: bool = False) -> None:
-        self.decisions.acted(decision, iteration, after_save)
+        self.decisions.acted(decision, iteration, after_save, left_with=self.pacing.left_with)
+
+    def save_owed(self, iteration: int) -> bool:
+        return self.pacing.owes()
+
+    def leave_with_written(self, iteration: int, kind: SaveKind, writing: int) -> bool:
+        return self.pacing.leave_with(iteration, kind, writing)
 
     def before_save(self, iteration: int, kind: SaveKind) -> bool:
+        periodic = kind == "periodic" and not self.checkpoints.needed(iteration, kind)
+        # a periodic save due while another is still writing waits for the next step, not for that write
+        if periodic and not self.pacing.periodic(iteration):
+            return False
         # inside the signal window the stop save takes a periodic save's place; at train_iters none comes
-        if kind == "periodic" and not self.checkpoints.needed(iteration, kind) and self.window.skip_periodic(iteration):
+        if (periodic and self.window.skip_periodic(iteration)) or not self.checkpoints.before_save(iteration, kind):
+            self.pacing.dropped()
             return False
-        if not self.checkpoints.before_save(iteration, kind):
-            return False
+        self.pacing.going_ahead(iteration, kind)
+        self.pacing.save_started(iteration)
         self.observe.save_started(iteration)
         self.faults.slow_save(kind, self.ctx)  # test hook: a slow filesystem, inside the timed save
         return True
 
     def after_save(self, iteration: int, complete: bool = True) -> None:
         elapsed = self.checkpoints.save_finished()
+        self.pacing.save_returned(iteration, complete)
         self.observe.save_finished(iteration, elapsed)
         if complete:
             self.save_complete(iteration)
@@ -107,12 +132,14 @@ class Session:
         when Megatron finalizes it (progress, the eval, retention wait for that)."""
         self.checkpoints.after_save(iteration, self.observe.save_blocking_s(iteration))
         self.observe.save_written(iteration)
+        self.pacing.save_complete(iteration)
 
     def save_waited(self, iteration: int, begin: float, end: float) -> None:
         """The segment waited for the asynchronous save of `iteration` to complete (before a stop save,
         leaving, at the end of Megatron's loop): save time, on the timeline and in the outcome."""
         self.checkpoints.save_waited(end - begin)
         self.observe.save_waited(iteration, begin, end)
+        self.pacing.waited()
 
     def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
         self.observe.on_log(iteration, loss, lr, grad_norm)
@@ -121,6 +148,7 @@ class Session:
         from megalaunch.runtime.loop import save_staging
 
         save_staging.release()  # after the first iteration: the checkpoint writer pins its staging memory
+        self.pacing.iteration_ended()
         self.observe.iteration_ended(iteration)
         self.faults.pace()  # test hook: a slow step, before the watchdog's beat and the decision
         self.observe.report(iteration, flops_so_far)

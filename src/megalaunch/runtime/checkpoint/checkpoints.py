@@ -49,6 +49,9 @@ class CheckpointConfig:
     """One checkpoint's predicted bytes (render time): what a save needs before one was measured; None: unknown."""
     train_iters: int | None = None
     """The last iteration: a save there is one the run cannot do without, whatever its kind (like a stop save)."""
+    paced: bool = False
+    """Save pacing (runtime/stop/save_pacing.py): a periodic or trigger save measures the free space before it
+    waits for retention's background deletions, and waits only when the space is short without them."""
 
 
 class Checkpoints:
@@ -142,10 +145,12 @@ class Checkpoints:
     def _check_space(self, iteration: int, kind: SaveKind) -> int:
         """Rank 0: room for one checkpoint (retention first when short)? A failing measurement lets the save go."""
         paths = self.ctx.paths
-        resume.wait_for_deletions()  # space that retention's background deletions free is free before it is measured
+        needed = self.needed(iteration, kind)
+        if needed or not self.config.paced:  # what retention's background deletions free is free before it is measured
+            resume.wait_for_deletions()
         try:
             check = retention.check_space(paths.checkpoints, self.sizes.need(paths, self.config.checkpoint_bytes),
-                                          stop=self.needed(iteration, kind), make_room=self._retain,
+                                          stop=needed, make_room=self._retain if needed else self._make_room,
                                           squeeze=self._squeeze, inodes=self.sizes.inodes(paths))
         except OSError as e:
             self.ctx.log(f"free space before the save at iteration {iteration} not measured ({e}): saving")
@@ -210,6 +215,12 @@ class Checkpoints:
         if deleted:
             self.ctx.log(f"retention: deleted checkpoints {deleted}")
         return deleted
+
+    def _make_room(self) -> list[int]:
+        """Rank 0, a periodic or trigger save short of room: the deletions still running first (a deletion
+        of 17 GB takes ~7 s: a save that fits without it does not wait for it), then retention."""
+        resume.wait_for_deletions()
+        return self._retain()
 
     def _squeeze(self) -> list[int]:
         """Rank 0, a stop save short of room after retention: keep only the newest complete regular

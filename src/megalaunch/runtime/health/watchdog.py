@@ -1,5 +1,8 @@
 """The hang watchdog: no progress for `timeout_s` -> every thread's Python stack dumped under
-RUN/debug/, outcome `hung` (rank 0), and the process exits.
+RUN/debug/, outcome `hung` (rank 0), and the process exits. With `auto` the limit follows the measured step
+and depends on what the trainer is doing (between saves, during a save, during an evaluation:
+runtime/health/hang_limit.py); the check period and the grace follow the lowest limit, so a frozen rank
+with 1 s steps ends every rank within a minute.
 
 Each rank runs its own watchdog thread. A rank stuck inside a step leaves the other ranks stuck in
 a collective, so every rank stops making progress and every rank dumps its stacks. The thread
@@ -25,14 +28,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from megalaunch.runtime.health.hang_limit import HangLimit
+from megalaunch.runtime.health.hang_limit import HangLimit, Progress
 
 EXIT_HUNG = 75  # distinct from 0/1 so a log reader sees why the task ended
 STACKS_SIGNAL = signal.SIGURG  # ignored by default: harmless to every process that does not register it
 
 
 def check_period_s(timeout_s: float) -> float:
+    """How often the thread looks: a tenth of the limit between saves (4.5 s at the 45 s floor)."""
     return min(30.0, max(0.5, timeout_s / 10))
+
+
+def grace_s(check_s: float) -> float:
+    """How long the rank that fired stays before it exits: the other ranks, stuck in a collective with it,
+    fire within about one check period of it and dump their stacks before its exit turns their wait
+    into an error."""
+    return min(60.0, 2 * check_s + 1)
 
 
 def backstop_after_s(timeout_s: float) -> float:
@@ -53,20 +64,28 @@ class Watchdog:
         self.rank = rank
         self.job_id = job_id or str(os.getpid())
         self.limit = HangLimit(timeout_s, save_estimate_s)
-        self.timeout_s = self.limit.value
         self._fixed_check = check_s is not None
-        self.check_s = check_s if check_s is not None else check_period_s(self.timeout_s)
+        self.check_s = check_s if check_s is not None else check_period_s(self.limit.value)
         self.on_limit = on_limit
-        self.grace_s = min(60.0, 2 * self.check_s + 1)
         self.on_hang = on_hang
         self._exit = exit
         self._last = time.monotonic()
         self._what = "start"
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the check period changed (or stop): look again now
         self._thread = threading.Thread(target=self._run, name="megalaunch-watchdog", daemon=True)
         self._backstop_file: IO[str] | None = None
         self._armed_at = 0.0
         self._stacks_file: IO[str] | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        """The limit in force now: the phase's (between saves, during a save or an evaluation)."""
+        return self.limit.for_phase()
+
+    @property
+    def grace_s(self) -> float:
+        return grace_s(self.check_s)
 
     def start(self, stacks_file: Path | None = None) -> Watchdog:
         """`stacks_file`: where the stacks go when the hang watcher sends STACKS_SIGNAL."""
@@ -85,40 +104,37 @@ class Watchdog:
         except (OSError, RuntimeError, ValueError) as e:  # stacks are a help, never a reason to fail
             print(f"[megalaunch rank {self.rank}] no stacks on {STACKS_SIGNAL.name}: {e}", file=sys.stderr, flush=True)
 
-    def beat(self, what: str = "") -> None:
-        """Progress was made (an iteration ended, a save began or ended)."""
+    def beat(self, what: str = "") -> HangLimit:
+        """Progress was made (an iteration ended, a save began or ended, an evaluation began, ran a batch
+        or ended). Returns the limits in force (rank 0's heartbeat carries them)."""
         now = time.monotonic()
         self._last = now
         self._what = what
-        if self.limit.auto and self._measure(now, what):
-            self._armed_at = float("-inf")  # re-arm the backstop with the new limit now
+        if self.limit.auto:
+            before = self.timeout_s
+            if self._measure(now, what) or self.timeout_s != before:
+                self._armed_at = float("-inf")  # re-arm the backstop with the new limit or phase now
         # Re-arming starts a C thread: do it once per check period, not once per iteration.
         if self._backstop_file is not None and now - self._armed_at >= self.check_s:
             self._arm_backstop()
+        return self.limit
 
     def _measure(self, now: float, what: str) -> bool:
-        """Feed the step and save measure from the beat's words (runtime/observation/observe.py's); True when
-        the limit changed."""
-        progress = self.limit.progress
-        if what.startswith("iteration "):
-            progress.iteration(now, _int(what.removeprefix("iteration ")))
-        elif what.startswith("save at") and what.endswith("started"):
-            progress.save_started(now)
-        elif what.startswith(("save at", "waited for the save")):
-            progress.save_ended(now)
-        else:
-            progress.other()
+        """Feed the measures and the phase from the beat's words (runtime/observation/observe.py's); True
+        when the limits changed."""
+        feed(self.limit.progress, now, what)
         if not self.limit.update():
             return False
-        self.timeout_s = self.limit.value
         if not self._fixed_check:
-            self.check_s = check_period_s(self.timeout_s)
+            self.check_s = check_period_s(self.limit.value)
+            self._wake.set()  # the thread may be in a long wait of the unmeasured limit's period
         if self.on_limit is not None:
             self.on_limit(self.limit)
         return True
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         faulthandler.cancel_dump_traceback_later()
         if self._backstop_file is not None:
             self._backstop_file.close()
@@ -151,14 +167,18 @@ class Watchdog:
                                           repeat=False, file=self._backstop_file, exit=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.check_s):
+        while True:
+            self._wake.wait(self.check_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             idle = time.monotonic() - self._last
             if idle >= self.timeout_s:
                 self._fire(idle)
                 return
 
     def _fire(self, idle: float) -> None:
-        how = f"; {self.limit.why}" if self.limit.auto else ""
+        how = f"; {self.limit.describe()}" if self.limit.auto else ""
         reason = (f"no progress for {idle:.0f} s (hang_timeout {self.timeout_s:g} s{how}) on rank {self.rank}; "
                   f"last: {self._what or 'start'}")
         path = self.stack_file()
@@ -176,6 +196,33 @@ class Watchdog:
             time.sleep(self.grace_s)
         finally:
             self._exit(EXIT_HUNG)
+
+
+def feed(progress: Progress, now: float, what: str) -> None:
+    """One beat's words into the measure: iterations, a save's start, end and written checkpoint, an
+    evaluation's start, batches and end."""
+    number = _iteration(what)
+    if what.startswith("iteration "):
+        progress.iteration(now, number)
+    elif what.startswith("save at") and what.endswith("started"):
+        progress.save_started(now, number)
+    elif what.startswith("save at"):
+        progress.save_ended(now, number)
+    elif what.startswith(("checkpoint of iteration", "waited for the save")):
+        progress.written(now, number)
+        progress.other()
+    elif what in ("evaluation started", "evaluation batch"):
+        progress.eval_beat(now)
+    elif what == "evaluation done":
+        progress.eval_ended(now)
+    else:
+        progress.other()
+
+
+def _iteration(what: str) -> int | None:
+    """The number after "iteration" in a beat's words."""
+    words = what.split()
+    return _int(words[words.index("iteration") + 1]) if "iteration" in words[:-1] else None
 
 
 def _int(text: str) -> int | None:

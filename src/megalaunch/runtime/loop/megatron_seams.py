@@ -27,6 +27,7 @@ Seams (megatron-core 0.19.2, `megatron.training`):
 - `training.load_checkpoint` -> choose the checkpoint to resume from (complete ones only) and fall
   back to an older one if loading fails.
 - `initialize._initialize_distributed` / `_compile_dependencies` -> start-up phases, the health check.
+- `training.evaluate_and_print_results` -> evaluations during training beat (runtime/loop/eval_seam.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import functools
 import time
 from typing import Any
 
-from megalaunch.runtime.loop import save_staging
+from megalaunch.runtime.loop import eval_seam, save_staging
 from megalaunch.runtime.loop.fsdp_patches import complete_optimizer_state, fix_swiglu_state_dict
 from megalaunch.runtime.loop.megatron_patches import (
     check_version,
@@ -70,6 +71,7 @@ def install(hooks: LoopHooks) -> None:
     _wrap_async_finalize(hooks)
     _wrap_training_log(hooks)
     _wrap_load_checkpoint(hooks)
+    eval_seam.install(hooks)  # evaluations during training beat (the hang limits)
 
 
 # --- start-up phases --------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def _wrap_checkpoint_and_decide_exit(hooks: LoopHooks) -> None:
                                    train_data_iterator: Any) -> bool:
         hooks.on_iteration(iteration, num_floating_point_operations_so_far)
         decision = Decision(hooks.decide(iteration))
-        step = at_boundary(decision, iteration, get_args().save_interval)
+        step = at_boundary(decision, iteration, get_args().save_interval, owed=hooks.save_owed(iteration))
         if step.abort:
             hooks.acted(decision, iteration)
             return True
@@ -196,14 +198,21 @@ def _wrap_save(hooks: LoopHooks) -> None:
     from megatron.training import async_utils, get_args
     from megatron.training import training as mtraining
 
+    from megalaunch.runtime.stop import save_pacing
+
     original = mtraining.save_checkpoint_and_time
 
     @functools.wraps(original)
     def save_checkpoint_and_time(iteration: int, *args: Any, **kwargs: Any) -> Any:
         kind = _HANDLER.save_kind
         leaving = kind in ("stop", "final") or iteration >= (get_args().train_iters or iteration + 1)
+        writing = _HANDLER.unfinished[-1] if leaving and _HANDLER.unfinished else None
         if leaving:
             _finish_async_saves(hooks)  # its space is known and retention may delete what it supersedes
+            if writing is not None and hooks.leave_with_written(iteration, kind, writing):
+                return None  # the stop leaves with the save that was writing (runtime/stop/save_pacing.py)
+        elif kind == "periodic" and save_pacing.enabled():  # a write that is done is finalized (a collective)
+            async_utils.maybe_finalize_async_save(blocking=False)  # first, so that the pacing sees it
         if not hooks.before_save(iteration, kind):
             return None
         _HANDLER.saving, _HANDLER.scheduled_async, _HANDLER.leaving = iteration, False, leaving

@@ -32,6 +32,7 @@ from typing import Any
 from megalaunch.runtime.rank.dist_env import available_memory
 
 STAGING_ENV = "MEGALAUNCH_PINNED_STAGING"
+WRITE_GATE_ENV = "MEGALAUNCH_TEST_WRITE_GATE"
 MEMORY_SHARE = 0.5  # of MemAvailable at start-up, for all ranks of the node together
 ALIGN = 4096
 _ARENA_BYTES: int | None = None  # trainer: the arena each writer allocates (None: off)
@@ -119,12 +120,41 @@ def save_begun() -> None:
 
 def staged(request: Any) -> Any:
     """Trainer: an asynchronous save's request, its write timed (the log's figures) and, with the
-    arena on, its staging into the arena."""
+    arena on, its staging into the arena; with the test hook MEGALAUNCH_TEST_WRITE_GATE=PATH, its write
+    held until PATH exists (a write in flight for as long as a test needs, without guessing durations)."""
+    request = _staged(request)
+    gate = os.environ.get(WRITE_GATE_ENV)
+    if gate and request.async_fn is not None:
+        request = request._replace(async_fn=functools.partial(_gated_write, gate, request.async_fn))
+    return request
+
+
+def _gated_write(gate: str, write: Any, *args: Any, **kwargs: Any) -> Any:
+    """The writer (its process), test hook: wait until the file `gate` exists, then write."""
+    if not os.path.exists(gate):
+        print(f"[megalaunch] test hook: the writer waits for {gate}", flush=True)
+        while not os.path.exists(gate):
+            time.sleep(0.02)
+    return write(*args, **kwargs)
+
+
+def _staged(request: Any) -> Any:
     preload = request.preload_fn
     if request.async_fn is None or not isinstance(preload, functools.partial) or not preload.args:
         return request
     request = request._replace(async_fn=functools.partial(_timed_write, request.async_fn))
+    if os.environ.get("MEGALAUNCH_TEST_CPU_ASYNC_SAVE") == "1":  # test hook: a CPU "staging" copies too
+        return request._replace(preload_fn=functools.partial(_cpu_snapshot, preload))
     return request if _ARENA_BYTES is None else request._replace(preload_fn=functools.partial(stage, preload.args[0]))
+
+
+def _cpu_snapshot(preload: Any) -> list[Any]:
+    """The writer, with asynchronous saves on a CPU (MEGALAUNCH_TEST_CPU_ASYNC_SAVE): Megatron's staging is
+    `tensor.to("cpu")`, which on a CPU tensor (shared with the trainer through the request) is the tensor
+    itself, so a write held back would write a later state than the save's. A GPU's staging copies at
+    the hand-off; this copies there too, so that a CPU test's checkpoint is its iteration's state."""
+    return [(file_name, key, (data, [(item, t.clone()) for item, t in tensors]))
+            for file_name, key, (data, tensors) in preload()]
 
 
 def handed_over(iteration: int, begin: float) -> None:

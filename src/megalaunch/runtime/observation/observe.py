@@ -96,8 +96,7 @@ class Observer:
         self.timeline.mark(name)
 
     def beat(self, what: str) -> None:
-        if self.watchdog:
-            self.watchdog.beat(what)
+        self.timeline.hang = self.watchdog.beat(what) if self.watchdog else None  # its limits: rank 0's heartbeat
 
     # --- start-up: the health check ---------------------------------------------------------------------
     def distributed_ready(self) -> None:
@@ -257,6 +256,12 @@ class Observer:
         self._save_blocking.pop(iteration, None)
         if begun is not None:
             self.timeline.write(iteration, begun, time.time())
+        self.beat(f"checkpoint of iteration {iteration} written")  # the watchdog's save limit ends here
+
+    def evaluation(self, what: str) -> None:
+        """Megatron's evaluation during training (runtime/loop/eval_seam.py): "started", "batch", "done"."""
+        self.timeline.evaluation(what)
+        self.beat(f"evaluation {what}")
 
     def save_waited(self, iteration: int, begin: float, end: float) -> None:
         """The segment waited for the asynchronous save of `iteration` to complete: save time."""

@@ -69,6 +69,8 @@ class Timeline:
                                      "writes": [], "iterations": {}}
         self._last_write = 0.0
         self.heartbeat = Heartbeat(paths, job_id, enabled=write)  # every phase and save is a sign of life
+        self._writing: set[int] = set()  # saves begun whose checkpoint is not complete yet
+        self.hang: Any = None  # the watchdog's HangLimit (runtime/health/hang_limit.py), from the observer
         start = process_start_time()
         if start is not None:
             self.data["phases"]["process_start"] = start
@@ -81,7 +83,15 @@ class Timeline:
         phases[phase] = time.time() if when is None else when
         self.data.update(extra)
         self.flush()
-        self.heartbeat.beat(phase)
+        self.beat(phase)
+
+    def beat(self, phase: str, *, iteration: int | None = None, force: bool = True) -> None:
+        """Rank 0's heartbeat; `writing` tells the hang watcher (runtime/health/hang_limit.BeatPhases) that a
+        checkpoint is still being written, an asynchronous one behind iterations: the save's limit holds;
+        `hang_limits`: the watchdog's measured limits, which the watcher stays after."""
+        limits = self.hang.published() if self.hang is not None else None
+        self.heartbeat.beat(phase, iteration=iteration, force=force, writing=bool(self._writing),
+                            **({"hang_limits": limits} if limits else {}))
 
     def iteration(self, iteration: int, *, flush: bool) -> None:
         """Every iteration (cheap): the first and the latest, and how far training got."""
@@ -95,16 +105,17 @@ class Timeline:
         self.data["iterations"]["last"] = iteration
         if flush:
             self.flush()
-        self.heartbeat.beat("iteration", iteration=iteration, force=False)
+        self.beat("iteration", iteration=iteration, force=False)
 
     def save_started(self, iteration: int) -> None:
         """A blocking save begins (it may take minutes: the watcher knows it is alive)."""
-        self.heartbeat.beat("save_start", iteration=iteration)
+        self._writing.add(iteration)
+        self.beat("save_start", iteration=iteration)
 
     def save(self, iteration: int, begin: float, end: float) -> None:
         self.data["saves"].append([iteration, begin, end])
         self.flush()
-        self.heartbeat.beat("save_end", iteration=iteration)
+        self.beat("save_end", iteration=iteration)
 
     def save_waited(self, iteration: int, begin: float, end: float) -> None:
         """The segment waited for the checkpoint of `iteration` (an asynchronous save) to be complete:
@@ -116,12 +127,21 @@ class Timeline:
             saves[-1][2] = max(saves[-1][2], end)
         else:
             saves.append([iteration, begin, end])
+        self._writing.discard(iteration)
         self.flush()
-        self.heartbeat.beat("save_end", iteration=iteration)
+        self.beat("save_end", iteration=iteration)
 
     def write(self, iteration: int, begin: float, complete: float) -> None:
         self.data["writes"].append([iteration, begin, complete])
+        self._writing.discard(iteration)
         self.flush()
+        self.beat("save_written", iteration=iteration)
+
+    def evaluation(self, what: str) -> None:
+        """Megatron's evaluation during training: "started", "batch" (every eval batch, written at most every
+        few seconds) and "done"; the hang watcher gives it the evaluation's limit."""
+        phase = {"started": "eval_start", "done": "eval_end"}.get(what, "eval")
+        self.beat(phase, iteration=self.data["iterations"].get("last"), force=phase != "eval")
 
     def flush(self) -> None:
         if not self.write_enabled:

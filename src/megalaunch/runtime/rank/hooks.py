@@ -21,7 +21,11 @@ class LoopHooks(Protocol):
     def decide(self, iteration: int, force: bool = False) -> int: ...
     # after_save: the stop came during the save just written at this iteration and is satisfied by it
     def acted(self, decision: int, iteration: int, after_save: bool = False) -> None: ...
-    def before_save(self, iteration: int, kind: SaveKind) -> bool: ...  # False: skip this save
+    def before_save(self, iteration: int, kind: SaveKind) -> bool: ...  # False: skip (or defer) this save
+    # a periodic save deferred earlier is owed at this boundary (the same on every rank)
+    def save_owed(self, iteration: int) -> bool: ...
+    # collective: a stop whose wait for the asynchronous save of `writing` is over leaves with that one
+    def leave_with_written(self, iteration: int, kind: SaveKind, writing: int) -> bool: ...
     # the save returned; complete=False: an asynchronous save still writing (save_complete follows)
     def after_save(self, iteration: int, complete: bool = True) -> None: ...
     def save_complete(self, iteration: int) -> None: ...  # the checkpoint is on disk, tracker updated
@@ -34,6 +38,7 @@ class LoopHooks(Protocol):
     def loaded(self, iteration: int, consumed_samples: int) -> None: ...
     def phase(self, name: str) -> None: ...  # a start-up detail phase reached (timeline)
     def distributed_ready(self) -> None: ...  # collective: process groups made; the health check runs here
+    def evaluation(self, what: str) -> None: ...  # Megatron's evaluation: "started", "batch", "done"
 
 
 class StepHooks(Protocol):

@@ -45,12 +45,15 @@ class Boundary:
     save_kind: SaveKind  # why any checkpoint written at this boundary is written
 
 
-def at_boundary(decision: Decision, iteration: int, save_interval: int | None) -> Boundary:
+def at_boundary(decision: Decision, iteration: int, save_interval: int | None, owed: bool = False) -> Boundary:
+    """`owed`: a periodic save deferred at an earlier boundary (runtime/stop/save_pacing.py) is tried
+    again here, when nothing else saves at this boundary."""
     on_interval = bool(save_interval) and iteration % int(save_interval or 1) == 0
     kinds: dict[Decision, SaveKind] = {Decision.SAVE: "trigger", Decision.SIGNAL: "stop", Decision.EXIT: "stop"}
     kind = kinds.get(decision, "periodic")
-    return Boundary(save_now=decision == Decision.SAVE and not on_interval, leave=decision >= Decision.SIGNAL,
-                    abort=decision == Decision.ABORT, save_kind=kind)
+    save_now = (decision == Decision.SAVE or (decision == Decision.CONTINUE and owed)) and not on_interval
+    return Boundary(save_now=save_now, leave=decision >= Decision.SIGNAL, abort=decision == Decision.ABORT,
+                    save_kind=kind)
 
 
 class Decisions:
@@ -76,9 +79,10 @@ class Decisions:
         local = decide(TriggerBox(self.ctx.paths) if self.ctx.is_zero else None, self.flag.received)
         return all_reduce_max(int(local))
 
-    def acted(self, decision: int, iteration: int, after_save: bool = False) -> None:
+    def acted(self, decision: int, iteration: int, after_save: bool = False, left_with: int | None = None) -> None:
         """`after_save`: the decision came during the save just written at `iteration`, which
-        satisfies it (no second save: no iteration ran since)."""
+        satisfies it (no second save: no iteration ran since). `left_with`: a stop that left with the
+        checkpoint of that earlier iteration, still being written when it came (runtime/stop/save_pacing.py)."""
         d = Decision(decision)
         self.decision = max(self.decision, d)
         self.decision_iteration = iteration
@@ -86,11 +90,13 @@ class Decisions:
         if d != Decision.SAVE:
             self.timeline.mark("decision", decision=d.name.lower(), decision_iteration=iteration)
         action = _AFTER_SAVE[d] if after_save else _ACTIONS[d]
+        if left_with is not None and d >= Decision.SIGNAL:
+            action = f"left with the checkpoint of iteration {left_with} (still being written when it came), exiting"
         self.ctx.log(f"decision {d.name.lower()} at iteration {iteration}: {action}")
         if self.ctx.is_zero:
-            self._consume(d, iteration, after_save)
+            self._consume(d, iteration, after_save, left_with)
 
-    def _consume(self, d: Decision, iteration: int, after_save: bool = False) -> None:
+    def _consume(self, d: Decision, iteration: int, after_save: bool = False, left_with: int | None = None) -> None:
         """Rank 0: move the triggers this decision satisfied to triggers/consumed/, and say so."""
         box = TriggerBox(self.ctx.paths)
         consumed = box.consume_for(d, iteration, self.ctx.job_id)
@@ -99,7 +105,8 @@ class Decisions:
             consumed += [rec] if rec else []
         self.ctx.ledger("decision", decision=d.name.lower(), iteration=iteration,
                         triggers=[c.get("verb") for c in consumed], signal=self.flag.received,
-                        **({"during_save": True} if after_save else {}))
+                        **({"during_save": True} if after_save else {}),
+                        **({"checkpoint": left_with} if left_with is not None else {}))
 
     def mark_signal(self) -> None:
         """The stop signal's arrival on the timeline (once; when it came, not when it was noticed)."""
