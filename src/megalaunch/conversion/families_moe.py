@@ -59,14 +59,15 @@ def num_experts(cfg: dict[str, Any]) -> int:
 
 
 def _check_every_layer_moe(cfg: dict[str, Any], layers: int) -> None:
-    """Qwen's `mlp_only_layers` and `decoder_sparse_step` make some layers dense. megalaunch's runtime builds
-    every layer of an MoE recipe as an MoE layer (one layer spec), so such a model would not train as converted."""
+    """Qwen's `mlp_only_layers` and `decoder_sparse_step` make some layers dense. megalaunch trains such models
+    (runtime/model/model.py moe_pattern), but Megatron then saves every layer under its own keys (not the stacked
+    layer axis this mapping writes) and the dense layers' MLPs are not mapped: refused, not half-converted."""
     dense = sorted(set(int(i) for i in cfg.get("mlp_only_layers") or []) & set(range(layers)))
     step = int(cfg.get("decoder_sparse_step") or 1)
     if dense or step != 1:
         what = f"mlp_only_layers {dense}" if dense else f"decoder_sparse_step {step}"
-        raise _refuse(f"{what}: dense layers between the MoE layers are not converted (megalaunch builds every "
-                      "layer of an MoE model as an MoE layer)")
+        raise _refuse(f"{what}: dense layers between the MoE layers are not converted yet (megalaunch trains "
+                      "them, but their per-layer checkpoint keys are not mapped)")
 
 
 def moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:

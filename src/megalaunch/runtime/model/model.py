@@ -25,14 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def layer_spec(config: TransformerConfig, *, attention: str = "local", transformer_impl: str = "local",
                normalization: str = "RMSNorm", qk_layernorm: bool = False,
-               liger_ops: frozenset[str] = frozenset(), experts: str = "sequential") -> ModuleSpec:
+               liger_ops: frozenset[str] = frozenset(), experts: str = "sequential", dense: bool = False) -> ModuleSpec:
     """The transformer-layer spec for this attention implementation, with liger-kernel's norm and SwiGLU
     where `liger_ops` names them (runtime/model/kernels.py; the rotary embedding and the loss are the model's)
-    and, in mixture-of-experts layers, `experts`: Megatron's SequentialMLP ("sequential") or megalaunch's
+    and, in mixture-of-experts layers (all but `dense`: the same layer with a dense MLP), `experts`: Megatron's SequentialMLP ("sequential") or megalaunch's
     grouped-GEMM experts ("grouped", runtime/model/experts/; the shared experts stay Megatron's)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r}; valid: {', '.join(ATTENTIONS)}")
-    num_experts = getattr(config, "num_moe_experts", None)
+    num_experts = None if dense else getattr(config, "num_moe_experts", None)
     moe_grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
     if transformer_impl == "transformer_engine" or attention == "te":
         if attention in ("sdpa", "flash"):
@@ -47,13 +47,13 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = \
             sdpa_attention_class() if attention == "sdpa" else flash_attention_class()
+    if experts not in ("grouped", "sequential", "te", ""):
+        raise ValueError(f"experts {experts!r}; valid: grouped, sequential")
     if num_experts and experts == "grouped":
         from megalaunch.runtime.model.experts.grouped import with_grouped_experts
 
         spec = copy.deepcopy(spec)
         spec.submodules.mlp = with_grouped_experts(spec.submodules.mlp)
-    elif experts not in ("sequential", "te", ""):
-        raise ValueError(f"experts {experts!r}; valid: grouped, sequential")
     if liger_ops & {"rmsnorm", "swiglu"}:
         from megalaunch.runtime.model import liger_layers
 
@@ -67,20 +67,50 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
     return spec
 
 
-def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | None = None) -> Any:
-    """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or, where the layers use
-    megalaunch's norm (the sequence-parallel torch norm, liger's), the block's submodules with that norm as
-    its final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
+def moe_pattern(config: TransformerConfig) -> list[int] | None:
+    """Which layers are mixture-of-experts (1) and which dense (0), as Megatron reads `moe_layer_freq` (an
+    int N: every N-th layer from the first; a list: per layer, e.g. the first k dense); None when every layer
+    is the same kind."""
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    freq = getattr(config, "moe_layer_freq", 1)
+    n = int(config.num_layers)
+    pattern = [1 if i % freq == 0 else 0 for i in range(n)] if isinstance(freq, int) else [int(x) for x in freq]
+    return None if all(pattern) else pattern
+
+
+def decoder_spec(config: TransformerConfig, layer: ModuleSpec, vp_stage: int | None = None,
+                 dense: ModuleSpec | None = None) -> Any:
+    """What GPTModel takes as `transformer_layer_spec`: the layer spec itself, or the block's submodules where
+    the layers differ or use megalaunch's norm: `dense` (the same layer with a dense MLP) for the layers
+    `moe_pattern` calls dense (Megatron's own block spec does this for its specs only: given one layer spec,
+    every layer was built as an MoE layer), and megalaunch's norm (the sequence-parallel torch norm, liger's)
+    as the final norm too (Megatron would pick its torch norm, which refuses sequence parallel)."""
     norm = custom_norm(layer)
-    if norm is None:
+    pattern = moe_pattern(config) if dense is not None else None
+    if norm is None and pattern is None:
         return layer
     from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=norm)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if pattern is None:
+        specs = [layer] * count
+    else:
+        every = [layer if p else dense for p in pattern]
+        layout = getattr(config, "pipeline_model_parallel_layout", None)
+        if layout is not None:
+            from megatron.core.transformer.enums import LayerType
+
+            specs = [every[i] for i in layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)]
+        else:
+            offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+            specs = every[offset:offset + count]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm if norm is not None else LayerNormImpl)
 
 
 # --- inside Megatron's loop -------------------------------------------------------------------
@@ -101,12 +131,16 @@ def model_provider(attention: str, liger_ops: frozenset[str] = frozenset(), fp8:
 
         args = get_args()
         cfg = config if config is not None else core_transformer_config_from_args(args)
-        spec = layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
-                          normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops,
-                          experts=experts)
+
+        def build(dense: bool) -> ModuleSpec:
+            return layer_spec(cfg, attention=attention, transformer_impl=args.transformer_impl,
+                              normalization=args.normalization, qk_layernorm=args.qk_layernorm, liger_ops=liger_ops,
+                              experts=experts, dense=dense)
+
+        spec, dense = build(False), (build(True) if moe_pattern(cfg) is not None else None)
         model = gpt_class(cfg, liger_ops)(
             config=cfg,
-            transformer_layer_spec=decoder_spec(cfg, spec, vp_stage),
+            transformer_layer_spec=decoder_spec(cfg, spec, vp_stage, dense),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
