@@ -81,19 +81,29 @@ def test_a_file_from_before_the_judge_is_no_beat_and_a_node_that_never_beats_is_
     assert "never beat" in d.why(49.0, "n2")
 
 
+def test_a_node_whose_writer_said_it_ended_is_never_silent() -> None:
+    """Its work is over (its ranks ended) while its peers may still write their last checkpoint."""
+    d = NodeSilence(silence_s=15, fresh_s=5, never_s=45)
+    d.observe(0.0, {})
+    d.observe(1.0, {"n1": b"1", "n2": b"1"})
+    for t in range(2, 40):
+        d.observe(float(t), {"n1": f"{t}".encode(), "n2": b'{"seq": 2, "ended": true}'})
+        assert d.silent(float(t), ["n1", "n2"]) == []
+
+
 def test_the_writer_thread_beats_and_the_judge_finds_the_one_that_stopped(tmp_path: Path) -> None:
     a, b = NodeBeat(tmp_path, "a", "test", 0.05).start(), NodeBeat(tmp_path, "b", "test", 0.05).start()
     step = StepSilence(tmp_path, ["a", "b"], silence=0.5)
     step.decision.fresh_s = 0.3
     assert step.check(time.monotonic()) == []
-    b.stop()
+    b._stop.set()  # b's thread stops beating without a last word (a frozen node's)
     deadline = time.monotonic() + 20
     while not (lost := step.check(time.monotonic())) and time.monotonic() < deadline:
         time.sleep(0.05)
     a.stop()
     assert lost == ["b"]
     record = json.loads((tmp_path / "a.json").read_text())
-    assert record["node"] == "a" and record["seq"] > 5 and record["by"] == "test"
+    assert record["node"] == "a" and record["seq"] > 5 and record["by"] == "test" and record["ended"] is True
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 

@@ -98,11 +98,13 @@ def keeper(
 
     from megalaunch.launcher.backends.keeper import detach, keep
     from megalaunch.launcher.backends.slurm import SlurmClient
-    from megalaunch.runtime.health.node_beat import HostSilence, beat_dir
+    from megalaunch.runtime.health.node_beat import HostSilence, NodeBeat, beat_dir
 
     detach(log)
     job_id, client = _job_id(), SlurmClient()
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    # this node beats too: the batch host is judged against it (the training step's nodes may all have ended)
+    NodeBeat(beat_dir(run, job_id), here, "keeper").start()
     keep(job_id, batch_host, ask=client.job_state, cancel=lambda j: client.scancel([j]),
          on_lost=lambda why: _chain(run).batch_host_lost(job_id, batch_host, here, why),
          silence=HostSilence(beat_dir(run, job_id), batch_host))

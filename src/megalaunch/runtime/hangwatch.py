@@ -47,7 +47,7 @@ from megalaunch.runtime.health.hang_limit import (
     startup_limit,
 )
 from megalaunch.runtime.health.heartbeat import TRAINING_PHASES
-from megalaunch.runtime.health.node_beat import NodeBeat, StepSilence, beat_dir, this_node
+from megalaunch.runtime.health.node_beat import StepSilence
 from megalaunch.runtime.health.node_loss import StepNodes, end_lost_step, ended_lines, silent_lines
 from megalaunch.runtime.health.slurm_step import SlurmStep, alive, kill_step, log
 from megalaunch.runtime.health.watchdog import backstop_after_s
@@ -307,9 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunPaths(Path(opts.run_dir).absolute())
     limits = Limits.for_run(paths, job_id)
     log(f"watching {paths.heartbeat(job_id)}: startup limit {limits.startup_s:g} s, then {limits.hang_s:g} s")
-    # the batch host's sign of life for the keeper (launcher/backends/keeper.py), for the whole step
-    if int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) > 1:
-        NodeBeat(beat_dir(paths.root, job_id), this_node(), "hang watcher").start()
     watch(paths, job_id, limits, SlurmStep(job_id, opts.shell_pid))
     return 0
 

@@ -9,9 +9,11 @@ step alike, and it names no node.
 
 So on every node of a multi-node step one writer beats RUN/state/node_beats/<job>/<node>.json every
 BEAT_S from a thread of its own: the task supervisor of the node's first task (runtime/task.py: a small
-process that waits for its trainer, so a blocked collective, a slow step or a long save never stops it),
-and on the batch host also the hang watcher (runtime/hangwatch.py), which runs there for the whole step.
-A node whose every process is stopped (frozen, or its network or file system gone) stops beating.
+process that waits for its trainer, so a blocked collective, a slow step or a long save never stops it).
+The batch host of a job with a keeper also beats for the job's whole life from a loop of the job script
+(templates/train.sbatch.j2), and the keeper beats its own node. A node whose every process is stopped
+(frozen, or its network or file system gone) stops beating; a writer whose work ended beats a last time
+saying so (`"ended": true`), and such a node is never judged (its peers may still write their last save).
 
 Who judges: the hang watcher on the batch host, every node of the step; the keeper (launcher/backends/
 keeper.py), on the allocation's last node, the batch host (the watcher itself is on it). A node is silent
@@ -43,6 +45,7 @@ SILENCE_S = 15.0  # MEGALAUNCH_NODE_SILENCE_S overrides (cluster.env): 7 missed 
 FRESH_S = 2 * BEAT_S + 1.0
 NEVER_S = 45.0
 SILENCE_ENV = "MEGALAUNCH_NODE_SILENCE_S"
+ENDED = b'"ended": true'  # a writer's last beat (NodeBeat.stop, the job script's loop)
 
 
 def silence_s(env: Mapping[str, str] | None = None) -> float:
@@ -85,14 +88,20 @@ class NodeBeat:
         return self
 
     def stop(self) -> None:
+        """No more beats, and a last one that says so: a node whose work ended is not a silent one (its peers may
+        still be writing their last checkpoint)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.beat(ended=True)
 
-    def beat(self) -> None:
+    def beat(self, ended: bool = False) -> None:
         """One beat: a new file renamed over the old one (a reader sees the old or the new, never half)."""
         self._seq += 1
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         text = json.dumps({"node": self.node, "by": self.by, "pid": os.getpid(), "seq": self._seq,
-                           "time": round(time.time(), 3), "step": os.environ.get("MEGALAUNCH_STEP", "")}) + "\n"
+                           "time": round(time.time(), 3), "step": os.environ.get("MEGALAUNCH_STEP", ""),
+                           **({"ended": True} if ended else {})}) + "\n"
         try:
             with open(tmp, "w") as f:
                 f.write(text)
@@ -166,6 +175,8 @@ class NodeSilence:
         return out
 
     def _lost(self, now: float, node: str) -> bool:
+        if ENDED in (self._seen.get(node) or b""):
+            return False  # its writer ended its work and said so: not silent
         last = self._changed.get(node)
         if last is not None:
             return now - last >= self.silence_s
