@@ -239,7 +239,7 @@ def test_hugging_face_side_errors_name_the_tensor(models: dict[Any, Path], tmp_p
         hf_to_mcore(bad, tmp_path / "o2", progress=False)
     cfg = hf_config(src) | {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="valid: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="valid: DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM"):
         hf_to_mcore(bad, tmp_path / "o3", progress=False)
 
 

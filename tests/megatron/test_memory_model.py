@@ -35,12 +35,17 @@ def megatron_weight_and_optimizer_bytes(shape, layout) -> float:
         virtual_pipeline_model_parallel_size=layout.vpp, data_parallel_size=layout.dp * layout.cp,
         world_size=layout.world, use_distributed_optimizer=layout.distributed_optimizer,
         num_experts=shape.experts or None, moe_shared_expert_intermediate_size=shape.shared_ffn or None,
-        mtp_num_layers=None, multi_latent_attention=False, expert_model_parallel_size=layout.ep,
+        mtp_num_layers=None, multi_latent_attention=shape.mla is not None, expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp or layout.tp, qk_layernorm=shape.qk_norm,
         moe_layer_freq=list(shape.moe_pattern) if shape.experts else 1, moe_ffn_hidden_size=shape.expert_ffn or None,
         moe_router_topk=shape.topk or 1, moe_latent_size=None,
-        q_lora_rank=None, kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None, v_head_dim=None)
+        **_mla(shape))
     return compute_weight_and_optimizer_memory(args)
+
+
+def _mla(shape) -> dict:
+    ql, kl, nope, rope, v = shape.mla or (None, None, None, None, None)
+    return dict(q_lora_rank=ql or None, kv_lora_rank=kl, qk_head_dim=nope, qk_pos_emb_head_dim=rope, v_head_dim=v)
 
 
 def ours(shape, layout) -> float:

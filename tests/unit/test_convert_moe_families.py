@@ -1,7 +1,7 @@
 """The mixture-of-experts half of the config mapping (conversion/families_moe.py), without Megatron or torch:
 published configs (Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B) give the recipe's MoE fields and match the
 shipped recipes; a config written from a recipe reads back as the same model; dense layers between the MoE
-layers, DeepSeek's MLA and a model a family cannot hold are refused in one line; `--from-hf` takes the MoE
+layers, DeepSeek-V2's router and a model a family cannot hold are refused in one line; `--from-hf` takes the MoE
 fields (a contradicting `--set` refused naming the field, the aux-loss weight a training choice a `--set` wins)."""
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def test_a_config_written_from_the_recipe_reads_back_as_the_same_model(cfg: dict
     ({"decoder_sparse_step": 2}, "decoder_sparse_step 2: dense layers"),
     ({"num_experts": 1}, "needs >= 2 experts"),
     ({"num_experts_per_tok": 200}, "num_experts_per_tok 200 of 128 experts"),
-    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-     "(DeepSeek) needs multi-head latent attention (MLA)"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
+     "(DeepSeek-V2: softmax scores with per-group maxima"),
 ])
 def test_what_does_not_map_exactly_is_refused_in_one_line(change: dict[str, Any], message: str) -> None:
     with pytest.raises(UnsupportedModelError) as e:

@@ -206,7 +206,7 @@ def mcore_to_hf(
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     family: Annotated[str | None, typer.Option("--family", help="llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe "
-                                                                "| qwen3_moe (when no Hugging Face config travels "
+                                                                "| qwen3_moe | deepseek_v3 (when no Hugging Face config travels "
                                                                 "with the checkpoint).")] = None,
     vocab_size: Annotated[int | None, typer.Option("--vocab-size", min=1, help="Rows to keep (strips "
                                                                                "Megatron's padding).")] = None,

@@ -47,11 +47,14 @@ def sft(
     malformed = sum(len(r.malformed) for r in results)
     over = sum(r.over_seq_length for r in results)
     split = sum(r.split_turns for r in results)
+    folded = sum(r.folded_system for r in results)
     share = total["trained_tokens"] / max(total["tokens"], 1)
     say(f"{total['conversations']:,} conversations, {total['tokens']:,} tokens, {total['trained_tokens']:,} "
         f"trained ({share:.1%}), {malformed:,} malformed rows left out"
         + (f", {over:,} longer than {seq_length} tokens (truncated in training)" if seq_length else "")
-        + (f", {split:,} split one sample per assistant turn (the template rewrites earlier turns)" if split else ""))
+        + (f", {split:,} split one sample per assistant turn (the template rewrites earlier turns)" if split else "")
+        + (f", {folded:,} with the system message folded into the first user turn (the template has no system "
+           "role)" if folded else ""))
     out, tok = os.path.abspath(output), os.path.abspath(tokenizer)
     say(f"next: megalaunch submit sft-tiny --set data.mock=false --set 'data.blend=[{{path: {out}}}]' "
         f"--set data.tokenizer_type=HuggingFaceTokenizer --set data.tokenizer_model={shlex.quote(tok)} "

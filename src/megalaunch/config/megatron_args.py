@@ -11,6 +11,7 @@ import os
 from dataclasses import fields
 from typing import Any
 
+from megalaunch.config.model.mla import MLA_FIELDS, mla_args
 from megalaunch.config.model.moe import MOE_FIELDS, moe_args
 from megalaunch.config.schema import Recipe
 from megalaunch.rundir.paths import RunPaths
@@ -47,12 +48,12 @@ def _section(out: list[str], section: Any, skip: set[str]) -> None:
 def _model_args(recipe: Recipe) -> list[str]:
     out: list[str] = []
     m = recipe.model
-    _section(out, m, set(MOE_FIELDS) | {"use_rope_scaling", "rope_scaling_factor"})
+    _section(out, m, set(MOE_FIELDS) | set(MLA_FIELDS) | {"use_rope_scaling", "rope_scaling_factor"})
     if m.use_rope_scaling:
         out += ["--use-rope-scaling", "--rope-scaling-factor", str(m.rope_scaling_factor)]
     if m.num_query_groups is not None:
         out.append("--group-query-attention")
-    return out + moe_args(m)
+    return out + mla_args(m) + moe_args(m)
 
 
 def recompute_args(mode: str) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from megalaunch.config.cluster import ClusterConfig
 from megalaunch.config.eval_schema import EvalConfig
+from megalaunch.config.model.mla import MLAFields
 from megalaunch.config.model.moe import MoEFields
 from megalaunch.config.typed import doc
 
@@ -47,8 +48,9 @@ class _ModelShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig(MoEFields, _ModelShape):
-    """Model shape, in Megatron's terms; the mixture-of-experts fields are config/moe.py's."""
+class ModelConfig(MoEFields, MLAFields, _ModelShape):
+    """Model shape, in Megatron's terms; the mixture-of-experts fields are config/model/moe.py's, the
+    multi-latent-attention ones config/model/mla.py's."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings"):

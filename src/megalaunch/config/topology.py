@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalaunch.config.model.mla import check_mla
 from megalaunch.config.model.moe import check_moe
 from megalaunch.config.schema import Recipe
 from megalaunch.errors import PreflightError
@@ -130,6 +131,7 @@ def check_model_parallel(recipe: Recipe, topo: Topology) -> None:
              f"{ffn} is not divisible by TP {tp} (the MLP's column-parallel layer splits it)",
              f"a multiple of {tp}", "choose another TP or ffn_hidden_size")
     _check_experts(recipe, topo)
+    check_mla(recipe)
     _check_sequence(recipe, topo)
 
 

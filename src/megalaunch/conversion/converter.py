@@ -88,9 +88,8 @@ def _stacked_shape(item: Item, dims: Dims) -> tuple[int, ...]:
     """The global tensor's shape: layer tensors stacked on a leading layer axis, expert tensors also on the
     expert axis after it."""
     shape = dims.shape(item.rule.mcore_shape)
-    if item.rule.per_expert:
-        return (dims.num_layers, dims.num_experts, *shape)
-    return (dims.num_layers, *shape) if item.rule.per_layer else shape
+    layer = (dims.num_layers,) if item.stacked else ()  # a layer under its own key has no layer axis
+    return (*layer, dims.num_experts, *shape) if item.rule.per_expert else (*layer, *shape)
 
 
 def _hf_shapes(item: Item, dims: Dims) -> list[tuple[int, ...]]:
@@ -149,6 +148,6 @@ class _Staging:
 # A dtype conversion (--dtype) reads the source rows through a scratch buffer of at most this size.
 def _offset(item: Item, ndim: int) -> tuple[int, ...]:
     """Global offset of one item: its layer on the stacked axis (and its expert on the expert axis), then zeros."""
-    layer = (item.layer or 0,) if item.rule.per_layer else ()
+    layer = (item.layer or 0,) if item.stacked else ()
     expert = (item.expert or 0,) if item.rule.per_expert else ()
     return layer + expert + (0,) * ndim

@@ -41,6 +41,18 @@ class Dims:
     """The shared expert's MLP width (0: none)."""
     shared_gate: bool = False
     """A sigmoid gate [1, hidden] on the shared expert's output (Qwen2-MoE)."""
+    expert_bias: bool = False
+    """The router's per-expert score bias (DeepSeek-V3's e_score_correction_bias; fp32)."""
+    moe_pattern: tuple[int, ...] = ()
+    """Per layer 1 (MoE) or 0 (dense) where an MoE model has dense layers (DeepSeek-V3's first 3); empty where
+    every layer is the same kind. Megatron then saves every layer under its own keys (`decoder.layers.{i}.`)."""
+    mla: tuple[int, int, int, int, int] | None = None
+    """Multi-latent attention: (q_lora_rank (0: full-rank queries), kv_lora_rank, qk nope, qk rope, v head size)."""
+
+    @property
+    def layer_keys(self) -> bool:
+        """Megatron's per-layer keys (layers of two kinds) rather than one key stacked over the layer axis."""
+        return bool(self.moe_pattern)
 
     def __post_init__(self) -> None:
         if self.heads % self.groups:
@@ -69,12 +81,17 @@ class Dims:
                    expert_ffn=(model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
                    if model.num_experts else 0,
                    shared_ffn=(model.moe_shared_expert_intermediate_size or 0) if model.num_experts else 0,
-                   shared_gate=bool(model.num_experts and model.moe_shared_expert_gate))
+                   shared_gate=bool(model.num_experts and model.moe_shared_expert_gate),
+                   expert_bias=bool(model.num_experts and model.moe_router_enable_expert_bias),
+                   moe_pattern=_moe_pattern(model), mla=_mla(model))
 
     def symbols(self) -> dict[str, int]:
         q = self.heads * self.head_dim
         kv = self.groups * self.head_dim
-        return {"h": self.hidden, "f": self.ffn, "2f": 2 * self.ffn, "q": q, "kv": kv,
+        ql, kl, nope, rope, v = self.mla or (0, 0, 0, 0, 0)
+        mla = {"ql": ql, "kl": kl, "klr": kl + rope, "qh": self.heads * (nope + rope),
+               "kvh": self.heads * (nope + v), "o": self.heads * v}
+        return {**mla, "h": self.hidden, "f": self.ffn, "2f": 2 * self.ffn, "q": q, "kv": kv,
                 "qkv": q + 2 * kv, "d": self.head_dim, "v": self.vocab, "vp": self.padded_vocab, "L": self.num_layers,
                 "E": self.num_experts, "ef": self.expert_ffn, "2ef": 2 * self.expert_ffn, "sf": self.shared_ffn,
                 "2sf": 2 * self.shared_ffn, "1": 1}
@@ -82,3 +99,17 @@ class Dims:
     def shape(self, symbolic: tuple[str, ...]) -> tuple[int, ...]:
         table = self.symbols()
         return tuple(table[s] for s in symbolic)
+
+
+def _moe_pattern(model: ModelConfig) -> tuple[int, ...]:
+    from megalaunch.config.model.moe import moe_layer_pattern
+
+    pattern = tuple(moe_layer_pattern(model)) if model.num_experts else ()
+    return pattern if 0 in pattern else ()
+
+
+def _mla(model: ModelConfig) -> tuple[int, int, int, int, int] | None:
+    if not model.multi_latent_attention:
+        return None
+    return (model.q_lora_rank or 0, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim,
+            model.v_head_dim)

@@ -12,13 +12,15 @@ from typing import Any
 
 from megalaunch.config.schema import ModelConfig
 from megalaunch.conversion.errors import UnsupportedModelError
-from megalaunch.conversion.families_moe import (
-    MOE_ARCH_FIELDS,
-    MOE_ARCHITECTURES,
-    hf_moe_config,
-    moe_fields,
-    refuse_deepseek,
+from megalaunch.conversion.families_deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_MOE_FIELDS,
+    MLA_ARCH_FIELDS,
+    deepseek_fields,
+    hf_deepseek_config,
+    refuse_deepseek_v2,
 )
+from megalaunch.conversion.families_moe import MOE_ARCH_FIELDS, MOE_ARCHITECTURES, hf_moe_config, moe_fields
 
 # Hugging Face architecture -> (family, model_type).
 ARCHITECTURES = {
@@ -27,6 +29,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
     "Qwen3ForCausalLM": ("qwen3", "qwen3"),
     **MOE_ARCHITECTURES,
+    **DEEPSEEK_ARCHITECTURES,
 }
 FAMILY_ARCHITECTURE = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
 # Megatron hard-codes Llama 3.1's rope scaling except the factor (--rope-scaling-factor: 8 for
@@ -37,7 +40,8 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
                "rope_scaling_factor", "normalization",
                "norm_epsilon", "swiglu", "disable_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights", "kv_channels", "qk_layernorm", *MOE_ARCH_FIELDS)
+               "untie_embeddings_and_output_weights", "kv_channels", "qk_layernorm", *MOE_ARCH_FIELDS,
+               *DEEPSEEK_MOE_FIELDS, *MLA_ARCH_FIELDS)
 # Families whose attention has an RMSNorm over head_dim on each head's queries and keys (Megatron's --qk-layernorm).
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 # Families with biases on q, k and v (and nowhere else).
@@ -115,7 +119,7 @@ def _architecture(cfg: dict[str, Any]) -> str:
         by_type = {mt: a for a, (_, mt) in ARCHITECTURES.items()}
         arch = by_type.get(cfg.get("model_type", ""))
     if arch is None:
-        _named_valid(refuse_deepseek, archs, str(cfg.get("model_type", "")))
+        _named_valid(refuse_deepseek_v2, archs, str(cfg.get("model_type", "")))
         moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")) \
             or any("Moe" in str(a) or "Mixtral" in str(a) for a in archs)
         what = " (a mixture of experts the mapping does not know)" if moe else ""
@@ -147,13 +151,18 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
 
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     _check_mappable(cfg, family)
-    kv_channels = _kv_channels(cfg, family, hidden, heads)
+    deepseek = family == "deepseek_v3"  # MLA: its config's head_dim is the rope part, not a head size
+    kv_channels = None if deepseek else _kv_channels(cfg, family, hidden, heads)
     if cfg.get("use_sliding_window") or (family in ("mistral", "mixtral") and cfg.get("sliding_window")
                                          and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)):
         notes.append(f"sliding_window {cfg.get('sliding_window')} is not in the recipe schema: logits agree only "
                      "for sequences up to the window")
-    theta, use_rope_scaling, factor = _rope(cfg)
-    moe = _named_valid(moe_fields, cfg, family)
+    if deepseek:
+        theta, use_rope_scaling, factor = rope_settings(cfg)[0], False, 8.0
+        moe = _named_valid(deepseek_fields, cfg, rope_settings(cfg)[1])
+    else:
+        theta, use_rope_scaling, factor = _rope(cfg)
+        moe = _named_valid(moe_fields, cfg, family)
     if cfg.get("router_jitter_noise"):
         notes.append(f"router_jitter_noise {cfg['router_jitter_noise']} (training-time noise on the router's inputs) "
                      "is not in the recipe schema: Megatron routes without it")
@@ -164,9 +173,9 @@ def model_from_hf_config(cfg: dict[str, Any], *, make_vocab_size_divisible_by: i
         hidden_size=hidden,
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
-        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        num_query_groups=None if deepseek else int(cfg.get("num_key_value_heads") or heads),
         kv_channels=kv_channels,
-        qk_layernorm=family in QK_NORM_FAMILIES,
+        qk_layernorm=family in QK_NORM_FAMILIES or deepseek,
         seq_length=min(max_pos, 4096),
         max_position_embeddings=max_pos,
         position_embedding_type="rope",
@@ -197,10 +206,12 @@ def _normalized(model: ModelConfig) -> ModelConfig:
     counts; a dense model's MoE fields are unused and compare equal."""
     ffn = model.ffn_hidden_size or 4 * model.hidden_size
     out = replace(model, num_query_groups=model.num_query_groups or model.num_attention_heads,
-                  ffn_hidden_size=ffn, kv_channels=head_dim(model))
+                  ffn_hidden_size=ffn, kv_channels=None if model.multi_latent_attention else head_dim(model))
     if model.num_experts:
-        return replace(out, ffn_hidden_size=0, moe_ffn_hidden_size=model.moe_ffn_hidden_size or ffn)
-    defaults: dict[str, Any] = {f: ModelConfig.__dataclass_fields__[f].default for f in MOE_ARCH_FIELDS}
+        every_layer = not model.moe_first_dense_layers and model.moe_layer_freq == 1
+        return replace(out, ffn_hidden_size=0 if every_layer else ffn, moe_ffn_hidden_size=model.moe_ffn_hidden_size or ffn)
+    defaults: dict[str, Any] = {f: ModelConfig.__dataclass_fields__[f].default
+                                for f in (*MOE_ARCH_FIELDS, *DEEPSEEK_MOE_FIELDS)}
     return replace(out, **defaults)
 
 
@@ -224,12 +235,15 @@ def hf_config_from_model(model: ModelConfig, *, family: str, vocab_size: int, dt
             or model.position_embedding_type != "rope" or model.rotary_percent != 1.0:
         raise UnsupportedModelError("only RMSNorm + SwiGLU + RoPE models without linear biases map to "
                                     f"the {family} family")
-    moe = hf_moe_config(model, family)
+    moe = hf_deepseek_config(model) if family == "deepseek_v3" else hf_moe_config(model, family)
+    if model.multi_latent_attention and family != "deepseek_v3":
+        raise UnsupportedModelError(f"multi-latent attention does not fit family {family!r}",
+                                    fix="use --family deepseek_v3")
     if model.add_qkv_bias != (family == "qwen2") and family != "qwen2_moe":
         raise UnsupportedModelError(f"add_qkv_bias={model.add_qkv_bias} does not fit family {family!r}",
                                     fix="use --family qwen2 (qwen2_moe) for QKV biases, qwen3 (qwen3_moe) for "
                                         "QK-norm, llama, mistral or mixtral otherwise")
-    if model.qk_layernorm != (family in QK_NORM_FAMILIES):
+    if model.qk_layernorm != (family in QK_NORM_FAMILIES) and family != "deepseek_v3":
         raise UnsupportedModelError(f"qk_layernorm={model.qk_layernorm} does not fit family {family!r}",
                                     fix="use --family qwen3 (qwen3_moe) for QK-norm, llama, mistral, qwen2, mixtral "
                                         "or qwen2_moe otherwise")

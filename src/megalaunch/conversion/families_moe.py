@@ -4,7 +4,7 @@ the Megatron arguments a checkpoint stores.
 
 Why a module of its own: the three families name one thing three ways (`num_local_experts` / `num_experts`,
 `intermediate_size` as Mixtral's expert width but Qwen's dense width, `norm_topk_prob` absent for Mixtral),
-and a model that only partly maps (dense layers between the MoE ones, DeepSeek's attention) must be refused
+and a model that only partly maps (dense layers between the MoE ones) must be refused
 before a tensor is read. Plain dicts only: no torch, no transformers. Its refusals name no valid architectures:
 families.py, which knows them all, adds them."""
 
@@ -32,20 +32,6 @@ MOE_HF_KEYS = {"num_experts": "num_local_experts / num_experts", "moe_router_top
                "moe_shared_expert_gate": "architectures", "moe_router_topk_normalize": "norm_topk_prob",
                "moe_router_score_function": "architectures", "moe_first_dense_layers": "mlp_only_layers",
                "moe_layer_freq": "decoder_sparse_step", "moe_aux_loss_coeff": "router_aux_loss_coef"}
-# DeepSeek's architectures: named in their own refusal.
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def refuse_deepseek(archs: list[Any], model_type: str) -> None:
-    """DeepSeek-V2/V3 are MoE models the mapping could name, but their attention is multi-head latent attention
-    (MLA), which Megatron-core 0.19's local spec cannot build without transformer-engine (FACTS.md)."""
-    if model_type in _DEEPSEEK or any(a in _DEEPSEEK for a in archs):
-        raise UnsupportedModelError(
-            f"architecture {archs or model_type!r} (DeepSeek) needs multi-head latent attention (MLA), which "
-            "megalaunch's Megatron layers (local spec, no transformer-engine) cannot build",
-            fix="convert a Llama, Mistral, Qwen2/3, Mixtral or Qwen2/3-MoE model")
-
-
 def _refuse(what: str) -> UnsupportedModelError:
     return UnsupportedModelError(what)
 

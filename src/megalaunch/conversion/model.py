@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from megalaunch.config.model.moe import moe_layer_pattern
 from megalaunch.conversion.dims import padded_vocab_size
-from megalaunch.runtime.model.model import decoder_spec, gpt_class, layer_spec
+from megalaunch.runtime.model.model import decoder_spec, gpt_class, layer_spec, moe_pattern
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -59,7 +60,21 @@ def transformer_config(model: ModelConfig, *, params_dtype: torch.dtype | None =
         else use_cpu_initialization,
     )
     kwargs.update(overrides)
+    if model.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs, **_mla(model))
     return TransformerConfig(**kwargs)
+
+
+def _mla(model: ModelConfig) -> dict[str, Any]:
+    """MLATransformerConfig's fields of the recipe's multi-latent attention (config/model/mla.py's `mla_args` give
+    Megatron the same in training); the YaRN fields Megatron fixes keep MLATransformerConfig's defaults."""
+    return dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+                qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+                rope_type=model.rope_type, rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+                rotary_scaling_factor=model.rotary_scaling_factor, mscale=model.mscale,
+                mscale_all_dim=model.mscale_all_dim)
 
 
 def _moe(model: ModelConfig) -> dict[str, Any]:
@@ -74,7 +89,10 @@ def _moe(model: ModelConfig) -> dict[str, Any]:
                 moe_router_score_function=model.moe_router_score_function,
                 moe_router_pre_softmax=model.moe_router_score_function == "softmax"
                 and not model.moe_router_topk_normalize,
-                moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor)
+                moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+                moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+                moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
+                moe_router_dtype="fp32", moe_layer_freq=_layer_freq(model))
 
 
 def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "local",
@@ -104,15 +122,20 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
     """
     from megatron.core import parallel_state
 
+    if model.multi_latent_attention and attention == "local":
+        attention = "sdpa"  # MLA's only core attention on the local spec (runtime/model/mla.py)
     config = transformer_config(model, params_dtype=params_dtype, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     divisible = make_vocab_size_divisible_by or model.make_vocab_size_divisible_by
     impl = "transformer_engine" if attention == "te" else "local"
-    spec = layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization,
-                      qk_layernorm=model.qk_layernorm, liger_ops=liger_ops, experts=experts)
+    def spec(dense: bool) -> Any:
+        return layer_spec(config, attention=attention, transformer_impl=impl, normalization=model.normalization,
+                          qk_layernorm=model.qk_layernorm, liger_ops=liger_ops, experts=experts, dense=dense)
+
+    dense = spec(True) if moe_pattern(config) is not None else None  # the first dense layers (DeepSeek-V3)
     return gpt_class(config, liger_ops)(
         config=config,
-        transformer_layer_spec=decoder_spec(config, spec),
+        transformer_layer_spec=decoder_spec(config, spec(False), None, dense),
         vocab_size=padded_vocab_size(vocab_size, divisible, tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -125,3 +148,10 @@ def build_gpt_model(model: ModelConfig, *, vocab_size: int, attention: str = "lo
         rope_scaling=model.use_rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor,
     )
+
+
+def _layer_freq(model: ModelConfig) -> int | list[int]:
+    """Megatron's moe_layer_freq: the per-layer list where some layers are dense (Megatron then saves every layer
+    under its own keys), else 1 (every layer MoE: one stacked key per tensor), as `--moe-layer-freq` in training."""
+    pattern = moe_layer_pattern(model)
+    return pattern if 0 in pattern else 1

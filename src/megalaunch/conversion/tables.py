@@ -37,6 +37,9 @@ class Rule:
     """Megatron marks these with allow_shape_mismatch (vocabulary padding may differ)."""
     per_expert: bool = False
     """One tensor per routed expert: the expert index is the global tensor's second axis, `{e}` in `hf`."""
+    own_dtype: bool = False
+    """Kept in its own dtype both ways, whatever the model's (DeepSeek-V3's router weight and expert bias: fp32 in
+    transformers' model; Megatron casts the weight to its parameters' dtype when it loads, keeps the bias fp32)."""
 
     @property
     def per_layer(self) -> bool:
@@ -45,7 +48,18 @@ class Rule:
     def applies(self, dims: Dims) -> bool:
         return {None: True, "qkv_bias": dims.qkv_bias, "untied": not dims.tied, "qk_norm": dims.qk_norm,
                 "dense": not dims.num_experts, "shared": dims.shared_ffn > 0,
-                "shared_gate": dims.shared_gate}[self.when]
+                "shared_gate": dims.shared_gate, "q_lora": bool(dims.mla and dims.mla[0]),
+                "no_q_lora": bool(dims.mla and not dims.mla[0]), "expert_bias": dims.expert_bias}[self.when]
+
+    def in_layer(self, dims: Dims, layer: int) -> bool:
+        """Whether layer `layer` has this tensor: where an MoE model has dense layers (`dims.moe_pattern`), the
+        router and experts are in its MoE layers only, the dense MLP in its dense layers only."""
+        if not dims.moe_pattern:
+            return True
+        if self.mcore.startswith(("decoder.layers.mlp.router", "decoder.layers.mlp.experts",
+                                  "decoder.layers.mlp.shared_experts")):
+            return dims.moe_pattern[layer] == 1
+        return dims.moe_pattern[layer] == 0 if self.mcore.startswith("decoder.layers.mlp.linear_fc") else True
 
     def hf_names(self, layer: int | None, expert: int | None = None) -> tuple[str, ...]:
         return tuple(n.format(i=layer, e=expert) for n in self.hf)
@@ -112,8 +126,43 @@ QWEN_MOE = LLAMA + _experts(f"{_MLP}.gate.weight", f"{_MLP}.experts.{{e}}", "gat
          when="shared_gate"),
 )
 
+# DeepSeek-V3: multi-latent attention on Megatron's local MLA spec (its norms are modules of their own, saved as
+# `input_layernorm` / `pre_mlp_layernorm`, not under the fused linears' names), the first k layers dense, then a
+# sigmoid router with its fp32 expert bias, the routed experts and one shared expert. Both sides lay out q_b_proj's
+# heads as [nope, rope] and kv_a_proj_with_mqa as [latent, rope], and rotate the rope part's interleaved pairs the
+# same way (Megatron's mla_rotary_interleaved, transformers' rope_interleave), so every tensor is a copy.
+_LAYER = "model.layers.{i}"
+_SA = "decoder.layers.self_attention"
+DEEPSEEK_V3: tuple[Rule, ...] = (
+    LLAMA[0],
+    Rule("decoder.layers.input_layernorm.weight", (f"{_LAYER}.input_layernorm.weight",), (("h",),), ("h",)),
+    Rule(f"{_SA}.linear_q_down_proj.weight", (f"{_ATTN}.q_a_proj.weight",), (("ql", "h"),), ("ql", "h"), when="q_lora"),
+    Rule(f"{_SA}.q_layernorm.weight", (f"{_ATTN}.q_a_layernorm.weight",), (("ql",),), ("ql",), when="q_lora"),
+    Rule(f"{_SA}.linear_q_up_proj.weight", (f"{_ATTN}.q_b_proj.weight",), (("qh", "ql"),), ("qh", "ql"), when="q_lora"),
+    Rule(f"{_SA}.linear_q_proj.weight", (f"{_ATTN}.q_proj.weight",), (("qh", "h"),), ("qh", "h"), when="no_q_lora"),
+    Rule(f"{_SA}.linear_kv_down_proj.weight", (f"{_ATTN}.kv_a_proj_with_mqa.weight",), (("klr", "h"),), ("klr", "h")),
+    Rule(f"{_SA}.kv_layernorm.weight", (f"{_ATTN}.kv_a_layernorm.weight",), (("kl",),), ("kl",)),
+    Rule(f"{_SA}.linear_kv_up_proj.weight", (f"{_ATTN}.kv_b_proj.weight",), (("kvh", "kl"),), ("kvh", "kl")),
+    Rule(f"{_SA}.linear_proj.weight", (f"{_ATTN}.o_proj.weight",), (("h", "o"),), ("h", "o")),
+    Rule("decoder.layers.pre_mlp_layernorm.weight", (f"{_LAYER}.post_attention_layernorm.weight",), (("h",),), ("h",)),
+    Rule("decoder.layers.mlp.linear_fc1.weight", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
+         (("f", "h"), ("f", "h")), ("2f", "h"), "gated_mlp"),
+    Rule("decoder.layers.mlp.linear_fc2.weight", (f"{_MLP}.down_proj.weight",), (("h", "f"),), ("h", "f")),
+    Rule("decoder.layers.mlp.router.weight", (f"{_MLP}.gate.weight",), (("E", "h"),), ("E", "h"), own_dtype=True),
+    *_experts(f"{_MLP}.gate.weight", f"{_MLP}.experts.{{e}}", "gate_proj", "up_proj", "down_proj")[1:],
+    Rule("decoder.layers.mlp.router.expert_bias", (f"{_MLP}.gate.e_score_correction_bias",), (("E",),), ("E",),
+         when="expert_bias", own_dtype=True),
+    Rule(f"{_SHARED}.linear_fc1.weight", (f"{_MLP}.shared_experts.gate_proj.weight",
+                                          f"{_MLP}.shared_experts.up_proj.weight"),
+         (("sf", "h"), ("sf", "h")), ("2sf", "h"), "gated_mlp", when="shared"),
+    Rule(f"{_SHARED}.linear_fc2.weight", (f"{_MLP}.shared_experts.down_proj.weight",), (("h", "sf"),), ("h", "sf"),
+         when="shared"),
+    *LLAMA[-2:],
+)
+
 TABLES: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
-                                       "mixtral": MIXTRAL, "qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE}
+                                       "mixtral": MIXTRAL, "qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE,
+                                       "deepseek_v3": DEEPSEEK_V3}
 
 
 def extra_state_modules(dims: Dims) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -123,6 +172,23 @@ def extra_state_modules(dims: Dims) -> tuple[tuple[str, ...], tuple[str, ...]]:
     layer = EXTRA_STATE_MODULES[:3] + (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
                                        if dims.shared_ffn else ())
     return layer, ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+def layer_objects(dims: Dims) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(key, global shape, offset) of every empty `_extra_state` object of a model saved under per-layer keys
+    (`dims.layer_keys`): per layer one object per linear module (shape (1,)), per routed expert one ([experts])."""
+    out: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    q = ("linear_q_down_proj", "linear_q_up_proj") if dims.mla and dims.mla[0] else ("linear_q_proj",)
+    attention = tuple(f"self_attention.{m}" for m in (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")) \
+        if dims.mla else EXTRA_STATE_MODULES[:3]
+    for i, moe in enumerate(dims.moe_pattern):
+        mlp = (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2") if dims.shared_ffn else ()) \
+            if moe else EXTRA_STATE_MODULES[3:]
+        out += [(f"decoder.layers.{i}.{m}._extra_state", (1,), (0,)) for m in (*attention, *mlp)]
+        if moe:
+            out += [(f"decoder.layers.{i}.mlp.experts.experts.linear_fc{n}._extra_state", (dims.num_experts,), (e,))
+                    for n in (1, 2) for e in range(dims.num_experts)]
+    return out
+
 
 # Hugging Face tensors that carry no weights (buffers some old exports include).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -135,6 +201,20 @@ class Item:
     rule: Rule
     layer: int | None
     expert: int | None = None
+    own_key: bool = False
+    """The layer's tensor has a key of its own (`decoder.layers.{i}.`, Dims.layer_keys), no stacked layer axis."""
+
+    @property
+    def key(self) -> str:
+        """The Megatron checkpoint key."""
+        if self.own_key and self.rule.per_layer:
+            return f"decoder.layers.{self.layer}.{self.rule.mcore.removeprefix('decoder.layers.')}"
+        return self.rule.mcore
+
+    @property
+    def stacked(self) -> bool:
+        """On Megatron's stacked layer axis (the global tensor's first)."""
+        return self.rule.per_layer and not self.own_key
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -150,7 +230,8 @@ def items(table: tuple[Rule, ...], dims: Dims) -> Iterator[Item]:
     """Every conversion unit, layer by layer (the order of a Hugging Face checkpoint)."""
     rules = [r for r in table if r.applies(dims)]
     yield from (Item(r, None) for r in rules if not r.per_layer and r.mcore.startswith("embedding."))
+    own = dims.layer_keys
     for i in range(dims.num_layers):
-        for r in (r for r in rules if r.per_layer):
-            yield from (Item(r, i, e) for e in range(dims.num_experts)) if r.per_expert else (Item(r, i),)
+        for r in (r for r in rules if r.per_layer and r.in_layer(dims, i)):
+            yield from (Item(r, i, e, own) for e in range(dims.num_experts)) if r.per_expert else (Item(r, i, None, own),)
     yield from (Item(r, None) for r in rules if not r.per_layer and not r.mcore.startswith("embedding."))

@@ -34,6 +34,7 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
+from megalaunch.conversion.families_deepseek import mla_from_megatron_args
 from megalaunch.conversion.families_moe import moe_from_megatron_args
 from megalaunch.conversion.tables import TABLES, Item, items
 from megalaunch.errors import PreflightError
@@ -58,12 +59,14 @@ def model_from_megatron_args(args: Any) -> ModelConfig:
         position_embedding_type=get("position_embedding_type", "rope"), rotary_base=int(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)), use_rope_scaling=bool(get("use_rope_scaling", False)),
         rope_scaling_factor=float(get("rope_scaling_factor", 8.0)),
-        normalization=get("normalization", "RMSNorm"), norm_epsilon=float(get("norm_epsilon", 1e-5)),
+        normalization=get("normalization", "RMSNorm"),
+        norm_epsilon=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),  # Megatron's dest of --norm-epsilon
         swiglu=bool(get("swiglu", False)), disable_bias_linear=not get("add_bias_linear", True),
         add_qkv_bias=bool(get("add_qkv_bias", False)),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights", False)),
         make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
-        kv_channels=kv_channels, qk_layernorm=bool(get("qk_layernorm", False)), **moe_from_megatron_args(get),
+        kv_channels=None if get("multi_latent_attention", False) else kv_channels,
+        qk_layernorm=bool(get("qk_layernorm", False)), **moe_from_megatron_args(get), **mla_from_megatron_args(get),
     )
 
 
@@ -150,6 +153,8 @@ def _hf_source(ref: mcore_layout.CheckpointRef, common: dict[str, Any], *, hf_te
 def _family(model: ModelConfig) -> str:
     """The family a model without a Hugging Face config is written as: by its QKV bias, QK-norm and, for a
     mixture of experts, its shared expert."""
+    if model.multi_latent_attention:
+        return "deepseek_v3"
     if model.num_experts:
         return "qwen2_moe" if model.moe_shared_expert_intermediate_size else \
             "qwen3_moe" if model.qk_layernorm else "mixtral"
@@ -192,9 +197,10 @@ def mcore_to_hf(checkpoint: Path, out: Path, *, iteration: int | None = None, hf
                         largest_group_bytes=largest_group_bytes(work, dims, out_dtype.itemsize))
         plan: list[tuple[str, str, tuple[int, ...]]] = []
         code = safetensors_io.dtype_code(out_dtype)
-        for item in work:
+        for item in work:  # a tensor of its own dtype (DeepSeek's router) is written in the checkpoint's
             shapes = [(dims.vocab, *s[1:]) if item.rule.vocab_rows else s for s in _hf_shapes(item, dims)]
-            plan += [(n, code, s) for n, s in zip(item.hf_names, shapes, strict=True)]
+            own = safetensors_io.dtype_code(meta[item.key].dtype) if item.rule.own_dtype else code
+            plan += [(n, own, s) for n, s in zip(item.hf_names, shapes, strict=True)]
         out.mkdir(parents=True, exist_ok=True)
         writer = safetensors_io.SafetensorsWriter(out, plan, max_shard_bytes=max_shard_bytes)
         bar = Progress(writer.total_bytes, f"mcore-to-hf {ref.path.name}", progress)
@@ -237,7 +243,8 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
             target = staging.tensor((1,) * lead + r.local_shape, r.dtype, capacity)
             reader.read_into(r.key, r.offset, target)  # a routed expert: from whichever EP rank saved it
             tensor = target.view(r.local_shape)
-            tensor = tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
+            want = r.dtype if item.rule.own_dtype else out_dtype
+            tensor = tensor if tensor.dtype == want else tensor.to(want)
             rows = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
             hf_rows = [writer.slots[n].shape[0] if writer.slots[n].shape else 1 for n in item.hf_names]
             for b in transforms.blocks(item.rule.transform, dims, hf_rows, rows.shape[0]):
@@ -252,17 +259,16 @@ def _copy_tensors(ckpt: Path, work: list[Item], dims: Dims, meta: dict[str, Any]
 
 
 def _request(item: Item, dims: Dims, meta: dict[str, Any]) -> mcore_dist.ShardRequest:
-    info = meta[item.rule.mcore]
+    info = meta[item.key]
     shape = tuple(int(d) for d in info.global_shape)
-    local = shape[2:] if item.rule.per_expert else shape[1:] if item.rule.per_layer else shape
-    return mcore_dist.ShardRequest(item.rule.mcore, shape, _offset(item, len(local)), local, item.rule.per_layer,
-                                   info.dtype)
+    local = shape[int(item.stacked) + int(item.rule.per_expert):]  # without the layer (and expert) axes
+    return mcore_dist.ShardRequest(item.key, shape, _offset(item, len(local)), local, item.stacked, info.dtype)
 
 
 def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path) -> None:
     seen: set[str] = set()
     for item in work:
-        key = item.rule.mcore
+        key = item.key
         if key in seen:
             continue
         seen.add(key)
@@ -283,7 +289,7 @@ def _check_mcore_tensors(meta: dict[str, Any], work: list[Item], dims: Dims, ckp
 def _check_all_mapped(meta: dict[str, Any], work: list[Item], dims: Dims, ckpt: Path, family: str) -> None:
     """Every model tensor of the checkpoint is written somewhere: one the Hugging Face config has no place for
     (a shared expert under a Mixtral config, a bias under Llama's) is refused, not dropped."""
-    mapped = {item.rule.mcore for item in work}
+    mapped = {item.key for item in work}
     model_keys = [k for k in meta if k.startswith(("embedding.", "decoder.", "output_layer."))
                   and not k.endswith("_extra_state") and k not in mapped
                   and not (dims.tied and k == "output_layer.weight")]

@@ -32,8 +32,16 @@ from megalaunch.conversion.converter import (
 )
 from megalaunch.conversion.dims import Dims, padded_vocab_size
 from megalaunch.conversion.errors import ConversionError, ShapeMismatchError
+from megalaunch.conversion.families_deepseek import megatron_mla_args, mtp_layers
 from megalaunch.conversion.families_moe import megatron_moe_args
-from megalaunch.conversion.tables import IGNORED_HF_SUFFIXES, TABLES, Item, extra_state_modules, items
+from megalaunch.conversion.tables import (
+    IGNORED_HF_SUFFIXES,
+    TABLES,
+    Item,
+    extra_state_modules,
+    items,
+    layer_objects,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -59,14 +67,17 @@ def megatron_args(model: ModelConfig, dims: Dims, *, tensor_parallel: int, itera
         padded_vocab_size=dims.padded_vocab, tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=1, ckpt_format="torch_dist", iteration=iteration,
         consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, **megatron_moe_args(model),
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        **{**megatron_moe_args(model), **megatron_mla_args(model),
+           **({"moe_layer_freq": list(dims.moe_pattern)} if dims.moe_pattern else {})},
     )
 
 
 def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims: Dims, source: Path,
-                     family: str = "llama") -> None:
+                     family: str = "llama", skipped: tuple[str, ...] = ()) -> None:
     """Every tensor the mapping needs exists with the expected shape; nothing is silently left behind (a
-    missing expert, or one more expert than config.json says, is refused before anything is written)."""
+    missing expert, or one more expert than config.json says, is refused before anything is written) except the
+    `skipped` ones (DeepSeek-V3's multi-token-prediction layers: the caller notes them)."""
     _check_expert_count(reader, dims, source)
     used: set[str] = set()
     for item in items(table, dims):
@@ -80,7 +91,7 @@ def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims:
                                          fix="the recipe's model section must match the Hugging Face config")
             used.add(name)
     extra = [n for n in reader.tensors if n not in used and not n.endswith(IGNORED_HF_SUFFIXES)
-             and not (dims.tied and n == "lm_head.weight")]
+             and not (dims.tied and n == "lm_head.weight") and n not in skipped]
     if extra:
         raise ConversionError(f"{len(extra)} tensors have no mapping, e.g. '{extra[0]}'",
                               fix=f"this model has parts the {family} mapping does not cover")
@@ -89,12 +100,30 @@ def check_hf_tensors(reader: safetensors_io.SafetensorsReader, table: Any, dims:
 def _check_expert_count(reader: safetensors_io.SafetensorsReader, dims: Dims, source: Path) -> None:
     """The experts the safetensors hold (`...experts.E.*`: the largest E + 1) are the experts the model
     configuration says, else one line naming model.num_experts (a lone missing tensor is named by the caller)."""
-    found = max((_expert_index(n) for n in reader.tensors), default=-1) + 1
+    found = max((_expert_index(n) for n in reader.tensors if _layer_index(n) < dims.num_layers), default=-1) + 1
     if found != dims.num_experts and (found or dims.num_experts):
         raise ConversionError(f"{source} holds {found} experts per layer, the model configuration says "
                               f"{dims.num_experts}", field="model.num_experts",
                               fix="config.json's num_local_experts / num_experts (and the recipe's model.num_experts) "
                                   "must be the checkpoint's expert count")
+
+
+def _layer_index(name: str) -> int:
+    """i of a Hugging Face layer tensor (`model.layers.i.*`), else -1."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() else -1
+
+
+def mtp_tensors(reader: safetensors_io.SafetensorsReader, hf_cfg: dict[str, Any], dims: Dims,
+                notes: list[str]) -> tuple[str, ...]:
+    """DeepSeek-V3's multi-token-prediction modules, stored as layers after the last one (`model.layers.61.*`):
+    transformers does not load them either, and Megatron's MTP (`--mtp-num-layers`) is not converted: skipped with
+    a note in `notes` rather than refused, so the published checkpoint converts."""
+    skipped = tuple(n for n in reader.tensors if _layer_index(n) >= dims.num_layers) if mtp_layers(hf_cfg) else ()
+    if skipped:
+        notes.append(f"{len(skipped)} multi-token-prediction tensors (model.layers.{dims.num_layers}.* and after) "
+                     "skipped: Megatron's MTP layers are not converted")
+    return skipped
 
 
 def _expert_index(name: str) -> int:
@@ -134,7 +163,7 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
     table = TABLES[hf.family]
     report = Report(output=out, notes=list(hf.notes))
     with safetensors_io.SafetensorsReader(hf_dir) as reader:
-        check_hf_tensors(reader, table, dims, hf_dir, hf.family)
+        check_hf_tensors(reader, table, dims, hf_dir, hf.family, mtp_tensors(reader, hf_cfg, dims, report.notes))
         work = list(items(table, dims))
         out_dtype = _dtype(dtype) or safetensors_io.torch_dtype(reader.tensors[work[0].hf_names[0]].dtype)
         shards = _lazy_shards(reader, work, dims, out_dtype)
@@ -152,12 +181,12 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
         }
         bar = Progress(report.bytes, f"hf-to-mcore {target.name}", progress)
         start = time.perf_counter()
-        layer_state, expert_state = extra_state_modules(dims)
         with mcore_dist.process_group():
             stats = mcore_save.save(target, shards, common, max_inflight_bytes=budget, threads=max(1, threads),
-                                  extra_state=layer_state, num_layers=dims.num_layers, fsync=fsync,
+                                  extra_state=_extra_state(dims)[0], num_layers=dims.num_layers, fsync=fsync,
                                   crc32=crc32, on_written=lambda s: bar.update(s.nbytes),
-                                  expert_extra_state=expert_state, num_experts=dims.num_experts)
+                                  expert_extra_state=_extra_state(dims)[1], num_experts=dims.num_experts,
+                                  objects=layer_objects(dims) if dims.layer_keys else None)
         bar.close()
         report.seconds = time.perf_counter() - start
         report.threads, report.max_inflight_bytes = stats.threads, stats.max_inflight_bytes
@@ -166,6 +195,11 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, model: ModelConfig | None = None, vo
     _copy_assets(hf_dir, out / ASSETS_DIR)
     report.output = target
     return report
+
+
+def _extra_state(dims: Dims) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The stacked `_extra_state` objects' modules (none for per-layer keys: `layer_objects` lists those)."""
+    return extra_state_modules(dims) if not dims.layer_keys else ((), ())
 
 
 def _budget(max_inflight_bytes: int | None, largest_group: int) -> int:
@@ -201,11 +235,12 @@ def _lazy_shards(reader: safetensors_io.SafetensorsReader, work: list[Item], dim
     shards = []
     for item in work:
         shape = dims.shape(item.rule.mcore_shape)
-        produce, scratch = _producer(reader, item, dims, out_dtype)
+        dtype = safetensors_io.torch_dtype(reader.tensors[item.hf_names[0]].dtype) if item.rule.own_dtype else out_dtype
+        produce, scratch = _producer(reader, item, dims, dtype)
         shards.append(mcore_save.LazyShard(
-            key=item.rule.mcore, global_shape=_stacked_shape(item, dims), offset=_offset(item, len(shape)),
-            local_shape=shape, stacked=item.rule.per_layer, dtype=out_dtype, produce=produce,
-            allow_shape_mismatch=item.rule.vocab_rows, nbytes=_numel(shape) * out_dtype.itemsize,
+            key=item.key, global_shape=_stacked_shape(item, dims), offset=_offset(item, len(shape)),
+            local_shape=shape, stacked=item.stacked, dtype=dtype, produce=produce,
+            allow_shape_mismatch=item.rule.vocab_rows, nbytes=_numel(shape) * dtype.itemsize,
             scratch_bytes=scratch, expert_axis=item.rule.per_expert))
     return shards
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from megalaunch.config.megatron_args import fused_kernels
 from megalaunch.config.planner.gpus import GIB, gpu_spec, known_gpus
@@ -30,7 +31,14 @@ def model_shape(recipe: Recipe, vocab_size: int | None) -> ModelShape:
                       tied=not m.untie_embeddings_and_output_weights, norm=m.normalization,
                       bias=not m.disable_bias_linear, qkv_bias=m.add_qkv_bias,
                       vocab_divisible_by=m.make_vocab_size_divisible_by, kv_channels=m.kv_channels,
-                      qk_norm=m.qk_layernorm, **moe)
+                      qk_norm=m.qk_layernorm, **moe, **mla_shape(m))
+
+
+def mla_shape(m: Any) -> dict:
+    """The ModelShape's multi-latent-attention sizes (none for other attention)."""
+    if not m.multi_latent_attention:
+        return {}
+    return {"mla": (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim)}
 
 
 def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:

@@ -90,8 +90,8 @@ class Candidate:
 def flops_parts(shape: ModelShape) -> tuple[float, float]:
     """(one transformer layer, the output layer) FLOPs of one training token, forward + backward: Megatron's
     num_floating_point_operations (the active parameters: an MoE layer's top-k experts and shared expert, no
-    router; the attention's width heads x kv_channels)."""
-    layer = 3 * (2 * shape.active_matmul_params + 2 * 2 * shape.seq * shape.q_size * 0.5)  # causal QK^T, PV
+    router; the attention's width heads x kv_channels, or MLA's `attn_width`)."""
+    layer = 3 * (2 * shape.active_matmul_params + 2 * 2 * shape.seq * shape.attn_width * 0.5)  # causal QK^T, PV
     return layer, 3 * 2 * shape.hidden * shape.padded_vocab(1)
 
 

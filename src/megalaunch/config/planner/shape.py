@@ -6,7 +6,8 @@ attention + the dense MLP (`ffn`); an MoE layer is attention + a router (hidden 
 rank, as Megatron keeps it), the shared expert (`shared_ffn`, TP-split like a dense MLP) and `experts` routed
 experts of `expert_ffn` each, split over EP x expert TP (`Layout.ep`, `Layout.etp`). The head size is
 `kv_channels` when given (Qwen3: 128 where hidden / heads is 64), and QK-norm adds a norm over the head size to
-the queries and to the keys."""
+the queries and to the keys. Multi-latent attention (`mla`) has its own projections, counted as Megatron counts them
+(its latent norms among the attention's parameters)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class ModelShape:
     moe_pattern: tuple[int, ...] = ()  # per layer: 1 MoE, 0 dense
     capacity: float | None = None  # the experts' capacity factor (None: dropless)
     dispatcher: str = "alltoall"  # alltoall | allgather
+    mla: tuple[int, int, int, int, int] | None = None  # multi-latent attention: q latent (0: none), kv latent,
+    #                                                    qk nope, qk rope, v head sizes (config/model/mla.py)
 
     # cached: `megalaunch plan` and `parallel: auto` ask each shape for them thousands of times (per layout)
     @functools.cached_property
@@ -52,11 +55,21 @@ class ModelShape:
 
     @functools.cached_property
     def q_size(self) -> int:
+        if self.mla:  # each head's query (and key): nope + rope
+            return self.heads * (self.mla[2] + self.mla[3])
         return self.heads * self.head_dim
 
     @functools.cached_property
     def kv_size(self) -> int:
+        if self.mla:  # keys (q_size wide) and values (heads x v) as two "kv" of their mean width
+            return (self.q_size + self.heads * self.mla[4]) // 2
         return self.kv_heads * self.head_dim
+
+    @functools.cached_property
+    def attn_width(self) -> float:
+        """The core attention's width per token for the FLOP count (QK^T over q_size, PV over the values):
+        Megatron's `heads x (qk + rope) / 2 + heads x v / 2` for MLA, q_size otherwise."""
+        return (self.q_size + self.heads * self.mla[4]) / 2 if self.mla else float(self.q_size)
 
     @property
     def moe(self) -> bool:
@@ -77,6 +90,10 @@ class ModelShape:
 
     @functools.cached_property
     def attn_params(self) -> int:
+        if self.mla:  # Megatron's count (theoretical_memory_usage, num_floating_point_operations): the latent norms too
+            ql, kl, nope, rope, v = self.mla
+            q = ql * (self.hidden + self.q_size + 1) if ql else self.hidden * self.q_size
+            return q + kl * (self.hidden + self.heads * (nope + v) + 1) + self.hidden * rope + self.heads * v * self.hidden
         h, q, kv = self.hidden, self.q_size, self.kv_size
         biases = (q + 2 * kv + (h if self.bias else 0)) if self.bias or self.qkv_bias else 0
         return h * (q + 2 * kv) + q * h + biases
@@ -122,6 +139,8 @@ class ModelShape:
 
     def layer_norm_params(self) -> int:
         per = 1 if self.norm == "RMSNorm" else 2
+        if self.mla:  # the latent norms are in attn_params, as Megatron counts them
+            return 2 * self.hidden * per
         return 2 * self.hidden * per + (2 * self.head_dim * per if self.qk_norm else 0)
 
     def total_params(self) -> int:

@@ -63,8 +63,9 @@ def _from_offsets(cls: Any, key: str, data: Any, global_shape: tuple[int, ...], 
     (one fragment per layer), a routed expert's tensor also the expert axis after it (one fragment per
     layer and expert), everything else is one whole-tensor chunk."""
     axes: tuple[tuple[int, int, int], ...] = ((0, offset[0], global_shape[0]),) if stacked else ()
-    if expert_axis:
-        axes += ((1, offset[1], global_shape[1]),)
+    if expert_axis:  # after the layer axis, or first for a layer under its own key
+        n = len(axes)
+        axes += ((n, offset[n], global_shape[n]),)
     return cls.from_rank_offsets(key, data, *axes, replica_id=0, prepend_axis_num=len(axes),
                                  allow_shape_mismatch=allow_shape_mismatch)
 
@@ -72,7 +73,8 @@ def _from_offsets(cls: Any, key: str, data: Any, global_shape: tuple[int, ...], 
 def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, max_inflight_bytes: int,
          threads: int = 4, extra_state: tuple[str, ...] = (), num_layers: int = 0, fsync: bool = False,
          crc32: bool = False, on_written: Callable[[LazyShard], None] | None = None,
-         expert_extra_state: tuple[str, ...] = (), num_experts: int = 0) -> SaveStats:
+         expert_extra_state: tuple[str, ...] = (), num_experts: int = 0,
+         objects: list[tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None) -> SaveStats:
     """Write a torch_dist checkpoint into the empty `directory` from lazily produced shards.
 
     Up to `threads` shards are produced and written at once, as long as their bytes fit in
@@ -80,7 +82,8 @@ def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, ma
     as soon as its file is written. `extra_state`: layer modules (`mlp.linear_fc1`) whose empty
     `_extra_state` objects Megatron expects; `expert_extra_state` the same per layer and routed expert
     (`mlp.experts.experts.linear_fc1`: [layers, experts] objects, as SequentialMLP saves them). crc32: write zip checksums into the torch.save archives
-    (torch.load does not check them; computing them costs about as much as writing the data)."""
+    (torch.load does not check them; computing them costs about as much as writing the data). `objects`: more
+    empty `_extra_state` objects as (key, global shape, offset), for layers saved under keys of their own."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -98,6 +101,8 @@ def save(directory: Path, shards: list[LazyShard], common: dict[str, Any], *, ma
         for i in range(num_layers):
             for e in range(num_experts):
                 model[f"{key}@{i},{e}"] = ShardedObject(key, None, (num_layers, num_experts), (i, e), replica_id=0)
+    for key, shape, offset in objects or ():
+        model[f"{key}@{','.join(map(str, offset))}"] = ShardedObject(key, None, shape, offset, replica_id=0)
     state["model"] = model
     pool: BufferPool = BufferPool(max_inflight_bytes)
     strategy = _lazy_strategy_class()(lookup, pool=pool, threads=threads, fsync=fsync, on_written=on_written)

@@ -7,7 +7,8 @@
 - `te`:    transformer-engine's spec (needs `transformer_impl: transformer_engine` and TE installed).
 
 This module owns the `sdpa` and `flash` modules and the order of torch's SDPA backends
-(MEGALAUNCH_SDPA_BACKENDS); `model.layer_spec` puts them in the spec.
+(MEGALAUNCH_SDPA_BACKENDS); `model.layer_spec` puts them in the spec. Multi-latent attention (MLA) takes the
+`sdpa` module with separate key and value head sizes (runtime/model/mla.py).
 
 Heavy imports (torch, megatron, flash-attn) happen inside functions: importing this module is cheap."""
 
@@ -113,11 +114,11 @@ def _make_sdpa_class() -> type:
                 raise ValueError("attention: sdpa does not support packed sequences")
             if attention_bias is not None:
                 raise ValueError("attention: sdpa does not support an attention bias")
-            sq, b, np_, hn = query.shape
+            sq, b = query.shape[0], query.shape[1]
             # [s, b, h, d] -> [b, h, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             # torch >= 2.5 shares each KV head among its query heads without copying (GQA).
-            gqa = np_ != k.shape[1]
+            gqa = q.shape[1] != k.shape[1]
             dropout_p = self.dropout_p if self.training else 0.0
             rng: Any = contextlib.nullcontext()
             if dropout_p > 0.0 and not self.config.sequence_parallel:
@@ -127,7 +128,7 @@ def _make_sdpa_class() -> type:
             with rng, self.kernels():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                      scale=self.softmax_scale, enable_gqa=gqa)
-            # [b, h, s, d] -> [s, b, h * d]
-            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+            # [b, h, s, d_v] -> [s, b, h * d_v] (d_v: the value head size, MLA's differs from the query's)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     return SDPAttention

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megalaunch.runtime.model.attention import ATTENTIONS, flash_attention_class, sdpa_attention_class
+from megalaunch.runtime.model.mla import is_mla, mla_layer_spec
 from megalaunch.runtime.model.norms import custom_norm, sequence_parallel_norm_class, with_norm
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,11 +40,15 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
             raise ValueError(f"attention: {attention} goes with transformer_impl: local (TE brings its own attention)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm,
+                                                          multi_latent_attention=is_mla(config))
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization=normalization)
-    if attention in ("sdpa", "flash"):
+    if is_mla(config):  # multi-latent attention: torch SDPA with MLA's key and value head sizes (runtime/model/mla.py)
+        spec = mla_layer_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization, attention)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization=normalization)
+    if attention in ("sdpa", "flash") and not is_mla(config):
         spec = copy.deepcopy(spec)
         spec.submodules.self_attention.submodules.core_attention = \
             sdpa_attention_class() if attention == "sdpa" else flash_attention_class()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from megalaunch.errors import PreflightError
 from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
-from megalaunch.tokenization.chat.render import ChatRenderer, Encoded, RenderError
-from megalaunch.tokenization.chat.rows import FORMATS, SUFFIXES, read_rows
+from megalaunch.tokenization.chat.render import ChatRenderer, Encoded, RenderError, fold_system
+from megalaunch.tokenization.chat.rows import FORMATS, SUFFIXES, Row, read_rows
 
 SHOWN_ROWS = 8  # malformed rows named in the one-line error (all of them go to the marker)
 
@@ -33,6 +33,7 @@ class FileStats:
     conversations: int = 0  # documents written (a preference pair writes two: chosen, then rejected)
     pairs: int = 0  # preference pairs (a file holds pairs or single conversations, never both)
     split_turns: int = 0  # conversations written one sample per assistant turn (tokenization/chat/render.py)
+    folded_system: int = 0  # rows whose system message went into the first user turn (a template without one)
     tokens: int = 0
     trained_tokens: int = 0  # tokens under the loss mask
     longest: int = 0
@@ -147,11 +148,8 @@ def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any
             problem = ("a preference pair in a file of conversations" if row.rejected is not None else
                        "a single conversation in a file of preference pairs") + "; keep them in separate files"
         try:
-            if problem is None and row.rejected is None and row.messages is not None:
-                encoded, split = renderer.encode_all(row.messages)
-                stats.split_turns += split
-            elif problem is None:
-                encoded = [renderer.encode(m, row.answer_from) for m in (row.messages, row.rejected) if m is not None]
+            if problem is None:
+                encoded = _encode(renderer, row, stats)
         except RenderError as e:
             problem = str(e)
         if problem is not None:
@@ -166,6 +164,33 @@ def _encode_rows(path: Path, renderer: ChatRenderer, writer: Any, mask_file: Any
             stats.trained_tokens += sum(enc.mask)
             stats.longest = max(stats.longest, len(enc.tokens))
             stats.over_seq_length += seq_length is not None and len(enc.tokens) > seq_length + 1
+
+
+def _encode(renderer: ChatRenderer, row: Row, stats: FileStats) -> list[Encoded]:
+    """The row's samples; a conversation the template refuses for its system message is rendered with the
+    system message folded into the first user turn (render.py's docstring: why), counted in the stats."""
+    try:
+        return _encode_as_is(renderer, row, stats)
+    except RenderError as e:
+        folded = [fold_system(m) if m is not None else None for m in (row.messages, row.rejected)]
+        if folded[0] is None or (row.rejected is not None and folded[1] is None):
+            raise
+        try:
+            out = _encode_as_is(renderer, replace(row, messages=folded[0], rejected=folded[1],
+                                                  answer_from=max(row.answer_from - 1, 0)), stats)
+        except RenderError as folded_error:
+            raise RenderError(f"{e}; with the system message folded into the first user turn: {folded_error}") \
+                from None
+        stats.folded_system += 1
+        return out
+
+
+def _encode_as_is(renderer: ChatRenderer, row: Row, stats: FileStats) -> list[Encoded]:
+    if row.rejected is None and row.messages is not None:
+        encoded, split = renderer.encode_all(row.messages)
+        stats.split_turns += split
+        return encoded
+    return [renderer.encode(m, row.answer_from) for m in (row.messages, row.rejected) if m is not None]
 
 
 def _malformed_error(path: Path, stats: FileStats) -> PreflightError:

@@ -16,7 +16,15 @@ A template whose renderings of a conversation's prefixes are not prefixes of the
 rewrites earlier turns, e.g. drops their reasoning) is handled turn by turn (`encode_all`): each
 assistant turn becomes a sample of its own, `render(messages[:i + 1])`, trained on that turn only, so
 every turn is trained on exactly as the template renders it when it is the last. Only where even that
-fails (the answer does not follow its own prompt) is the row refused, with its number."""
+fails (the answer does not follow its own prompt) is the row refused, with its number.
+
+A template without a system role (Gemma's, Mistral's older ones: they raise on a system message) cannot
+render a conversation that opens with one. Such a conversation is rendered with the system message folded
+into the first user turn (`fold_system`: "SYSTEM\n\nUSER"), which is what the templates that do accept a
+system message without having a slot for it (Llama 2's, Gemma's) do themselves: the instruction stays in the
+prompt, and the model is later prompted the same way (its template refuses a system message at chat time
+too). Folded conversations are counted (`folded_system`), never silent; a conversation whose template fails
+for another reason is refused as before."""
 
 from __future__ import annotations
 
@@ -130,3 +138,18 @@ class ChatRenderer:
         if not tokens:
             raise RenderError("the conversation renders to no tokens")
         return Encoded(tokens, mask)
+
+
+def fold_system(messages: list[Message]) -> list[Message] | None:
+    """`messages` with its opening system message folded into the first user turn ("SYSTEM\n\nUSER");
+    None when there is nothing to fold that way (no leading system message, another system message later,
+    no user turn after it, or content that is not text)."""
+    if not messages or messages[0]["role"] != "system" or any(m["role"] == "system" for m in messages[1:]):
+        return None
+    user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    system = messages[0].get("content")
+    if user is None or not isinstance(system, str) or not isinstance(messages[user].get("content"), str):
+        return None
+    folded = [dict(m) for m in messages[1:]]
+    folded[user - 1]["content"] = f"{system}\n\n{messages[user]['content']}"
+    return folded
