@@ -18,7 +18,9 @@ Each case is a real megalaunch run (bench/memory_calib.py: `python -m megalaunch
 backend's environment, mock data, sdpa attention, `training.kernels: auto`, bf16 but in the fp8 cases), with
 MEGALAUNCH_MOE_EXPERTS choosing the experts (runtime/model/kernels.py); the ledger's `kernels` record says which ran. Models:
 `moe3b`   the recipe train/moe-3b as shipped (8 layers, hidden 2048, 64 experts of ffn 768, top-8, QK-norm), seq 4096;
-`mixtral` train/mixtral-8x7b's layer (hidden 4096, 8 experts of ffn 14336, top-2) with 2 of its 32 layers, seq 4096.
+`mixtral` train/mixtral-8x7b's layer (hidden 4096, 8 experts of ffn 14336, top-2) with 2 of its 32 layers, seq 4096;
+`deepseek3b` the recipe train/deepseek-v3-3b as shipped (multi-latent attention, a shared expert, the sigmoid router
+with its expert bias, the first layers dense).
 Figures per GPU: seconds per iteration (mean after the first two), tokens/s, TFLOP/s as Megatron logs it
 (`--log-throughput`: megatron.training.training.num_floating_point_operations, which counts MoE layers by their
 active parameters, top-k x the experts' ffn, plus attention and the output layer), MFU against the dense bf16
@@ -56,6 +58,7 @@ ONE_GPU = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_par
 MODELS: dict[str, tuple[str, list[str]]] = {
     "moe3b": ("train/moe-3b", []),
     "mixtral": ("train/mixtral-8x7b", ["model.num_layers=2"]),
+    "deepseek3b": ("train/deepseek-v3-3b", []),  # MLA (runtime/model/mla.py), shared expert, sigmoid router, first dense
 }
 LOSS_RTOL = 0.02  # the first iteration's loss (same weights, same batch) within 2 % between the cases
 FP8_LOSS_RTOL = 0.02  # an fp8 case's mean loss over its last quarter within 2 % of the reference's: a run of tens

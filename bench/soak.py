@@ -212,7 +212,11 @@ def recover(run: Path, fault: dict[str, Any]) -> dict[str, Any]:
         bad = [e for e in ledger(run) if e["time"] > t0 and e["event"] in ("step_nodes_lost", "restart", "hang_killed")]
         return {"recovered_s": None, "restarted": bool(bad), "progressed": progress(run) - before,
                 "detected": bad[0]["event"] if bad else "none (a straggler, no restart)", "cause": ""}
-    job, first = wait(lambda: trained_after(run, t0), RECOVERY_LIMIT_S, f"training after {fault['kind']}")
+    try:
+        job, first = wait(lambda: trained_after(run, t0), RECOVERY_LIMIT_S, f"training after {fault['kind']}")
+    except TimeoutError:
+        return {"recovered_s": None, "restarted": None, "detected": f"NOT RECOVERED in {RECOVERY_LIMIT_S:g} s",
+                "cause": "", "redone": None}
     events = [e for e in ledger(run) if e["time"] > t0]
     detect = next((e for e in events if e["event"] in ("step_nodes_lost", "hang_killed", "restart", "ended")), {})
     cause = next((e.get("reason") or e.get("after") or "" for e in events if e["event"] in ("restart", "ended")), "")
@@ -252,6 +256,12 @@ def soak(args: argparse.Namespace, tmp: Path) -> int:
             kinds = kinds or rng.sample(KINDS, len(KINDS))
             fault = inject(kinds.pop(), run, rng)
             fault.update(recover(run, fault))
+            if fault["kind"] != "slow_node" and fault["recovered_s"] is None:
+                fault["undo"]()
+                faults.append(fault)
+                print(f"[{(fault['time'] - began) / 60:5.1f} min] {fault['kind']} {fault['target']}: NOT RECOVERED; "
+                      "the soak stops here", flush=True)
+                break
             if fault["kind"] != "slow_node":
                 fault["undo"]()
                 if fault["kind"].startswith(("node", "batch")):
@@ -276,7 +286,8 @@ def report(run: Path, args: argparse.Namespace, faults: list[dict[str, Any]], wa
     print("\n| # | at (min) | fault | target | detected by | after (s) | trained again (s) | iterations redone | cause recorded |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, f in enumerate(faults, 1):
-        rec = f"{f['recovered_s']:.1f}" if f["recovered_s"] is not None else "no restart"
+        rec = (f"{f['recovered_s']:.1f}" if f["recovered_s"] is not None
+               else "no restart" if f["kind"] == "slow_node" else "NOT RECOVERED")
         det = f"{f['detected_s']:.1f}" if f.get("detected_s") is not None else "-"
         print(f"| {i} | {(f['time'] - faults[0]['time']) / 60:.1f} | {f['kind']} | {f['target']} | {f['detected']} | "
               f"{det} | {rec} | {f.get('redone', '-')} | {f['cause'].replace('|', '/')} |")
@@ -284,7 +295,8 @@ def report(run: Path, args: argparse.Namespace, faults: list[dict[str, Any]], wa
     print(f"\ngoodput {g['goodput']:.1%} of {g['wall'] / 60:.1f} min; by cause (s): "
           + ", ".join(f"{k} {v:.0f}" for k, v in g["totals"].items() if v))
     Path(args.out).write_text(json.dumps([{k: v for k, v in f.items() if k != "undo"} for f in faults], indent=1))
-    failed = [f for f in faults if (f["kind"] == "slow_node" and f["restarted"])]
+    failed = [f for f in faults if (f["kind"] == "slow_node" and f["restarted"])
+              or (f["kind"] != "slow_node" and f["recovered_s"] is None)]
     return 1 if bad or failed else 0
 
 
