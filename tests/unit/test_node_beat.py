@@ -164,7 +164,7 @@ def test_job_watch_ends_a_step_whose_node_went_silent_and_job_step_end_blames_it
     with open(log, "a") as f:
         f.write(lines)
     ends = abnormal_ends(paths, "42", log)
-    assert ends[0].rank == NODE_LOST and ends[0].node == "n2", ends
+    assert ends[0].rank == NODE_LOST and ends[0].node == "n2" and "silent while the other nodes beat" in ends[0].how, ends
     assert lost_nodes(log) == ["n2"]
 
 

@@ -81,7 +81,11 @@ def abnormal_ends(paths: RunPaths, job_id: str, log: Path | None = None) -> list
     # a node that died: the cause; the ranks that failed on a collective with it are consequences
     lost: dict[str, str] = {}
     for m in NODE_FAILURE_LINE.finditer(text):
+        end = text.find("\n", m.start())
+        line = text[m.start():end if end >= 0 else None]
         lost.setdefault(m.group("node"), "was lost (Slurm: node failure)" if m.group(0).startswith("srun") else
+                        "was lost (silent while the other nodes beat: frozen or cut off; the step's watcher ended it)"
+                        if "(silent for" in line or "(never beat" in line else
                         "was lost (none of its ranks ended after its peers failed; the step's watcher ended it)")
     return [TaskEnd(rank=NODE_LOST, node=n, how=how) for n, how in lost.items()] + ends
 
