@@ -303,6 +303,29 @@ def slurm_default_timeouts(conf: Path = SCALE_CONF) -> Iterator[None]:
         subprocess.run(["scontrol", "reconfigure"], check=False, timeout=60, capture_output=True)
 
 
+def settle(timeout: float = 240) -> list[str]:
+    """Wait until every node of the cluster is idle with no job, resuming the nodes Slurm drains "Kill task
+    failed" meanwhile (after a batch host's death slurmstepd gives up on a surviving node's task once
+    UnkillableStepTimeout has passed: docs/scale.md), so that the next test finds the cluster as it expects.
+    Returns the nodes resumed."""
+    resumed: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        states = node_states()
+        drained = [n for n, st in states.items() if st.startswith("drain")]
+        if drained:
+            subprocess.run(["scontrol", "update", f"nodename={','.join(drained)}", "state=resume"],
+                           capture_output=True, timeout=15, check=False)
+            resumed += drained
+        queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=15).stdout
+        if not queue.strip() and states and all(st == "idle" for st in states.values()):
+            return resumed
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"the cluster did not settle in {timeout:g} s: "
+                                 f"{ {n: st for n, st in states.items() if st != 'idle'} }, queue {queue.split()}")
+        time.sleep(1)
+
+
 def slurm_timeouts() -> dict[str, str]:
     """SlurmdTimeout and MessageTimeout as slurmctld runs them now (`scontrol show config`)."""
     out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=15).stdout
