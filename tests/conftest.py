@@ -57,6 +57,21 @@ def _restore_sigint(request: pytest.FixtureRequest) -> Iterator[None]:
         signal.signal(signal.SIGINT, before if callable(before) else signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _restore_umask(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves the worker's umask changed (megalaunch's local chain sets 027 for its segments: run in
+    the worker's own process, it stayed) is undone after it: every file a later test writes for another user
+    would be unreadable to them (CI run of 2026-12-02: sbatch as mlalice "Unable to open file" its test's
+    script). Said on stderr with the test's name."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    now = os.umask(before)
+    if now != before:
+        print(f"\n[conftest] {request.node.nodeid} left the umask {now:03o} (was {before:03o}); restored",
+              file=sys.stderr)
+
+
 # --- parallel runs (pytest-xdist) -------------------------------------------------------------------
 
 def _schedule_module() -> Any:

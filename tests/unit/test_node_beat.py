@@ -95,7 +95,11 @@ def test_the_writer_thread_beats_and_the_judge_finds_the_one_that_stopped(tmp_pa
     a, b = NodeBeat(tmp_path, "a", "test", 0.05).start(), NodeBeat(tmp_path, "b", "test", 0.05).start()
     step = StepSilence(tmp_path, ["a", "b"], silence=0.5)
     step.decision.fresh_s = 0.3
-    assert step.check(time.monotonic()) == []
+    assert step.check(time.monotonic()) == []  # the baseline: both may have beaten already
+    deadline = time.monotonic() + 20
+    while set(step.decision._changed) != {"a", "b"} and time.monotonic() < deadline:  # both beat since it
+        step.check(time.monotonic())
+        time.sleep(0.02)
     b._stop.set()  # b's thread stops beating without a last word (a frozen node's)
     deadline = time.monotonic() + 20
     while not (lost := step.check(time.monotonic())) and time.monotonic() < deadline:

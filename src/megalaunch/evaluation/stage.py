@@ -73,10 +73,10 @@ def run_stage(paths: RunPaths, iteration: int, *, tasks: list[str] | None = None
         raise
     results.update(iteration=iteration, job_id=job, wall_s=round(time.monotonic() - start, 3), time=time.time())
     atomic_write_json(ep.results, results)
+    if not recipe.eval.keep_hf:  # before `done`: a reader of the state finds the conversion gone (a CI race)
+        shutil.rmtree(ep.hf, ignore_errors=True)
     ep.write_state("done", job_id=job, reason=None)
     _ledger(paths, "eval_done", iteration, job, heldout_ppl=(results.get("heldout") or {}).get("ppl"))
-    if not recipe.eval.keep_hf:
-        shutil.rmtree(ep.hf, ignore_errors=True)
     _log_wandb(paths, recipe, results, log)
     return results
 

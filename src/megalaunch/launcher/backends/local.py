@@ -241,7 +241,14 @@ class _LocalChain(Chain):
 
 def run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str,
                     echo: Callable[[str], None] = print) -> ChainEnd:
-    os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
+    old = os.umask(0o027)  # everything the segments write stays group-private, as under Slurm
+    try:
+        return _run_local_chain(paths, recipe, chain_name, echo)
+    finally:
+        os.umask(old)  # the caller's process (a test's, a notebook's) keeps its own
+
+
+def _run_local_chain(paths: RunPaths, recipe: Recipe, chain_name: str, echo: Callable[[str], None]) -> ChainEnd:
     chain = _LocalChain(paths, LocalBackend(), RuntimeSettings.load(paths))
     n = sum(1 for s in chain.ledger.segments() if s.job_id.startswith("local-")) + 1
     while True:
