@@ -5,6 +5,7 @@ The real thing, a node frozen on the scale cluster: tests/slurm/test_frozen_node
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -89,6 +90,31 @@ def test_a_node_whose_writer_said_it_ended_is_never_silent() -> None:
     for t in range(2, 40):
         d.observe(float(t), {"n1": f"{t}".encode(), "n2": b'{"seq": 2, "ended": true}'})
         assert d.silent(float(t), ["n1", "n2"]) == []
+
+
+def test_an_earlier_steps_last_word_does_not_excuse_a_node_that_never_beats_in_this_one() -> None:
+    d = NodeSilence(silence_s=15, fresh_s=5, never_s=45)
+    d.observe(0.0, {"n1": b"old", "n2": b'{"seq": 9, "ended": true}'})  # step 0's files
+    for t in range(1, 50):
+        d.observe(float(t), {"n1": f"{t}".encode(), "n2": b'{"seq": 9, "ended": true}'})
+    assert d.silent(49.0, ["n1", "n2"]) == ["n2"]
+
+
+def test_a_large_step_is_read_less_often_and_still_judged(tmp_path: Path) -> None:
+    nodes = [f"n{i}" for i in range(256)]
+    step = StepSilence(tmp_path, nodes, silence=15)
+    assert step.every == 4.0 and step.decision.fresh_s >= step.every + 2
+    reads: list[float] = []
+    real = step.decision.observe
+    step.decision.observe = lambda now, beats: (reads.append(now), real(now, beats))[1]  # type: ignore[method-assign]
+    for t in range(0, 60):
+        for n in nodes[:-1] if t >= 10 else nodes:  # the last node froze 10 s in
+            (tmp_path / f"{n}.json").write_text(f"{t}")
+        lost = step.check(float(t))
+        if lost:
+            break
+    assert lost == ["n255"] and 25 <= t <= 33, t
+    assert all(b - a >= 4.0 for a, b in itertools.pairwise(reads))
 
 
 def test_the_writer_thread_beats_and_the_judge_finds_the_one_that_stopped(tmp_path: Path) -> None:
@@ -190,7 +216,7 @@ def test_the_keeper_ends_the_job_when_its_batch_host_goes_silent_without_waiting
 
     got = keep("7", "snode1", ask=ask, on_lost=lambda why: done.append(f"recorded: {why}"),
                cancel=lambda j: done.append(f"scancel {j}"), poll_s=5, sleep=sleep,
-               silence=HostSilence(tmp_path, "snode1", silence=15), clock=clock)
+               silence=HostSilence(tmp_path, "snode1", "snode4", silence=15), clock=clock)
     assert got == "silent" and 1024 <= clock.now <= 1026, clock.now  # its last beat at 1009 + 15 s
     assert done[0].startswith("recorded: silent for 15 s") and done[1:] == ["scancel 7"], done
     assert len(asked) <= (clock.now - 1000) / 5 + 1  # Slurm asked every 5 s, the beats every second

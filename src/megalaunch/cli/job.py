@@ -107,7 +107,7 @@ def keeper(
     NodeBeat(beat_dir(run, job_id), here, "keeper").start()
     keep(job_id, batch_host, ask=client.job_state, cancel=lambda j: client.scancel([j]),
          on_lost=lambda why: _chain(run).batch_host_lost(job_id, batch_host, here, why),
-         silence=HostSilence(beat_dir(run, job_id), batch_host))
+         silence=HostSilence(beat_dir(run, job_id), batch_host, here))
 
 
 @app.command()

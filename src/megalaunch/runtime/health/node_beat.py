@@ -25,8 +25,9 @@ resumed from a stall: it compares what it reads now) or when more than half of t
 supervisor's thread beats whatever its trainer does. A node that never beat while the others have beaten
 for NEVER_S did not start its tasks.
 
-Cost: one small file written every BEAT_S per node (no fsync: liveness, not data), and the judge reads
-them every second: 32 nodes, 16 writes and 32 reads a second on the run directory's file system."""
+Cost: one small file written every BEAT_S per node (no fsync: liveness, not data); the watcher reads them every
+second up to 64 nodes (32 nodes: 16 writes and 32 reads a second), less often beyond (StepSilence.every); the
+keeper reads two files a second."""
 
 from __future__ import annotations
 
@@ -175,8 +176,8 @@ class NodeSilence:
         return out
 
     def _lost(self, now: float, node: str) -> bool:
-        if ENDED in (self._seen.get(node) or b""):
-            return False  # its writer ended its work and said so: not silent
+        if node in self._changed and ENDED in (self._seen.get(node) or b""):
+            return False  # its writer ended its work in this step and said so (an earlier step's word does not count)
         last = self._changed.get(node)
         if last is not None:
             return now - last >= self.silence_s
@@ -194,7 +195,12 @@ class StepSilence:
 
     def __init__(self, directory: Path, nodes: list[str], silence: float | None = None) -> None:
         self.directory, self.nodes = directory, nodes
-        self.decision = NodeSilence(silence_s=silence if silence is not None else silence_s())
+        # at most ~64 reads a second on the shared file system: a step of 640 nodes is read every 10 s (its
+        # verdict comes that much later); "fresh" stretches with it, or nobody would look fresh between reads
+        self.every = max(1.0, len(nodes) / 64)
+        self.decision = NodeSilence(silence_s=silence if silence is not None else silence_s(),
+                                    fresh_s=max(FRESH_S, self.every + BEAT_S + 1.0))
+        self._read_at: float | None = None
 
     @classmethod
     def from_env(cls, run_dir: Path, job_id: str, env: Mapping[str, str] | None = None) -> StepSilence | None:
@@ -202,7 +208,9 @@ class StepSilence:
         return cls(beat_dir(run_dir, job_id), nodes, silence_s(env)) if len(nodes) >= 2 else None
 
     def check(self, now: float) -> list[str]:
-        self.decision.observe(now, read_beats(self.directory, self.nodes))
+        if self._read_at is None or now - self._read_at >= self.every:
+            self._read_at = now
+            self.decision.observe(now, read_beats(self.directory, self.nodes))
         return self.decision.silent(now, self.nodes)
 
 
@@ -210,11 +218,13 @@ class HostSilence:
     """What the keeper asks each tick: did the batch host stop beating while other nodes beat? (The hang watcher
     that judges the other nodes runs on the batch host: it cannot judge its own node.)"""
 
-    def __init__(self, directory: Path, host: str, silence: float | None = None) -> None:
-        self.directory, self.host = directory, host
+    def __init__(self, directory: Path, host: str, reference: str, silence: float | None = None) -> None:
+        """`reference`: the node the host is judged against (the keeper's own, which beats while the keeper runs):
+        two files read a tick, whatever the step's size."""
+        self.directory, self.host, self.nodes = directory, host, [host, reference]
         self.decision = NodeSilence(silence_s=silence if silence is not None else silence_s())
 
     def check(self, now: float) -> str | None:
         """Why the host is lost, or None."""
-        self.decision.observe(now, read_beats(self.directory))
+        self.decision.observe(now, read_beats(self.directory, self.nodes))
         return self.decision.why(now, self.host) if self.decision.silent(now, [self.host]) else None
