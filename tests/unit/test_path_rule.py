@@ -20,6 +20,7 @@ EXPECTED_PATH_FIELDS = {
     "run.root", "checkpoint.load", "checkpoint.from_hf", "data.blend[].path", "data.blend_file", "data.chat_files", "data.tokenizer_model", "cluster.venv", "cluster.python", "cluster.node_health_dir",
     "cluster.megalaunch", "cluster.container.image", "cluster.container.mounts", "cluster.container.environment",
     "debug.code_snapshot", "eval.heldout_blend", "eval.task_paths", "eval.local_tasks[].path",
+    "post_training.rollouts", "post_training.teacher",
 }
 
 

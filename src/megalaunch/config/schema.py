@@ -12,6 +12,7 @@ from megalaunch.config.cluster import ClusterConfig
 from megalaunch.config.eval_schema import EvalConfig
 from megalaunch.config.model.mla import MLAFields
 from megalaunch.config.model.moe import MoEFields
+from megalaunch.config.training.post_training import PostTrainingConfig
 from megalaunch.config.typed import doc
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would allow a final newline
@@ -308,6 +309,7 @@ class Recipe:
     debug: DebugConfig = doc("diagnostics", DebugConfig())
     logging: LoggingConfig = doc("experiment tracking", LoggingConfig())
     eval: EvalConfig = doc("evaluation of milestone checkpoints", EvalConfig())
+    post_training: PostTrainingConfig = doc("DPO, IPO, GRPO, distillation (docs/post_training.md)", PostTrainingConfig())
     run: RunSection = doc("run directory", RunSection())
     workload: list[str] | None = doc("a command to run instead of Megatron training (tests, demos)", None)
     megatron_args: dict[str, Any] = doc("extra Megatron flags, name -> value (true: bare flag)", {})
@@ -315,3 +317,6 @@ class Recipe:
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
             raise ValueError(f"name {self.name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        if self.post_training.method != "none" and self.training.flow is not None:
+            raise ValueError(f"post_training.method {self.post_training.method} runs megalaunch's own flow; "
+                             f"training.flow {self.training.flow!r} cannot be set with it; fix: --set training.flow=null")

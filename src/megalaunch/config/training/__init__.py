@@ -1,0 +1,1 @@
+"""Parts of the recipe's training: post-training methods (post_training.py)."""
