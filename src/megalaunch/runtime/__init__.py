@@ -14,6 +14,7 @@ holds the rules, docs/architecture.md draws them):
     checkpoint   what to load, around every save, retention           uses rank
     health       health check, stragglers, heartbeat, hangs           uses rank
     model        layer specs, kernels, CPU accommodations             uses rank
-    flows        custom training steps, chat data                     uses rank
+    flows        custom training steps, chat data, DPO                uses rank, scoring
+    scoring      frozen models' scores stored beside the data         uses rank
     rank         this rank, settings, hooks, collectives, failures    uses nothing of the runtime
 """
