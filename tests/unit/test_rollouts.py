@@ -1,0 +1,147 @@
+"""Rollout files for GRPO (tokenization/rollouts.py, rollout_build.py): the shapes of TRL's, verl's and
+OpenRLHF's dumps read into groups, advantages as TRL computes them (written out here independently),
+bad rows named by file and row with nothing written, and the tokenized chat data with its side files
+(advantages per conversation, old log-probabilities aligned per token)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+
+from megalaunch.tokenization.rollouts import RolloutError, read_rollouts
+
+
+def _jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _advantages(rewards: list[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5  # Bessel, like torch.std
+    return [(r - mean) / (std + 1e-4) for r in rewards]
+
+
+def test_grouped_rows_give_trl_advantages(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "r.jsonl", [
+        {"prompt": "two plus two", "completions": ["4", "5", "four"], "rewards": [1, 0, 1]},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+         "completions": [[{"role": "assistant", "content": "hello"}], {"role": "assistant", "content": "yo"}],
+         "scores": [0.5, 0.5]},
+    ])
+    groups = read_rollouts(f)
+    assert [len(g.completions) for g in groups] == [3, 2]
+    assert groups[0].prompt == [{"role": "user", "content": "two plus two"}]
+    assert groups[0].advantages() == pytest.approx(_advantages([1, 0, 1]))
+    assert groups[1].advantages() == [0.0, 0.0]  # equal rewards: nothing to prefer
+    assert groups[1].completions[1].answer == [{"role": "assistant", "content": "yo"}]
+
+
+@pytest.mark.parametrize("names", [("prompt", "completion", "reward", "group"),  # TRL-like, with a key
+                                   ("input", "output", "score", "uid"),  # verl's dump
+                                   ("query", "response", "reward", "prompt_id")])
+def test_one_completion_per_row_is_grouped_by_its_key(tmp_path: Path, names: tuple[str, ...]) -> None:
+    p, c, r, g = names
+    rows = [{p: f"q{i % 2}", c: f"a{i}", r: float(i), g: i % 2} for i in range(6)]
+    groups = read_rollouts(_jsonl(tmp_path / "r.jsonl", rows))
+    assert [[x.row for x in grp.completions] for grp in groups] == [[1, 3, 5], [2, 4, 6]]
+    assert groups[0].advantages() == pytest.approx(_advantages([0.0, 2.0, 4.0]))
+
+
+def test_rows_without_a_key_are_grouped_by_prompt(tmp_path: Path) -> None:
+    rows = [{"prompt": "a", "completion": "x", "reward": 1}, {"prompt": "b", "completion": "y", "reward": 0},
+            {"prompt": "a", "completion": "z", "reward": 0}, {"prompt": "b", "completion": "w", "reward": 1}]
+    groups = read_rollouts(_jsonl(tmp_path / "r.jsonl", rows))
+    assert [[c.answer[0]["content"] for c in g.completions] for g in groups] == [["x", "z"], ["y", "w"]]
+
+
+def test_bad_rows_are_named_by_file_and_row(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "bad.jsonl", [
+        {"prompt": "a", "completion": "x", "reward": 1, "group": 1},
+        {"prompt": "a", "completion": "y", "group": 1},  # 2: no reward
+        "{not json",  # 3
+        {"prompt": "a", "completion": "z", "reward": float("nan"), "group": 1},  # 4 (json.dumps writes NaN)
+        {"prompt": "b", "completions": ["p"], "rewards": [1, 2]},  # 5: lengths
+        {"prompt": "c", "completion": "q", "reward": 1, "group": 7},  # 6: a group of one
+        {"prompt": "a", "completion": "v", "reward": 1, "score": 2, "group": 1},  # 7: ambiguous
+        {"prompt": "a", "completion": "v", "reward": 1, "group": 1, "logprobs": [-1.0], "completion_ids": [3, 4]},
+        {"prompt": "a", "completion": "v", "reward": True, "group": 1},  # 9: a bool is no reward
+    ])
+    with pytest.raises(RolloutError) as e:
+        read_rollouts(f)
+    msg = str(e.value)
+    assert "\n" not in msg and str(f) in msg and "nothing of this file was used" in msg
+    for n, words in ((2, "no reward"), (3, "not JSON"), (4, "finite number"), (5, "1 completions but 2 rewards"),
+                     (6, "one completion"), (7, "both 'reward' and 'score'"), (8, "1 old log-probabilities for 2"),
+                     (9, "finite number")):
+        assert re.search(rf"row {n}: [^;]*{re.escape(words)}", msg), (n, msg)
+    assert "row 1:" not in msg
+
+
+def test_a_group_with_two_prompts_is_refused(tmp_path: Path) -> None:
+    f = _jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "completion": "x", "reward": 1, "uid": "u"},
+                                      {"prompt": "b", "completion": "y", "reward": 0, "uid": "u"}])
+    with pytest.raises(RolloutError, match="row 2: group 'u' has another prompt at row 1"):
+        read_rollouts(f)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tests.support.chat import make_chat_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    make_chat_tokenizer(out)
+    return out
+
+
+def test_tokenized_rollouts_carry_advantages_and_aligned_old_logprobs(tmp_path: Path, tokenizer: Path) -> None:
+    from megalaunch.runtime.flows.chat_dataset import ChatDocuments
+    from megalaunch.tokenization.chat.render import ChatRenderer
+    from megalaunch.tokenization.rollout_build import tokenize_rollouts
+
+    renderer = ChatRenderer(tokenizer)
+    whole = renderer.encode([{"role": "user", "content": "red cat"}, {"role": "assistant", "content": "cat red"}], 1)
+    start = whole.mask.index(1)
+    ids = whole.tokens[start:start + sum(whole.mask)]  # what a generator with this template produced
+    logps = [-0.5 - i for i in range(len(ids))]
+    f = _jsonl(tmp_path / "r.jsonl", [
+        {"prompt": "red cat", "completions": ["cat red", "dog"], "rewards": [1.0, 0.0],
+         "old_logprobs": [logps, None], "completion_ids": [ids, None]},
+        {"prompt": "sun moon", "completion": "moon sun", "reward": 2.0, "uid": 9},
+        {"prompt": "sun moon", "completion": "sun", "reward": 1.0, "uid": 9},
+    ])
+    stats = tokenize_rollouts(f, tmp_path / "out" / "r", renderer)
+    assert (stats.groups, stats.conversations, stats.old_logprobs) == (2, 4, True)
+    docs = ChatDocuments(str(tmp_path / "out" / "r"))
+    assert len(docs) == 4 and list(docs.get(0)[0]) == whole.tokens
+    adv = numpy.fromfile(tmp_path / "out" / "r.adv", dtype="<f4")
+    assert adv == pytest.approx(_advantages([1, 0]) + _advantages([2, 1]), abs=1e-6)
+    assert list(numpy.fromfile(tmp_path / "out" / "r.reward", dtype="<f4")) == [1.0, 0.0, 2.0, 1.0]
+    old = numpy.fromfile(tmp_path / "out" / "r.oldlogp", dtype="<f4")
+    assert len(old) == stats.tokens
+    first = old[:len(whole.tokens)]
+    assert list(first[start:start + len(ids)]) == pytest.approx(logps)  # row j: log p_old(token j | < j)
+    assert numpy.isnan(first[:start]).all() and numpy.isnan(old[len(whole.tokens):]).all()
+
+
+def test_token_ids_that_differ_from_the_template_refuse_the_row(tmp_path: Path, tokenizer: Path) -> None:
+    from megalaunch.tokenization.chat.render import ChatRenderer
+    from megalaunch.tokenization.rollout_build import tokenize_rollouts
+
+    f = _jsonl(tmp_path / "r.jsonl", [
+        {"prompt": "red", "completion": "blue", "reward": 1.0, "uid": 1},
+        {"prompt": "red", "completion": "blue", "reward": 0.0, "uid": 1, "logprobs": [-1.0, -2.0],
+         "response_ids": [7, 7]},
+    ])
+    with pytest.raises(RolloutError, match=r"r\.jsonl: 1 bad row \(row 2: its token ids differ"):
+        tokenize_rollouts(f, tmp_path / "out" / "r", ChatRenderer(tokenizer))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert math.isfinite(1.0)
