@@ -48,6 +48,7 @@ FP8 = ["training.precision=fp8"]
 CASES: dict[str, tuple[str, list[str], dict[str, str]]] = {  # experts class, overrides, environment
     "sequential": ("sequential", [], {}),
     "grouped": ("grouped", [], {}),
+    "unfused": ("grouped", [], {"MEGALAUNCH_MOE_FUSED": "off"}),  # grouped GEMMs, Megatron's permute, unfused SwiGLU
     "fp8-dense": ("grouped", FP8, {"MEGALAUNCH_FP8_EXPERTS": "off"}),
     "fp8": ("grouped", FP8, {"MEGALAUNCH_FP8_EXPERTS": "on"}),  # forced: fine-grained experts stay bf16 by default
     "fp8-auto": ("grouped", FP8, {}),

@@ -55,8 +55,11 @@ def layer_spec(config: TransformerConfig, *, attention: str = "local", transform
     if experts not in ("grouped", "sequential", "te", ""):
         raise ValueError(f"experts {experts!r}; valid: grouped, sequential")
     if num_experts and experts == "grouped":
+        from megalaunch.runtime.model.experts import activation, permute
         from megalaunch.runtime.model.experts.grouped import with_grouped_experts
 
+        if activation.fusion_on():
+            permute.install()  # dropless permutations by gathers, no atomics (runtime/model/experts/permute.py)
         spec = copy.deepcopy(spec)
         spec.submodules.mlp = with_grouped_experts(spec.submodules.mlp)
     if liger_ops & {"rmsnorm", "swiglu"}:

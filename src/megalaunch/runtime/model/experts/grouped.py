@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megalaunch.runtime.model.experts import fp8, sharded
+from megalaunch.runtime.model.experts import activation, fp8, sharded
 from megalaunch.runtime.model.experts.gmm import gmm, grouped_mm_fn, shapes_fit
 
 BIAS_FIX = ("set model.disable_bias_linear: true, or keep Megatron's SequentialMLP "
@@ -142,9 +142,13 @@ def _build_class() -> type:
             if self.fp8_format is not None:
                 return fp8_forward(self, hidden, tokens_per_expert, probs), None
             offs = tokens_per_expert.to(device=hidden.device, non_blocking=True).cumsum(0).to(torch.int32)
-            inter = glu(gmm(hidden, self.weight1, offs, self.grouped), self.config)
-            dtype = inter.dtype  # MLP.forward: the activation times the probabilities, back in its dtype
-            inter = (inter * probs.unsqueeze(-1)).to(dtype)
+            h = gmm(hidden, self.weight1, offs, self.grouped)
+            if activation.applies(h, self.config):  # one fused kernel each way (runtime/model/experts/activation.py)
+                inter = activation.swiglu_probs(h, probs)
+            else:
+                inter = glu(h, self.config)
+                dtype = inter.dtype  # MLP.forward: the activation times the probabilities, back in its dtype
+                inter = (inter * probs.unsqueeze(-1)).to(dtype)
             return gmm(inter, self.weight2, offs, self.grouped), None
 
         def backward_dw(self) -> None:
