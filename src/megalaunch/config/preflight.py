@@ -139,6 +139,11 @@ def check_files(recipe: Recipe) -> None:
         _require(Path(os.path.expanduser(recipe.checkpoint.from_hf), "config.json").is_file(), "checkpoint.from_hf",
                  f"{recipe.checkpoint.from_hf} has no config.json", "a Hugging Face model directory (config.json "
                  "and safetensors)", "fix the path, or convert first and use checkpoint.load")
+    pt = recipe.post_training
+    if pt.method == "distill" and pt.teacher:  # the teacher stage (runtime/scoring/teacher.py) reads it in the job
+        _require(os.path.exists(os.path.expanduser(pt.teacher)), "post_training.teacher", f"{pt.teacher} does not exist",
+                 "a Hugging Face model directory or a megatron checkpoint sharing the student's tokenizer",
+                 "--set post_training.teacher=DIR")
     if recipe.data.chat_files:
         _require(os.path.exists(os.path.expanduser(recipe.data.chat_files)), "data.chat_files",
                  f"{recipe.data.chat_files} does not exist", "chat JSONL/parquet files or a folder of them",

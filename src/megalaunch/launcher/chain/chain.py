@@ -15,7 +15,7 @@ from typing import Any
 
 from megalaunch.launcher.accounting.evidence import abnormal_ends
 from megalaunch.launcher.chain.backend import JobControl
-from megalaunch.launcher.chain.first_stage import convert_from_hf, tokenize_chats
+from megalaunch.launcher.chain.first_stage import convert_from_hf, score_teacher, tokenize_chats
 from megalaunch.launcher.chain.last_stage import export_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
 from megalaunch.launcher.chain.segment_end import (
@@ -99,6 +99,8 @@ class Chain:
         if self.settings.chat_files and (failed := tokenize_chats(self.paths, self.settings.chat_files, job_id, log)):
             return self.stop(job_id, failed.reason, fix=failed.fix)
         if self.settings.from_hf and (failed := convert_from_hf(self.paths, self.settings.from_hf, job_id, log)):
+            return self.stop(job_id, failed.reason, fix=failed.fix)
+        if failed := score_teacher(self.paths, getattr(self.settings, "post_training", None), job_id, log):  # distill
             return self.stop(job_id, failed.reason, fix=failed.fix)
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,

@@ -12,7 +12,12 @@ trains, `job begin` converts the Hugging Face model into RUN/pretrained with `co
 the run's own recipe (its model shape, tokenizer vocabulary and TP); training then starts from it
 (Megatron's --pretrained-checkpoint, rendered by config/megatron_args.py). The conversion runs as a
 process of its own (no torch in `job begin`), once: RUN/pretrained's tracker is written last, and a
-segment that finds it (or a checkpoint of the run's own) converts nothing."""
+segment that finds it (or a checkpoint of the run's own) converts nothing.
+
+Distillation (post_training.method distill): after the chat data is tokenized, `job begin` scores it with
+the teacher (`python -m megalaunch.runtime.scoring.teacher RUN`, a process of its own: transformers, the
+GPU) into RUN/scores/teacher; a stage that stopped continues from the store's documents_done, and a store
+complete for this teacher, top-k and data is not scored again."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megalaunch.rundir.files import atomic_write_json, atomic_write_text, read_json
 from megalaunch.rundir.ledger import Ledger
@@ -62,10 +68,10 @@ def convert_from_hf(paths: RunPaths, hf_dir: str, job_id: str, log: Callable[[st
     return None
 
 
-def run_stage(command: list[str]) -> tuple[bool, str, float]:
+def run_stage(command: list[str], module: str = "megalaunch.cli.main") -> tuple[bool, str, float]:
     """Run one stage's command as a process of its own: (ok, its last line of error, seconds)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", *command], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module, *command], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL)
     lines = [line for line in (proc.stderr or proc.stdout or "").splitlines() if line.strip()]
     why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {proc.returncode}"
@@ -101,4 +107,35 @@ def tokenize_chats(paths: RunPaths, chat_files: str, job_id: str, log: Callable[
     Ledger(paths).append("data_prepared", job_id=job_id, source=chat_files, ok=True, seconds=seconds,
                          output=str(out), prefixes=len(blend.prefixes), blend_sha256=blend.sha256)
     log(f"first stage: chat data tokenized in {seconds} s ({len(blend.prefixes)} file(s))")
+    return None
+
+
+def score_teacher(paths: RunPaths, post_training: dict[str, Any] | None, job_id: str,
+                  log: Callable[[str], None]) -> Failed | None:
+    """Distillation: the teacher's top-k of the run's chat data into RUN/scores/teacher unless complete; None
+    when training may start, else why the stage failed (one line) and the fix."""
+    if not post_training or post_training.get("method") != "distill":
+        return None
+    from megalaunch.runtime.scoring.store import read_meta
+    from megalaunch.runtime.scoring.teacher import TeacherJob, TeacherRefused, is_complete
+
+    try:
+        job = TeacherJob.of_settings(paths, post_training)
+        if is_complete(job):
+            return None
+    except TeacherRefused as e:
+        reason, _, fix = str(e).partition("; fix: ")
+        return Failed(reason, fix or f"megalaunch resume {paths.root} once fixed")
+    log(f"first stage: scoring the chat data with the teacher {job.teacher} into {job.store}")
+    ok, why, seconds = run_stage([str(paths.root)], module="megalaunch.runtime.scoring.teacher")
+    meta = read_meta(job.store) or {}
+    if not ok or not meta.get("complete"):
+        Ledger(paths).append("teacher_scored", job_id=job_id, source=job.teacher, ok=False, seconds=seconds, error=why)
+        reason, _, fix = why.partition("; fix: ")
+        return Failed(f"the teacher stage failed: {reason}",
+                      f"{fix or 'correct post_training.teacher'}, then megalaunch resume {paths.root}")
+    Ledger(paths).append("teacher_scored", job_id=job_id, source=job.teacher, ok=True, seconds=seconds,
+                         output=str(job.store), top_k=job.top_k, tokens=meta.get("tokens_scored"),
+                         tokens_per_s=round(float(meta.get("tokens_per_s") or 0.0), 1))
+    log(f"first stage: teacher scores in {seconds} s ({float(meta.get('tokens_per_s') or 0.0):.0f} tokens/s)")
     return None

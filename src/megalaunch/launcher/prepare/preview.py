@@ -42,6 +42,9 @@ def stage_lines(prepared: PreparedRun) -> list[str]:
         lines.append(f"first stage: tokenize {r.data.chat_files} with the model's chat template -> {root}/sft_data")
     if r.checkpoint.from_hf:
         lines.append(f"first stage: convert {r.checkpoint.from_hf} -> {root}/pretrained, then train from it")
+    if r.post_training.method == "distill":
+        lines.append(f"first stage: score the chat data with the teacher {r.post_training.teacher} (top "
+                     f"{r.post_training.teacher_top_k}) -> {root}/scores/teacher")
     if r.chain.export_hf:
         lines.append(f"last stage: the final checkpoint as a Hugging Face model -> {root}/hf")
     return lines
