@@ -1,4 +1,4 @@
-"""`megalaunch data check|blend|mix|sft`: validate .bin/.idx pairs, freeze data blends, build mixtures.
+"""`megalaunch data check|blend|mix|sft|rollouts`: validate .bin/.idx pairs, freeze data blends, build mixtures.
 
 `blend` and `mix` take lists after one flag (`--weights 0.8 0.2`), which click options cannot, so
 they parse their own arguments with argparse."""
@@ -14,11 +14,13 @@ from typing import Annotated
 
 import typer
 
+from megalaunch.cli.data_rollouts import rollouts
 from megalaunch.cli.data_sft import sft
 from megalaunch.cli.output import emit_json, say
 
 app = typer.Typer(no_args_is_help=True)
 app.command("sft")(sft)
+app.command("rollouts")(rollouts)
 _RAW = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 

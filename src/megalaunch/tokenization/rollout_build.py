@@ -27,12 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
+from megalaunch.runtime.flows.rollout_format import ADV_SUFFIX, OLD_LOGP_SUFFIX, REWARD_SUFFIX
 from megalaunch.tokenization.chat.render import ChatRenderer, Encoded, RenderError
 from megalaunch.tokenization.rollouts import BadRow, Completion, Group, read_rollouts, rollout_error
-
-ADV_SUFFIX = ".adv"
-REWARD_SUFFIX = ".reward"
-OLD_LOGP_SUFFIX = ".oldlogp"
 
 
 @dataclass

@@ -50,10 +50,11 @@ def dataset_provider(train_val_test_num_samples: list[int], vp_stage: int | None
         from megalaunch.runtime.flows.chat_dataset import ChatDataset
 
         cls = ChatDataset
-    if flow is not None and not config.mock:
+    if flow is not None:
         from megalaunch.runtime.flows.flow import flow_dataset
 
-        cls = flow_dataset(flow) or cls
+        own = flow_dataset(flow)  # a flow's dataset over the blend, or one that reads its own data (GRPO's rounds)
+        cls = own if own is not None and (not config.mock or getattr(own, "own_data", False)) else cls
     return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples, built_here, config).build()
 
 

@@ -72,6 +72,9 @@ class Decisions:
         `force`: decide now whatever the interval (right after a save: every rank saved, so every rank
         is here)."""
         c = self.config
+        from megalaunch.runtime.rank.gates import gates_say_stop
+
+        force = gates_say_stop(iteration) or force  # a flow's data gate (runtime/rank/gates.py) decides now
         if not force and iteration % max(1, c.trigger_interval) != 0 and iteration < c.train_iters:
             return Decision.CONTINUE
         from megalaunch.runtime.rank.collectives import all_reduce_max

@@ -1,0 +1,194 @@
+"""GRPO's hand-off with a generator outside the chain (docs/post_training.md, "GRPO"): rounds of rollouts
+brought into the run in order, one at a time, as training reaches them.
+
+Samples map to rounds deterministically: the rounds are consumed in order, round k holds n_k completions
+(a multiple of the global batch size, checked), and iteration i (1-based) trains on samples
+(i - 1) * gbs .. i * gbs - 1 of the concatenation, so Megatron's consumed-samples counter says which round
+and row every iteration reads, in every segment (exact resume). Each round is tokenized once, by rank 0, in
+a process of its own (`megalaunch data rollouts`, with the run's tokenizer), the first time an iteration
+needs it: at the step boundary before that iteration, every rank asks `ready(i)`. Rank 0 waits up to
+`post_training.rollout_wait_s` for the round's file, tokenizes it and appends its line to
+RUN/rollouts/record.jsonl (file, sha256, samples, iterations: which round every iteration used); the
+other ranks wait for the round's marker or for rank 0's verdict (RUN/rollouts/gates/<job>-<i>.json):
+states, never a guess at how long rank 0 takes. A round that does not come in time, or is refused (its
+bad rows named), stops the segment cleanly: rank 0 writes the `exit` trigger with the reason, the
+boundary's decision saves and leaves (outcome `exited`, the chain stops), and `megalaunch resume` later
+continues from that checkpoint and waits again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX
+from megalaunch.runtime.flows.rollout_format import RECORD, ROLLOUTS_DIR, round_source, round_stem
+
+POLL_S = 0.2  # how often a waiting rank looks at the state it waits for
+
+
+@dataclass
+class FeedConfig:
+    source: Path  # post_training.rollouts: a file, or the directory of rounds
+    run_dir: Path
+    tokenizer: Path  # the run's tokenizer (RUN/tokenizer)
+    global_batch: int
+    train_iters: int
+    wait_s: float  # post_training.rollout_wait_s
+    seq_length: int | None = None
+    job_id: str = "nojob"
+
+
+class RolloutFeed:
+    """Which round holds which samples, and bringing the next round in (see the module docstring)."""
+
+    def __init__(self, config: FeedConfig, *, is_zero: bool, log: Callable[[str], None] = print,
+                 ledger: Callable[..., None] | None = None, beat: Callable[[str], None] | None = None) -> None:
+        self.c = config
+        self.dir = config.run_dir / ROLLOUTS_DIR
+        self.is_zero, self.log, self.ledger, self.beat = is_zero, log, ledger, beat
+        self.sizes: list[int] = []  # conversations of rounds 1, 2, ... known so far (markers read)
+        self.answers: dict[int, str | None] = {}  # iteration -> None (ready) or why it cannot run
+
+    def prefix(self, k: int) -> Path:
+        return self.dir / round_stem(self.c.source, k)
+
+    def locate(self, sample: int) -> tuple[int, int] | None:
+        """(round, row), both from 0... round 0 is round-000001; None: the round is not tokenized yet."""
+        start = 0
+        for k in range(1, 1 << 30):
+            if len(self.sizes) < k:
+                marker = read_marker(self.prefix(k))
+                if marker is None:
+                    return None
+                self.sizes.append(int(marker["conversations"]))
+            if sample < start + self.sizes[k - 1]:
+                return k - 1, sample - start
+            start += self.sizes[k - 1]
+        return None
+
+    def ready(self, iteration: int) -> str | None:
+        """Every rank, at the boundary before `iteration`: None when its round is in, else why the segment
+        stops (rank 0 has written that down for the others)."""
+        if iteration > self.c.train_iters:
+            return None
+        if iteration not in self.answers:
+            sample = (iteration - 1) * self.c.global_batch
+            if self.locate(sample) is not None:
+                self.answers[iteration] = None
+            else:
+                self.answers[iteration] = self._bring(iteration) if self.is_zero else self._await(iteration)
+        return self.answers[iteration]
+
+    def _gate_file(self, iteration: int) -> Path:
+        return self.dir / "gates" / f"{self.c.job_id}-{iteration}.json"
+
+    def _await(self, iteration: int) -> str | None:
+        """Not rank 0: wait for the round's marker or rank 0's verdict on this iteration."""
+        k = len(self.sizes) + 1
+        while True:
+            if self.locate((iteration - 1) * self.c.global_batch) is not None:
+                return None
+            verdict = _read_json(self._gate_file(iteration))
+            if verdict is not None:
+                return str(verdict["reason"])
+            self._pulse(f"waiting for rank 0 to bring in rollout round {k}")
+            time.sleep(POLL_S)
+
+    def _bring(self, iteration: int) -> str | None:
+        """Rank 0: wait for the next round's file, tokenize it, record it; or say why not (gate file)."""
+        k = len(self.sizes) + 1
+        reason = self._wait_for(k) or self._tokenize(k)
+        if reason is None and self.locate((iteration - 1) * self.c.global_batch) is None:
+            reason = f"rollout round {k} holds fewer samples than iteration {iteration} needs"  # never: sizes % gbs
+        if reason is not None:
+            self.dir.joinpath("gates").mkdir(parents=True, exist_ok=True)
+            _write_json(self._gate_file(iteration), {"iteration": iteration, "round": k, "reason": reason})
+            self.log(f"rollouts: stopping before iteration {iteration}: {reason}")
+            if self.ledger is not None:
+                self.ledger("rollouts_stop", iteration=iteration, round=k, reason=reason)
+        return reason
+
+    def _wait_for(self, k: int) -> str | None:
+        if self.c.source.is_file() and k > 1:
+            used = sum(self.sizes)
+            return (f"the rollouts in {self.c.source} ({used} completions, {used // self.c.global_batch} iterations "
+                    f"of global batch {self.c.global_batch}) are used up before train_iters {self.c.train_iters}; "
+                    "give a directory of rounds, or lower training.train_iters")
+        deadline = time.monotonic() + self.c.wait_s
+        if round_source(self.c.source, k) is None:
+            self.log(f"rollouts: waiting up to {self.c.wait_s:g} s for round {k} in {self.c.source}")
+        while round_source(self.c.source, k) is None:
+            if time.monotonic() >= deadline:
+                return (f"rollout round {k} ({self.c.source}/{round_stem(self.c.source, k)}.jsonl) did not come "
+                        f"within post_training.rollout_wait_s={self.c.wait_s:g} s; megalaunch resume continues "
+                        "once the generator wrote it")
+            self._pulse(f"waiting for rollout round {k}")
+            time.sleep(POLL_S)
+        return None
+
+    def _tokenize(self, k: int) -> str | None:
+        path = round_source(self.c.source, k)
+        assert path is not None
+        begin = time.monotonic()
+        self._pulse(f"tokenizing rollout round {k}")
+        command = [sys.executable, "-m", "megalaunch.cli.main", "data", "rollouts", str(path), "--tokenizer",
+                   str(self.c.tokenizer), "--output", str(self.dir), "--name", round_stem(self.c.source, k)]
+        if self.c.seq_length:
+            command += ["--seq-length", str(self.c.seq_length)]
+        proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
+            why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {proc.returncode}"
+            return f"rollout round {k} refused: {why}"
+        marker = read_marker(self.prefix(k))
+        assert marker is not None
+        n, gbs = int(marker["conversations"]), self.c.global_batch
+        if n % gbs:
+            return (f"rollout round {k} ({path}) holds {n} completions, not a multiple of training.global_batch_size "
+                    f"{gbs}: each round fills whole iterations; write rounds of a multiple of {gbs} completions")
+        self._record(k, path, marker, round(time.monotonic() - begin, 2))
+        return None
+
+    def _record(self, k: int, path: Path, marker: dict[str, Any], seconds: float) -> None:
+        first = sum(self.sizes)  # samples of the rounds before this one (their markers were read to get here)
+        n, gbs = int(marker["conversations"]), self.c.global_batch
+        line = {"round": k, "source": str(path), "sha256": marker["source_sha256"], "completions": n,
+                "groups": marker["groups"], "first_sample": first, "first_iteration": first // gbs + 1,
+                "last_iteration": (first + n) // gbs, "reward_mean": marker["reward_mean"],
+                "old_logprobs": marker["old_logprobs"], "tokenized_s": seconds, "job_id": self.c.job_id,
+                "time": time.time()}
+        with open(self.dir / RECORD, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.log(f"rollouts: round {k} in ({n} completions, iterations {line['first_iteration']}-"
+                 f"{line['last_iteration']}, sha256 {str(line['sha256'])[:12]}, tokenized in {seconds} s)")
+        if self.ledger is not None:
+            self.ledger("rollout_round", **{key: line[key] for key in ("round", "source", "sha256", "completions",
+                                                                       "first_iteration", "last_iteration")})
+
+    def _pulse(self, what: str) -> None:
+        if self.beat is not None:
+            self.beat(what)
+
+
+def read_marker(prefix: Path) -> dict[str, Any] | None:
+    return _read_json(Path(str(prefix) + MARKER_SUFFIX))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    tmp.replace(path)
