@@ -55,7 +55,7 @@ class RolloutDataset(MegatronDataset):
     def __init__(self, dataset: Any, dataset_path: str | None, indices: numpy.ndarray, num_samples: int | None,
                  index_split: Split, config: GPTDatasetConfig) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
-        self.num_samples = int(num_samples or 0)
+        self.num_samples = max(int(num_samples or 0), 1)  # a split not trained on (eval_iters 0) still has one
         self.feed = rounds_feed()
         self.rounds: dict[int, Round] = {}
         self.pad = padding_token(self._pad_token_id, getattr(config.tokenizer, "vocab_size", None))

@@ -1,0 +1,116 @@
+"""GRPO's policy update under the chain (runtime/flows/grpo.py, rollout_feed.py): the tiny converted chat
+model trains on rollout rounds written in a directory, rewards favouring one kind of completion (the
+reversed prompt) over another; the advantage-weighted log-probability rises. The hand-off: a round that is
+not there yet is waited for (the test writes it once the job says it waits, by rename) and training goes
+on; a round that never comes stops the segment cleanly after rollout_wait_s with the reason (outcome
+exited, a checkpoint at the boundary), and record.jsonl says which round and sha256 each iteration used."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from harness import Trainer, ledger, wait_for
+from tests.support.chat import WORDS, make_chat_model
+
+from megalaunch.config.loader import load_recipe
+from megalaunch.conversion import hf_to_mcore
+from megalaunch.launcher.prepare.prepare import prepare_run
+from megalaunch.launcher.prepare.write import write_run
+from megalaunch.rundir.files import read_jsonl
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+GBS = 8
+PER_ROUND = 16  # 4 prompts x 4 completions = 2 iterations
+
+
+def write_round(directory: Path, k: int, *, seed: int) -> Path:
+    """Round k: per prompt two good completions (the words reversed, reward 1), two bad (reward 0)."""
+    rng = random.Random(seed * 1000 + k)
+    rows = []
+    for p in range(PER_ROUND // 4):
+        words = rng.choices(WORDS, k=3)
+        good = " ".join(reversed(words))
+        rows.append({"prompt": " ".join(words), "completions": [good, "fish fish fish", good, "rock rock"],
+                     "rewards": [1.0, 0.0, 1.0, 0.0], "index": p})
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".round-{k:06d}.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    final = directory / f"round-{k:06d}.jsonl"
+    tmp.rename(final)  # atomic: a round counts once it has its name
+    return final
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("grpo")
+    hf = make_chat_model(root / "hf")
+    hf_to_mcore(hf, root / "converted", model=load_recipe("grpo-tiny").recipe.model, vocab_size=512, progress=False)
+    return {"hf": hf, "converted": root / "converted"}
+
+
+def _run(root: Path, prep: dict[str, Path], rounds: Path, iters: int, *more: str) -> Any:
+    sets = [f"training.micro_batch_size={GBS // 2}", f"training.global_batch_size={GBS}", "training.log_interval=1",
+            "chain.hang_timeout_s=120", f"training.train_iters={iters}", "training.lr=1e-3", "training.min_lr=1e-3",
+            "checkpoint.save_interval=100", "data.tokenizer_type=HuggingFaceTokenizer",
+            f"data.tokenizer_model={prep['hf']}", f"checkpoint.load={prep['converted']}",
+            f"post_training.rollouts={rounds}", *more]
+    return write_run(prepare_run(load_recipe("grpo-tiny", sets, name="grpo"), root=root))
+
+
+def _log(t: Trainer) -> str:
+    return t.logs[0].read_text() if t.logs[0].is_file() else ""
+
+
+def _metrics(log: Path) -> dict[int, dict[str, float]]:
+    return {r["iteration"]: r.get("metrics") or {} for r in read_jsonl(log)}
+
+
+def test_grpo_trains_toward_the_rewarded_completions(prep: dict[str, Path], tmp_path: Path) -> None:
+    rounds = tmp_path / "rounds"
+    for k in range(1, 11):
+        write_round(rounds, k, seed=1)
+    paths = _run(tmp_path / "run", prep, rounds, 20)
+    log = tmp_path / "loss.jsonl"
+    t = Trainer(paths, job_id="11", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    assert t.wait(600) == [0], t.log()[-3000:]
+    assert t.outcome()["status"] == "finished", t.outcome()
+    m = _metrics(log)
+    score = [m[i]["advantage x logp"] for i in sorted(m)]
+    assert len(score) == 20 and all(abs(m[i]["reward"] - 0.5) < 1e-6 for i in m)
+    assert all(abs(m[i]["ratio"] - 1.0) < 1e-5 for i in m)  # on-policy: no old log-probabilities given
+    assert sum(score[-4:]) / 4 > sum(score[:4]) / 4 + 0.05, score  # good completions got likelier than bad ones
+    record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
+    assert [(r["round"], r["first_iteration"], r["last_iteration"]) for r in record] == \
+        [(k, 2 * k - 1, 2 * k) for k in range(1, 11)]
+    assert all(len(r["sha256"]) == 64 for r in record)
+
+
+def test_the_job_waits_for_a_round_and_stops_cleanly_when_none_comes(prep: dict[str, Path], tmp_path: Path) -> None:
+    rounds = tmp_path / "rounds"
+    write_round(rounds, 1, seed=2)
+    paths = _run(tmp_path / "run", prep, rounds, 6, "post_training.rollout_wait_s=300")
+    t = Trainer(paths, job_id="21")
+    wait_for(lambda: "waiting up to 300 s for round 2" in _log(t), timeout=300, what="the wait for round 2", trainer=t)
+    write_round(rounds, 2, seed=2)  # the generator delivers: training goes on
+    wait_for(lambda: "waiting up to 300 s for round 3" in _log(t), timeout=300, what="the wait for round 3", trainer=t)
+    t.kill()  # round 3 will not come in this segment; the next one waits a short while only
+    paths = _run(tmp_path / "run", prep, rounds, 6, "post_training.rollout_wait_s=1")
+    t = Trainer(paths, job_id="22")
+    assert t.wait(600) == [0], t.log()[-3000:]
+    out = t.outcome()
+    assert out["status"] == "exited", out
+    consumed = [r for r in ledger(paths, "decision") if r.get("decision") == "exit"]
+    assert consumed and consumed[-1]["iteration"] == 4, consumed
+    stops = ledger(paths, "rollouts_stop")
+    assert stops and "did not come within post_training.rollout_wait_s=1 s" in stops[-1]["reason"], stops
+    assert (paths.root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
+    assert [r["round"] for r in record] == [1, 2]
