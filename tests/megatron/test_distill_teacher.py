@@ -115,3 +115,23 @@ def test_a_teacher_with_another_vocabulary_is_refused(prep, tmp_path: Path) -> N
     failed = score_teacher(paths, RuntimeSettings.load(paths).post_training, "21", lambda _: None)
     assert failed is not None and "post_training.teacher" in failed.reason and "differs" in failed.reason
     assert not (paths.root / "scores" / "teacher" / "meta.json").exists()  # nothing scored
+
+
+def test_a_megatron_teacher_is_converted_first_and_scores_as_its_hugging_face_original(prep, tmp_path: Path) -> None:
+    """A teacher given as a megatron checkpoint (here the HF teacher converted with hf_to_mcore) is converted back
+    with `convert mcore-to-hf` into RUN/scores/teacher_hf, checked, scored, and the conversion removed: its rows
+    equal the Hugging Face original's."""
+    from megalaunch.conversion import hf_to_mcore
+
+    hf_to_mcore(prep["teacher"], tmp_path / "mcore", model=load_recipe("distill-tiny").recipe.model, vocab_size=512,
+                progress=False)
+    runs = {name: _run(tmp_path / name, prep, teacher) for name, teacher in
+            (("hf", prep["teacher"]), ("mcore", tmp_path / "mcore"))}
+    lines: list[str] = []
+    for paths in runs.values():
+        run_teacher_stage(paths.root, device="cpu", log=lines.append)
+    assert any("converting the megatron checkpoint" in line for line in lines), lines
+    assert not (runs["mcore"].root / "scores" / "teacher_hf").exists()
+    a, b = _store_arrays(runs["hf"]), _store_arrays(runs["mcore"])
+    assert a.keys() == b.keys() and all(np.allclose(a[k], b[k], atol=1e-4) for k in a)
+    assert read_meta(runs["mcore"].root / "scores" / "teacher")["model"]["source"] == str(tmp_path / "mcore")
