@@ -320,3 +320,22 @@ class Recipe:
         if self.post_training.method != "none" and self.training.flow is not None:
             raise ValueError(f"post_training.method {self.post_training.method} runs megalaunch's own flow; "
                              f"training.flow {self.training.flow!r} cannot be set with it; fix: --set training.flow=null")
+        _check_flow_layout(self)
+
+
+def _check_flow_layout(recipe: Recipe) -> None:
+    """Flows (training.flow, post_training) run with pipeline and context parallelism 1; DPO and IPO read
+    preference pairs (data.format chat, written by `megalaunch data sft`)."""
+    pt, par = recipe.post_training, recipe.parallel
+    what = f"post_training.method {pt.method}" if pt.method != "none" else "training.flow" if recipe.training.flow else None
+    if what is None:
+        return
+    for name, value in (("pipeline_model_parallel_size", par.pipeline_model_parallel_size),
+                        ("context_parallel_size", par.context_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{what} runs with parallel.{name} 1 in this version, got {value}; "
+                             f"fix: --set parallel.{name}=1 (tensor and data parallelism both work)")
+    if pt.method in ("dpo", "ipo") and recipe.data.format != "chat":
+        raise ValueError(f"post_training.method {pt.method} reads preference pairs (data.format chat), got data.format "
+                         f"{recipe.data.format}; fix: --set data.format=chat with pairs written by `megalaunch data sft` "
+                         "(rows with prompt, chosen, rejected), or data.chat_files")

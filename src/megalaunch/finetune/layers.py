@@ -4,6 +4,7 @@ and the cluster profile and under `--set` (config/loader.py's `layers`), each na
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from megalaunch.config.loader import Layers, load_tree
@@ -20,5 +21,12 @@ def submit_layers(ref: str, sets: list[str], *, from_hf: str | None, data: str |
         seq_length = (tree.get("model") or {}).get("seq_length", 2048)
         layers.append((f"--from-hf {from_hf}", from_hf_layer(from_hf, sets, int(seq_length))))
     if data:
-        layers.append((f"--data {data}", data_layer(data)))
+        layer = data_layer(data)
+        method = ((load_tree(ref, sets, cluster=cluster)[0].get("post_training") or {}).get("method") or "none")
+        if method in ("dpo", "ipo") and layer["data"].get("chat_files"):  # every row a pair, read now
+            from megalaunch.finetune.data_dir import chat_files
+            from megalaunch.finetune.preference_check import check_preference_files
+
+            check_preference_files(chat_files(Path(layer["data"]["chat_files"])), method)
+        layers.append((f"--data {data}", layer))
     return layers

@@ -141,8 +141,8 @@ class Session:
         self.observe.save_waited(iteration, begin, end)
         self.pacing.waited()
 
-    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
-        self.observe.on_log(iteration, loss, lr, grad_norm)
+    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any, extra: dict[str, Any] | None = None) -> None:
+        self.observe.on_log(iteration, loss, lr, grad_norm, extra)
 
     def on_iteration(self, iteration: int, flops_so_far: float) -> None:
         from megalaunch.runtime.loop import save_staging

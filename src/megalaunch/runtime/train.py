@@ -229,7 +229,7 @@ def _train(session: Session, settings: RuntimeSettings) -> Ending:
         argv, attention, kernels, fp8 = _setup(session, settings)
         run_pretrain(argv, attention=attention, session=session, data_format=settings.data_format,
                      flow=settings.flow, liger_ops=kernels.liger_ops, fp8=fp8 if fp8.ours else None,
-                     on_fp8=_fp8_report(session), experts=kernels.experts)
+                     on_fp8=_fp8_report(session), experts=kernels.experts, post_training=settings.post_training)
         (end.status, end.reason), end.code = session.verdict(exited_early=False), 0
         session.observe.gather_stragglers("end")
     except SystemExit as e:  # Megatron leaves its loop with sys.exit() after a signal or trigger

@@ -148,6 +148,9 @@ def resolve_layout(recipe: Recipe, prov: dict[str, str]) -> tuple[Recipe, dict[s
     mode = recipe.parallel.layout
     current = layout_values(recipe)
     pinned = {k: [current[k], prov[k]] for k in LAYOUT_FIELDS if prov.get(k, "default") != "default"}
+    if recipe.post_training.method != "none" or recipe.training.flow:  # flows: PP 1 and CP 1 (config/schema.py)
+        for k in ("parallel.pipeline_model_parallel_size", "parallel.context_parallel_size"):
+            pinned.setdefault(k, [1, "a flow (post_training, training.flow) runs with 1"])
     described = describe_layout(recipe)
     why_not = _unplannable(recipe)
     if why_not is not None:

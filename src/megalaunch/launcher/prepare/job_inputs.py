@@ -5,6 +5,7 @@ RUN/runtime.json (`runtime_settings`), and the context of the job script (templa
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from megalaunch.config.preflight import check_period_s, eval_interval, signal_le
 from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.config.topology import node_counts
+from megalaunch.config.training.reference_plan import job_reference
 from megalaunch.launcher.prepare.sbatch import JobHeader, cluster_options, environment_context, home
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -63,8 +65,9 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         spare_nodes=recipe.cluster.spare_nodes,
         node_counts=node_counts(recipe) if recipe.cluster.min_nodes is not None else None, tasks_per_node=recipe.cluster.ntasks_per_node,
         min_train_time_s=recipe.chain.min_train_time_s, data_format=recipe.data.format,
-        flow=recipe.training.flow, from_hf=recipe.checkpoint.from_hf, chat_files=recipe.data.chat_files,
-        export_hf=recipe.chain.export_hf)
+        flow=recipe.post_training.flow or recipe.training.flow, from_hf=recipe.checkpoint.from_hf,
+        chat_files=recipe.data.chat_files, export_hf=recipe.chain.export_hf,
+        post_training={**asdict(recipe.post_training), **job_reference(recipe)} if recipe.post_training.flow else None)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

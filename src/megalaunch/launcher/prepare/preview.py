@@ -45,6 +45,13 @@ def stage_lines(prepared: PreparedRun) -> list[str]:
     if r.post_training.method == "distill":
         lines.append(f"first stage: score the chat data with the teacher {r.post_training.teacher} (top "
                      f"{r.post_training.teacher_top_k}) -> {root}/scores/teacher")
+    if r.post_training.needs_reference:  # DPO's reference (config/training/reference_plan.py): the choice, and why
+        from megalaunch.config.training.reference_plan import reference_choice
+
+        choice = reference_choice(r, prepared.topology.dp, prepared.topology.num_microbatches, r.data.vocab_size)
+        if choice is not None:
+            lines.append(f"reference: {choice[0]} ({choice[1]})" + (
+                f" -> {root}/scores/reference, scored in the first segment before iteration 1" if choice[0] == "stage" else ""))
     if r.chain.export_hf:
         lines.append(f"last stage: the final checkpoint as a Hugging Face model -> {root}/hf")
     return lines

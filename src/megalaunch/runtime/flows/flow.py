@@ -21,12 +21,20 @@ micro-batch's units (tokens, pairs, ...) and their `count`; Megatron divides by 
 calculate_per_token_loss, as the SFT recipes set: by the step's total over micro-batches and
 data-parallel ranks) and backpropagates. Each metric is (sum, count), reported as
 sum/count over the whole step (all micro-batches and data-parallel ranks), next to `lm loss` (the
-flow's loss). Pipeline and context parallelism are refused for flows in this version."""
+flow's loss). Pipeline and context parallelism are refused for flows in this version.
+
+Built-in flows (`post_training.method`, config/training/post_training.py: DPO / IPO, GRPO, distillation)
+get `self.config`, the recipe's post_training section as a dict, before any call; any flow may define
+`prepare(model, context)`, called once per process after the model is loaded and before the first
+iteration (a `FlowContext`: where the run is, the iteration loaded, the hang watcher's beat and the
+stop decision; DPO scores its reference there)."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from megalaunch.runtime.rank.failures import ConfigFailure
@@ -44,18 +52,40 @@ class FlowLoss:
     metrics: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (sum, count), no graph needed
 
 
+@dataclass
+class FlowContext:
+    """What `Flow.prepare` is given besides the model (runtime/loop/step.py makes it)."""
+
+    run_dir: Path
+    iteration: int  # the iteration the model was loaded at; 0: the starting model (a run's first segment)
+    start: str | None  # the starting model's checkpoint (checkpoint.load / RUN/pretrained); None: random init
+    seed: int
+    prefixes: list[str]  # the training data's dataset prefixes (the frozen blend)
+    seq_length: int
+    micro_batch_size: int
+    bf16: bool
+    is_zero: bool
+    log: Callable[[str], None]
+    ledger: Callable[..., None]  # rank 0 writes the run's ledger
+    beat: Callable[[str], None]  # tell the hang watcher that a long phase still makes progress
+    decide: Callable[[], int]  # collective: the stop decision now (runtime/stop/decisions.Decision; 0: continue)
+    act: Callable[[int], None]  # act on a decision: a stop leaves the segment (saved / exited / aborted)
+
+
 class Flow:
     """Base class of a training flow (see the module docstring)."""
 
     dataset: Any = None
     keys: tuple[str, ...] = DEFAULT_KEYS
+    config: dict[str, Any] = {}  # noqa: RUF012 (replaced per instance by load_flow)
 
     def loss(self, model: Any, batch: dict[str, Any]) -> FlowLoss:
         raise NotImplementedError
 
 
-def load_flow(ref: str) -> Flow:
-    """`module:Class` -> an instance; a one-line error naming the field otherwise."""
+def load_flow(ref: str, config: dict[str, Any] | None = None) -> Flow:
+    """`module:Class` -> an instance (`config`: the post_training section a built-in flow reads); a
+    one-line error naming the field otherwise."""
     module_name, _, attr = ref.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
@@ -66,6 +96,8 @@ def load_flow(ref: str) -> Flow:
     if not callable(getattr(flow, "loss", None)):
         raise ConfigFailure(f"training.flow {ref!r} has no loss(model, batch) method",
                             fix="subclass megalaunch.runtime.flows.flow.Flow")
+    if config is not None:
+        flow.config = dict(config)
     return flow
 
 
@@ -121,11 +153,10 @@ def _reduce(out: FlowLoss) -> Any:
     return lambda output: (output, count, report)
 
 
-def flow_forward_step(ref: str, session: StepHooks | None) -> Any:
-    """Megatron's forward_step for the flow `ref` (pipeline parallelism 1: the loss is the output)."""
+def flow_forward_step(flow: Flow, session: StepHooks | None) -> Any:
+    """Megatron's forward_step for `flow` (load_flow's; pipeline parallelism 1: the loss is the output)."""
     from megatron.core import mpu
 
-    flow = load_flow(ref)  # before Megatron starts: a flow that cannot load is a config error at once
     keys = tuple(flow.keys)
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:

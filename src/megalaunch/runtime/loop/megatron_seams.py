@@ -305,7 +305,8 @@ def _wrap_training_log(hooks: LoopHooks) -> None:
                      loss_scale: Any, report_memory_flag: Any, skipped_iter: Any, grad_norm: Any,
                      *args: Any, **kwargs: Any) -> Any:
         # The loss stays a device tensor: converting it would synchronise every iteration.
-        hooks.on_log(iteration, loss_dict.get("lm loss") if loss_dict else None, learning_rate, grad_norm)
+        hooks.on_log(iteration, loss_dict.get("lm loss") if loss_dict else None, learning_rate, grad_norm,
+                     {k: v for k, v in (loss_dict or {}).items() if k != "lm loss"})  # a flow's own metrics
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                         report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
 

@@ -122,10 +122,11 @@ def make_forward_step(session: StepHooks | None, *, skip_masked_labels: bool = F
 
 def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, data_format: str = "tokens",
                  flow: str | None = None, liger_ops: frozenset[str] = frozenset(), fp8: Fp8Choice | None = None,
-                 on_fp8: Callable[[list[str], dict[str, str]], None] | None = None, experts: str = "sequential") -> None:
+                 on_fp8: Callable[[list[str], dict[str, str]], None] | None = None, experts: str = "sequential",
+                 post_training: dict[str, Any] | None = None) -> None:
     """Parse Megatron's arguments from `argv` and run `megatron.training.pretrain` (with the recipe's
     data format, the kernels resolved for this node, the MoE layers' `experts` (KernelChoice.experts) and, when
-    named, a user flow's step: runtime/flows/flow.py)."""
+    named, a flow's step: runtime/flows/flow.py; `post_training`: the built-in flow's settings)."""
     from functools import partial
 
     from megatron.core.enums import ModelType
@@ -149,9 +150,12 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
         provide_data = _timed(provide_data, session, "data")
     forward_step = make_forward_step(session, skip_masked_labels="linear_ce" in liger_ops)
     if flow is not None:
-        from megalaunch.runtime.flows.flow import flow_forward_step
+        from megalaunch.runtime.flows.flow import flow_forward_step, load_flow
+        from megalaunch.runtime.loop.flow_seam import install_prepare
 
-        forward_step = flow_forward_step(flow, session)
+        the_flow = load_flow(flow, post_training)  # before Megatron starts: a flow that cannot load fails at once
+        forward_step = flow_forward_step(the_flow, session)
+        install_prepare(the_flow, session)
     pretrain(cfg, provide_data, ModelType.encoder_or_decoder, forward_step, model_provider=provide_model)
 
 

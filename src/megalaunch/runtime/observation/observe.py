@@ -2,12 +2,11 @@
 down (docs/goodput.md, docs/training.md).
 
 - the timeline (runtime/observation/timeline.py, with rank 0's heartbeat) and the hang watchdog's beats;
-- the loss, learning rate and grad norm of each log step, state/progress.json and state/metrics.jsonl
-  (rank 0), with tokens/s and TFLOP/s per GPU measured between log steps without the time spent saving;
+- the loss, learning rate, grad norm and a flow's own metrics of each log step, state/progress.json and
+  state/metrics.jsonl (rank 0), with tokens/s and TFLOP/s per GPU measured between log steps, saves left out;
 - the health check at segment start (runtime/health/health.py) and the per-rank step-time spread
   (runtime/health/stragglers.py);
 - one W&B run for the whole experiment (runtime/observation/wandb_run.py), its segment's start-up and the chain's goodput.
-
 Test hook: MEGALAUNCH_LOSS_LOG (rank 0 appends every iteration's loss to that file)."""
 
 from __future__ import annotations
@@ -73,6 +72,7 @@ class Observer:
         self.loss: float | None = None
         self.lr: float | None = None
         self.grad_norm: float | None = None
+        self.flow_metrics: dict[str, float] = {}  # a flow's own metrics at the last log step (rewards, KL, ...)
         self.timeline = Timeline(ctx.paths, ctx.job_id, write=ctx.is_zero)
         self.watchdog: Any = None  # runtime/watchdog.Watchdog, from the entry
         self.wandb: Any = None  # runtime/wandb_run.WandbRun on rank 0 when W&B is on
@@ -159,14 +159,15 @@ class Observer:
         if self.step_timer is not None:
             self.step_timer.forward_end()
 
-    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any) -> None:
-        """Every iteration; values are converted (a device sync for the loss) only when used."""
+    def on_log(self, iteration: int, loss: Any, lr: Any, grad_norm: Any, extra: dict[str, Any] | None = None) -> None:
+        """Every iteration; values are converted (a device sync) only when used; `extra`: a flow's metrics."""
         if not (self._loss_log or iteration % self.config.log_interval == 0):
             return
-        self.loss, self.lr, self.grad_norm = as_float(loss), as_float(lr), as_float(grad_norm)
+        self.loss, self.lr, self.grad_norm, self.flow_metrics = as_float(loss), as_float(lr), as_float(grad_norm), {
+            k: f for k, f in ((k, as_float(v)) for k, v in (extra or {}).items()) if f is not None}
         if self._loss_log and self.loss is not None:
             with open(self._loss_log, "a") as f:
-                f.write(json.dumps({"iteration": iteration, "loss": self.loss}) + "\n")
+                f.write(json.dumps({"iteration": iteration, "loss": self.loss, "metrics": self.flow_metrics}) + "\n")
 
     def iteration_ended(self, iteration: int) -> None:
         """Megatron finished `iteration` (before its decision): the timeline; the profile after the first."""
@@ -289,13 +290,12 @@ class Observer:
             tokens_per_s = (samples - s0) * args.seq_length / dt
             tflops = (flops_so_far - f0) / dt / self.ctx.world / 1e12
         self._window = (now, samples, flops_so_far)
-        self._saving_in_window = 0.0
-        paths = self.ctx.paths
+        self._saving_in_window, paths, flow = 0.0, self.ctx.paths, {"flow": self.flow_metrics} if self.flow_metrics else {}
         write_progress(paths, iteration=iteration, consumed_samples=samples, loss=self.loss,
                        tokens_per_s=tokens_per_s, tflops_per_gpu=tflops, lr=self.lr, grad_norm=self.grad_norm,
-                       train_iters=self.config.train_iters, **({"moe": summary(moe)} if moe else {}))
+                       train_iters=self.config.train_iters, **({"moe": summary(moe)} if moe else {}), **flow)
         metrics = {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s,
-                   "tflops_per_gpu": tflops, "consumed_samples": samples}
+                   "tflops_per_gpu": tflops, "consumed_samples": samples, **flow}
         try:
             append_jsonl(paths.metrics, {"job_id": self.ctx.job_id, "iteration": iteration, "time": time.time(),
                                          **metrics})

@@ -72,7 +72,8 @@ class RuntimeSettings:
     from_hf: str | None = None  # checkpoint.from_hf: converted into RUN/pretrained by `job begin` (launcher/chain/first_stage.py)
     chat_files: str | None = None  # data.chat_files: tokenized into RUN/sft_data by `job begin` (launcher/chain/first_stage.py)
     export_hf: bool = False  # chain.export_hf: `job end` converts the final checkpoint into RUN/hf
-    flow: str | None = None  # training.flow: a user-defined step, "module:Class" (runtime/flows/flow.py)
+    flow: str | None = None  # training.flow, or post_training's built-in flow: "module:Class" (runtime/flows/flow.py)
+    post_training: dict[str, Any] | None = None  # the recipe's post_training section (method != none), the flow's config
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

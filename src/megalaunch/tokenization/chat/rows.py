@@ -157,4 +157,6 @@ def _preference(number: int, record: dict[str, Any]) -> Row:
         context = pair.messages[:-1]
     chosen, rejected = answers["chosen"], answers["rejected"]
     assert not isinstance(chosen, str) and not isinstance(rejected, str)
+    if chosen == rejected:  # h = 0 whatever the model: the pair only adds a constant to the loss
+        return Row(number, problem="'chosen' and 'rejected' are the same answer (the pair teaches nothing)")
     return Row(number, messages=context + chosen, rejected=context + rejected, answer_from=len(context))
