@@ -1,8 +1,8 @@
 """Distillation under the chain (post_training.method distill, runtime/flows/distill.py): a tiny student converted
 from Hugging Face learns a different tiny teacher's stored top-k on chat data: its KL to the teacher falls over
 20 iterations, the flow's metrics are reported, two segments stopped by SIGUSR2 give the losses of an
-uninterrupted run at every iteration, and tensor parallelism 2 (the vocabulary-parallel log-softmax and
-gathers) gives TP 1's losses."""
+uninterrupted run at every iteration, tensor parallelism 2 (the vocabulary-parallel log-softmax and gathers)
+gives TP 1's losses, and the teacher online (in the rank's process) gives the stored teacher's."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _run(root: Path, prep: dict[str, Path], name: str, *more: str) -> RunPaths:
             f"data.tokenizer_model={prep['student']}", f"checkpoint.load={prep['converted']}",
             f"post_training.teacher={prep['teacher']}", "post_training.teacher_top_k=16", *more]
     paths = write_run(prepare_run(load_recipe("distill-tiny", sets, name=name), root=root))
-    if "scores" in prep:  # the teacher's scores of the same data, as the first stage would write them
+    if "scores" in prep and "post_training.teacher_mode=online" not in more:  # as the first stage would write them
         shutil.copytree(prep["scores"], paths.root / "scores" / "teacher")
     return paths
 
@@ -96,3 +96,19 @@ def test_tensor_parallel_distillation_equals_tp1(prep: dict[str, Path], tmp_path
         got[tp] = losses(log)
     assert sorted(got[1]) == sorted(got[2]) == [1, 2, 3, 4]
     assert all(math.isclose(got[1][i], got[2][i], rel_tol=1e-5) for i in got[1]), got
+
+
+def test_an_online_teacher_trains_the_student_as_the_stored_one(prep: dict[str, Path], tmp_path: Path) -> None:
+    """teacher_mode online: no store, the teacher (transformers, in the rank's process) scores each micro-batch;
+    the losses equal those from the first stage's store (both float32 on the CPU)."""
+    got = {}
+    for mode in ("stage", "online"):
+        paths = _run(tmp_path / mode, prep, mode, "training.train_iters=4", f"post_training.teacher_mode={mode}")
+        log = tmp_path / f"{mode}.jsonl"
+        t = Trainer(paths, env={"MEGALAUNCH_LOSS_LOG": str(log)})
+        assert t.wait() == [0], t.log()[-3000:]
+        got[mode] = losses(log)
+        assert (paths.root / "scores" / "teacher").exists() == (mode == "stage")
+    assert "runs online" in t.log()
+    assert sorted(got["stage"]) == sorted(got["online"]) == [1, 2, 3, 4]
+    assert all(math.isclose(got["stage"][i], got["online"][i], rel_tol=1e-5) for i in got["stage"]), got

@@ -144,6 +144,10 @@ def check_files(recipe: Recipe) -> None:
         _require(os.path.exists(os.path.expanduser(pt.teacher)), "post_training.teacher", f"{pt.teacher} does not exist",
                  "a Hugging Face model directory or a megatron checkpoint sharing the student's tokenizer",
                  "--set post_training.teacher=DIR")
+        _require(pt.teacher_mode != "online" or Path(os.path.expanduser(pt.teacher), "config.json").is_file(),
+                 "post_training.teacher", f"{pt.teacher} has no config.json: the online teacher runs with transformers",
+                 "a Hugging Face model directory", "--set post_training.teacher_mode=stage (it converts a megatron "
+                 "teacher first)")
     if recipe.data.chat_files:
         _require(os.path.exists(os.path.expanduser(recipe.data.chat_files)), "data.chat_files",
                  f"{recipe.data.chat_files} does not exist", "chat JSONL/parquet files or a folder of them",

@@ -8,7 +8,10 @@ store's row j predicts token j, the dataset's label i is token i + 1, so label i
 tensor parallelism) and the loss of runtime/flows/distill_loss.py on the answer tokens: forward or reverse KL
 over the teacher's k ids plus a rest bucket, at temperature T (times T^2), mixed with the hard-label loss.
 Settings from the recipe's post_training section (`self.config`): kl_direction, hard_label_weight,
-temperature. Metrics: `distill kl`, `hard-label ce`, `top-1 agreement` (the student's most likely token is
+temperature, teacher_mode. Online (teacher_mode online), `prepare` loads the Hugging Face teacher into this
+process (frozen; bf16 on the GPU) and each micro-batch's top-k comes from it instead of the store: position i
+predicts token i + 1, the label, as the stored row i + 1 does. Under tensor parallelism every TP rank runs the
+whole teacher (the same numbers on each). Metrics: `distill kl`, `hard-label ce`, `top-1 agreement` (the student's most likely token is
 the teacher's)."""
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def teacher_store() -> Path:
     return Path(run) / TEACHER_SCORES
 
 
+def teacher_mode() -> str:
+    """post_training.teacher_mode of the run this process trains (RUN/runtime.json), "stage" when not set."""
+    from megalaunch.rundir.paths import RunPaths
+    from megalaunch.runtime.rank.settings import RuntimeSettings
+
+    post_training = RuntimeSettings.load(RunPaths(teacher_store().parent.parent)).post_training or {}
+    return str(post_training.get("teacher_mode") or "stage")
+
+
 def open_teacher_scores(prefix: str, store: Path) -> ScoreReader:
     """The teacher's complete top-k scores of `prefix`, checked against the dataset they were computed on."""
     fix = f"megalaunch resume {store.parent.parent} (the chain's first stage scores the data with the teacher)"
@@ -60,12 +72,15 @@ class TeacherDataset(ChatDataset):
     def __init__(self, dataset: ChatDocuments, dataset_path: str | None, indices: numpy.ndarray,
                  num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
-        self.scores = open_teacher_scores(dataset.prefix, teacher_store())
+        self.online = teacher_mode() == "online"  # the teacher scores each micro-batch in the job: nothing stored
+        self.scores = None if self.online else open_teacher_scores(dataset.prefix, teacher_store())
         self.name = prefix_name(dataset.prefix)
-        self.top_k = int(self.scores.top_k or 0)
+        self.top_k = int(self.scores.top_k or 0) if self.scores is not None else 0
 
     def sample(self, doc: int | None) -> dict[str, torch.Tensor]:
         out = super().sample(doc)
+        if self.scores is None:
+            return out
         seq = self.config.sequence_length
         ids = numpy.zeros((seq, self.top_k), dtype=numpy.int64)
         logp = numpy.zeros((seq, self.top_k), dtype=numpy.float32)
@@ -83,7 +98,47 @@ class DistillFlow(Flow):
     """KL to the teacher's stored top-k (plus the rest), mixed with the hard-label loss."""
 
     dataset = TeacherDataset
-    keys = (*DEFAULT_KEYS, "teacher_ids", "teacher_logp")
+    teacher: Any = None  # online: the frozen teacher in this process (runtime/scoring/teacher.py's TeacherModel)
+
+    @property
+    def keys(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The batch tensors: the stored teacher's top-k too, unless the teacher runs online."""
+        return DEFAULT_KEYS if self.online else (*DEFAULT_KEYS, "teacher_ids", "teacher_logp")
+
+    @property
+    def online(self) -> bool:
+        return self.setting("teacher_mode", "stage") == "online"
+
+    def prepare(self, model: Any, context: Any) -> None:
+        """Online: load the teacher (frozen, bf16 on this rank's GPU, float32 on the CPU), after checking that it
+        shares the run's tokenizer (a one-line configuration error otherwise)."""
+        if not self.online or self.teacher is not None:
+            return
+        from megalaunch.runtime.scoring.teacher import (
+            TeacherModel,
+            TeacherRefused,
+            check_vocabulary,
+            is_hf_model,
+        )
+
+        source = Path(str(self.setting("teacher", "")))
+        run = Path(context.run_dir)
+        if not is_hf_model(source):
+            raise ConfigFailure(f"post_training.teacher {source} is not a Hugging Face model directory (config.json): "
+                                "the online teacher runs with transformers", fix="--set post_training.teacher_mode=stage "
+                                "(a megatron teacher is converted by the first stage)")
+        try:
+            check_vocabulary(source, run / "tokenizer")
+        except TeacherRefused as e:
+            reason, _, fix = str(e).partition("; fix: ")
+            raise ConfigFailure(reason, fix=fix or None) from None
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(str(run / "tokenizer")))
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.teacher = TeacherModel(source, top_k=int(self.setting("teacher_top_k", 32)), vocab=vocab, device=device)
+        context.log(f"distillation: the teacher {source} runs online (top {self.teacher.top_k}) on {device}")
+
     def setting(self, name: str, default: Any) -> Any:
         """A field of the recipe's post_training section (`self.config`, set by the flow loader)."""
         value = (getattr(self, "config", None) or {}).get(name)
@@ -94,9 +149,16 @@ class DistillFlow(Flow):
         rows = tokens.numel()
         logits = model(tokens, batch["position_ids"], None)  # [b, s, V / tp]: Megatron's output without labels
         logits = logits.reshape(rows, logits.shape[-1])
-        k = batch["teacher_ids"].shape[-1]
+        if self.online:
+            if self.teacher is None:
+                raise ConfigFailure("post_training.teacher_mode online: the teacher was not loaded before training",
+                                    fix="run through megalaunch's training entry (it calls the flow's prepare)")
+            ids, logp = self.teacher.topk(tokens)
+        else:
+            ids, logp = batch["teacher_ids"], batch["teacher_logp"]
+        k = ids.shape[-1]
         temperature = float(self.setting("temperature", 1.0))
-        terms = distill_terms(logits, batch["teacher_ids"].reshape(rows, k), batch["teacher_logp"].reshape(rows, k),
+        terms = distill_terms(logits, ids.reshape(rows, k).to(logits.device), logp.reshape(rows, k).to(logits.device),
                               batch["labels"].reshape(rows), temperature=temperature,
                               direction=str(self.setting("kl_direction", "forward")),
                               red=tensor_parallel_reductions(logits.shape[-1]))

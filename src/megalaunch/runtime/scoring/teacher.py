@@ -203,6 +203,16 @@ class TeacherModel:
                 out.append((top_ids, top_logp))
         return out
 
+    def topk(self, tokens: Any) -> tuple[Any, Any]:
+        """Online: tokens [b, s] (a micro-batch's inputs, on this device) -> (ids int64 [b, s, k], log-probabilities
+        float32 [b, s, k]) of the distribution at every position (position i predicts token i + 1: the label)."""
+        torch = self.torch
+        with torch.no_grad():
+            logits = self.model(input_ids=tokens.to(self.device), use_cache=False).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)  # over every row: padding rows' mass is the rest's
+            values, ids = torch.topk(logp[..., : self.vocab], self.top_k, dim=-1)
+        return ids.long().clone(), values.float().clone()
+
 
 def score_prefix(writer: ScoreWriter, teacher: TeacherModel, prefix: str, *, max_tokens: int, batch_tokens: int,
                  flush_s: float, log: Callable[[str], None]) -> tuple[int, float]:
