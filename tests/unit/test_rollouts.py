@@ -1,4 +1,4 @@
-"""Rollout files for GRPO (tokenization/rollouts.py, rollout_build.py): the shapes of TRL's, verl's and
+"""Rollout files for GRPO (data/rollouts.py, tokenization/rollout_build.py): the shapes of TRL's, verl's and
 OpenRLHF's dumps read into groups, advantages as TRL computes them (written out here independently),
 bad rows named by file and row with nothing written, and the tokenized chat data with its side files
 (advantages per conversation, old log-probabilities aligned per token)."""
@@ -14,7 +14,7 @@ from typing import Any
 import numpy
 import pytest
 
-from megalaunch.tokenization.rollouts import RolloutError, read_rollouts
+from megalaunch.data.rollouts import RolloutError, read_rollouts
 
 
 def _jsonl(path: Path, rows: list[Any]) -> Path:
@@ -145,3 +145,41 @@ def test_token_ids_that_differ_from_the_template_refuse_the_row(tmp_path: Path, 
         tokenize_rollouts(f, tmp_path / "out" / "r", ChatRenderer(tokenizer))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     assert math.isfinite(1.0)
+
+
+def _bad_round(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    _jsonl(directory / "round-000001.jsonl", [{"prompt": "a", "completions": ["x", "y"], "rewards": [1, 0]}])
+    return _jsonl(directory / "round-000002.jsonl", [{"prompt": "a", "completions": ["x", "y"], "rewards": [1, 0]},
+                                                     {"prompt": "b", "completions": ["x", "y"], "rewards": [1, "?"]}])
+
+
+def test_submit_refuses_a_round_with_a_bad_row_in_one_line(tmp_path: Path) -> None:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.preflight import check_files
+    from megalaunch.errors import PreflightError
+
+    bad = _bad_round(tmp_path / "rounds")
+    with pytest.raises(PreflightError) as e:
+        check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'rounds'}"]).recipe)
+    assert "\n" not in str(e.value) and f"{bad}: 1 bad row (row 2: 'rewards[1]' must be a finite number" in str(e.value)
+    assert e.value.field == "post_training.rollouts"
+    with pytest.raises(PreflightError, match="neither a rollout file nor a directory"):
+        check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'nowhere'}"]).recipe)
+    (tmp_path / "rounds" / "round-000002.jsonl").unlink()
+    check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'rounds'}"]).recipe)  # fine
+
+
+def test_data_rollouts_names_the_bad_row_and_writes_nothing(tmp_path: Path, tokenizer: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    bad = _bad_round(tmp_path / "rounds")
+    proc = subprocess.run([sys.executable, "-m", "megalaunch.cli.main", "data", "rollouts", str(bad), "--tokenizer",
+                           str(tokenizer), "--output", str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{bad}: 1 bad row (row 2:" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

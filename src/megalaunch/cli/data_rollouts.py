@@ -22,6 +22,8 @@ def rollouts(
                                              "file's stem).")] = None,
     seq_length: Annotated[int | None, typer.Option("--seq-length", help="Count the conversations longer than "
                                                    "this (training truncates them).")] = None,
+    multiple_of: Annotated[int | None, typer.Option("--multiple-of", help="Refuse a file whose completions are not "
+                                                    "a multiple of this (the run's global batch size).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Check rollout files row by row, compute the group-normalised advantages and tokenize each completion
@@ -30,10 +32,10 @@ def rollouts(
     rows named."""
     from dataclasses import asdict
 
+    from megalaunch.data.rollouts import SHAPES, RolloutError
     from megalaunch.errors import PreflightError
     from megalaunch.tokenization.chat.render import ChatRenderer
     from megalaunch.tokenization.rollout_build import tokenize_rollouts
-    from megalaunch.tokenization.rollouts import SHAPES, RolloutError
 
     if name is not None and len(inputs) != 1:
         raise PreflightError("--name names the output of one input file", field="--name", fix="give one file")
@@ -46,7 +48,7 @@ def rollouts(
         stem = name or (path.name[: -len(path.suffix)] if path.suffix else path.name)
         try:
             results.append(tokenize_rollouts(path, Path(output).expanduser() / stem, renderer,
-                                             seq_length=seq_length))
+                                             seq_length=seq_length, multiple_of=multiple_of))
         except RolloutError as e:
             raise PreflightError(str(e), field="inputs", valid=SHAPES, fix="correct those rows") from None
     if as_json:

@@ -148,6 +148,14 @@ def check_files(recipe: Recipe) -> None:
                  "post_training.teacher", f"{pt.teacher} has no config.json: the online teacher runs with transformers",
                  "a Hugging Face model directory", "--set post_training.teacher_mode=stage (it converts a megatron "
                  "teacher first)")
+    if pt.method == "grpo" and pt.rollouts:  # the rounds there now, row by row (the later ones: in the job)
+        from megalaunch.data.rollouts import SHAPES, RolloutError, check_rollout_source
+
+        try:
+            check_rollout_source(pt.rollouts)
+        except RolloutError as e:
+            raise PreflightError(str(e), field="post_training.rollouts", valid=SHAPES,
+                                 fix="correct those rows (or the path), then submit again") from None
     if recipe.data.chat_files:
         _require(os.path.exists(os.path.expanduser(recipe.data.chat_files)), "data.chat_files",
                  f"{recipe.data.chat_files} does not exist", "chat JSONL/parquet files or a folder of them",

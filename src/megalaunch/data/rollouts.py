@@ -18,7 +18,8 @@ They are checked against the chat template's tokenization when the file is token
 
 Every bad row (not JSON, a missing or non-finite reward, a group of one completion, lengths that do not
 match, an ambiguous field, ...) is named by its 1-based row; nothing of the file is used
-(`RolloutError`: one line with the file and the rows). Standard library only (parquet needs pyarrow)."""
+(`RolloutError`: one line with the file and the rows). Standard library only (parquet needs pyarrow), so
+that `submit` checks the rounds already there on a login node (config/preflight.py, `check_rollout_source`)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,23 @@ def read_rollouts(path: Path) -> list[Group]:
     if not groups:
         raise RolloutError(f"{path} holds no rollout; rows look like {SHAPES}")
     return list(groups.values())
+
+
+def check_rollout_source(source: str | Path) -> int:
+    """`post_training.rollouts` at submit: a file, or a directory (the generator's) whose rounds there now are
+    read and checked; the number of rounds checked, or RolloutError (the file and its bad rows)."""
+    import re
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        read_rollouts(path)
+        return 1
+    if not path.is_dir():
+        raise RolloutError(f"{source} is neither a rollout file nor a directory of rounds")
+    rounds = sorted(p for p in path.iterdir() if re.fullmatch(r"round-\d{6}\.(jsonl|parquet)", p.name))
+    for p in rounds:
+        read_rollouts(p)
+    return len(rounds)
 
 
 def rollout_error(path: Path, bad: list[tuple[int, str]]) -> RolloutError:

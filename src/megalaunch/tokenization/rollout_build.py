@@ -5,7 +5,7 @@ the prompt as its turn(s), the completion as the assistant's answer with the los
 the template closes the turn with). Written as `megalaunch data sft` writes chat data (`P.bin/.idx/.mask`,
 runtime/flows/chat_format.py), in the file's group order, plus side files, raw little-endian float32:
 
-  P.adv      [conversations]  the group-normalised advantage (tokenization/rollouts.py: TRL's formula)
+  P.adv      [conversations]  the group-normalised advantage (data/rollouts.py: TRL's formula)
   P.reward   [conversations]  the completion's reward (the flow's `reward` metric)
   P.oldlogp  [tokens]         only when the file gives old log-probabilities: aligned with P's tokens, row j
                               = log p_old(token j | tokens < j), the score store's convention
@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megalaunch.data.rollouts import BadRow, Completion, Group, RolloutError, read_rollouts, rollout_error
 from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
 from megalaunch.runtime.flows.rollout_format import ADV_SUFFIX, OLD_LOGP_SUFFIX, REWARD_SUFFIX
 from megalaunch.tokenization.chat.render import ChatRenderer, Encoded, RenderError
-from megalaunch.tokenization.rollouts import BadRow, Completion, Group, read_rollouts, rollout_error
 
 
 @dataclass
@@ -63,15 +63,21 @@ def read_marker(prefix: Path) -> RolloutStats | None:
         return None
 
 
-def tokenize_rollouts(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_length: int | None = None
-                      ) -> RolloutStats:
-    """`path` -> prefix.* (see the module docstring); RolloutError naming the bad rows, nothing written."""
+def tokenize_rollouts(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_length: int | None = None,
+                      multiple_of: int | None = None) -> RolloutStats:
+    """`path` -> prefix.* (see the module docstring); RolloutError naming the bad rows, nothing written.
+    `multiple_of`: the completions must be a multiple of it (a round fills whole iterations of that global batch
+    size), checked before anything is written, so that a marker always means a usable round."""
     import numpy
 
     from megalaunch.data.writer import IndexedWriter, token_dtype_for_vocab
 
     digest = sha256_file(path)  # first: the file the rows come from is the file recorded
     groups = read_rollouts(path)
+    n = sum(len(g.completions) for g in groups)
+    if multiple_of and n % multiple_of:
+        raise RolloutError(f"{path} holds {n} completions, not a multiple of the global batch size {multiple_of}: "
+                           f"each round fills whole iterations; write rounds of a multiple of {multiple_of} completions")
     encoded, olds, bad = _encode_all(groups, renderer)
     if bad:
         raise rollout_error(path, sorted(bad))

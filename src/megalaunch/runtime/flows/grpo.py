@@ -2,7 +2,7 @@
 objective on rollouts from files, with group-normalised advantages.
 
 Per answer token t of a completion with advantage A (computed per group when the round was tokenized:
-tokenization/rollouts.py):
+data/rollouts.py):
 
     ratio_t = exp(logp_t - old_t)
     loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high) * A) + kl_coeff * k3_t

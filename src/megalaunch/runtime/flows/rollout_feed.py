@@ -54,6 +54,8 @@ class RolloutFeed:
         self.is_zero, self.log, self.ledger, self.beat = is_zero, log, ledger, beat
         self.sizes: list[int] = []  # conversations of rounds 1, 2, ... known so far (markers read)
         self.answers: dict[int, str | None] = {}  # iteration -> None (ready) or why it cannot run
+        self.recorded: set[int] | None = None  # rounds in record.jsonl (rank 0, read once)
+        self.seconds: dict[int, float] = {}  # round -> seconds its tokenization took here
 
     def prefix(self, k: int) -> Path:
         return self.dir / round_stem(self.c.source, k)
@@ -67,6 +69,8 @@ class RolloutFeed:
                 if marker is None:
                     return None
                 self.sizes.append(int(marker["conversations"]))
+                if self.is_zero and self.c.train_iters:  # a feed that brings rounds in (not a reader's)
+                    self._record(k, marker)
             if sample < start + self.sizes[k - 1]:
                 return k - 1, sample - start
             start += self.sizes[k - 1]
@@ -102,10 +106,10 @@ class RolloutFeed:
 
     def _bring(self, iteration: int) -> str | None:
         """Rank 0: wait for the next round's file, tokenize it, record it; or say why not (gate file)."""
-        k = len(self.sizes) + 1
-        reason = self._wait_for(k) or self._tokenize(k)
-        if reason is None and self.locate((iteration - 1) * self.c.global_batch) is None:
-            reason = f"rollout round {k} holds fewer samples than iteration {iteration} needs"  # never: sizes % gbs
+        reason, k = None, len(self.sizes) + 1
+        while reason is None and self.locate((iteration - 1) * self.c.global_batch) is None:
+            k = len(self.sizes) + 1  # the rounds before the one this iteration reads come first, in order
+            reason = self._wait_for(k) or self._tokenize(k)
         if reason is not None:
             self.dir.joinpath("gates").mkdir(parents=True, exist_ok=True)
             _write_json(self._gate_file(iteration), {"iteration": iteration, "round": k, "reason": reason})
@@ -139,6 +143,7 @@ class RolloutFeed:
         self._pulse(f"tokenizing rollout round {k}")
         command = [sys.executable, "-m", "megalaunch.cli.main", "data", "rollouts", str(path), "--tokenizer",
                    str(self.c.tokenizer), "--output", str(self.dir), "--name", round_stem(self.c.source, k)]
+        command += ["--multiple-of", str(self.c.global_batch)]  # refused before its marker: a marker is a usable round
         if self.c.seq_length:
             command += ["--seq-length", str(self.c.seq_length)]
         proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -146,19 +151,23 @@ class RolloutFeed:
             lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
             why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {proc.returncode}"
             return f"rollout round {k} refused: {why}"
-        marker = read_marker(self.prefix(k))
-        assert marker is not None
-        n, gbs = int(marker["conversations"]), self.c.global_batch
-        if n % gbs:
-            return (f"rollout round {k} ({path}) holds {n} completions, not a multiple of training.global_batch_size "
-                    f"{gbs}: each round fills whole iterations; write rounds of a multiple of {gbs} completions")
-        self._record(k, path, marker, round(time.monotonic() - begin, 2))
+        self.seconds[k] = round(time.monotonic() - begin, 2)
         return None
 
-    def _record(self, k: int, path: Path, marker: dict[str, Any], seconds: float) -> None:
-        first = sum(self.sizes)  # samples of the rounds before this one (their markers were read to get here)
+    def _record(self, k: int, marker: dict[str, Any]) -> None:
+        """Rank 0: round k's line in record.jsonl, once (a round tokenized by a segment that ended before it
+        recorded it is recorded by the next one that reads its marker)."""
+        if self.recorded is None:
+            path = self.dir / RECORD
+            lines = path.read_text().splitlines() if path.is_file() else []
+            self.recorded = {int(json.loads(x)["round"]) for x in lines if x.strip()}
+        if k in self.recorded:
+            return
+        self.recorded.add(k)
+        seconds = self.seconds.get(k)
+        first = sum(self.sizes[:k - 1])  # samples of the rounds before this one
         n, gbs = int(marker["conversations"]), self.c.global_batch
-        line = {"round": k, "source": str(path), "sha256": marker["source_sha256"], "completions": n,
+        line = {"round": k, "source": marker["source"], "sha256": marker["source_sha256"], "completions": n,
                 "groups": marker["groups"], "first_sample": first, "first_iteration": first // gbs + 1,
                 "last_iteration": (first + n) // gbs, "reward_mean": marker["reward_mean"],
                 "old_logprobs": marker["old_logprobs"], "tokenized_s": seconds, "job_id": self.c.job_id,
