@@ -7,6 +7,7 @@ uninterrupted run's at every iteration; a reference scored by another model, or 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -21,8 +22,13 @@ from tests.support.chat import make_chat_model, preference_rows, write_jsonl
 
 from megalaunch.config.loader import load_recipe
 from megalaunch.conversion import hf_to_mcore
+from megalaunch.launcher.chain.last_stage import export_hf
 from megalaunch.launcher.prepare.prepare import prepare_run
 from megalaunch.launcher.prepare.write import write_run
+from megalaunch.launcher.report.data import gather
+from megalaunch.launcher.report.page import render_html
+from megalaunch.launcher.status import run_status
+from megalaunch.launcher.status_format import format_run_status
 from megalaunch.rundir.files import read_jsonl
 from megalaunch.runtime.scoring.store import read_meta
 from megalaunch.tokenization.chat.build import build
@@ -81,6 +87,11 @@ def test_dpo_scores_its_reference_trains_and_resumes_exactly(prep: dict[str, Pat
     assert min(m["rewards/accuracy"] for m in late) > max(0.9, max(m["rewards/accuracy"] for m in early) - 0.1), late
     assert min(m["rewards/margin"] for m in late) > 2 * max(m["rewards/margin"] for m in early), (early, late)
     assert max(ref[i]["loss"] for i in range(ITERS - 3, ITERS + 1)) < 0.5 * math.log(2)
+    text = format_run_status(run_status(straight))  # the flow's metrics and the stored reference, in status
+    assert "rewards/accuracy: 1" in text and "reference: 128 documents scored" in text, text
+    assert "stored scores: " in text, text
+    page = render_html(gather(straight), {})  # and in the report
+    assert '<h2 id="flow">Flow metrics</h2>' in page and "rewards/margin" in page
 
     # the same run stopped twice: during the reference scoring (slowed by the test hook), then mid-training
     chain = _run(tmp_path / "b", prep, "chain")
@@ -108,6 +119,8 @@ def test_a_reference_of_another_model_or_tampered_is_refused(prep: dict[str, Pat
     first = _run(tmp_path / "a", prep, "first", "training.train_iters=1", "training.lr_warmup_iters=0")
     assert run_segment(first, "300", tmp_path / "first.jsonl", None).outcome()["status"] == "finished"
     store = first.root / "scores" / "reference"
+    assert export_hf(first, "300", print)  # chain.export_hf's last stage works on a DPO checkpoint
+    assert json.loads((first.root / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
 
     # a run from another model given the first one's reference: refused at start, before any iteration
     other = _run(tmp_path / "b", prep, "other", start="converted1")

@@ -91,3 +91,25 @@ def test_the_reference_choice_is_said(tmp_path: Path) -> None:
             "--set", f"run.root={tmp_path / 'runs'}")
     assert r.returncode == 0, r.stderr
     assert "reference: stage (auto:" in r.stdout, r.stdout
+
+
+def test_stored_scores_count_in_the_disk_peak(tmp_path: Path) -> None:
+    import dataclasses
+
+    from tests.unit.test_score_store import write_dataset
+
+    from megalaunch.config.planner.checkpoint_size import recipe_peak
+    from megalaunch.config.training.score_budget import score_bytes_per_token, scores_bytes
+
+    write_dataset(tmp_path / "d" / "train", [100, 60, 40])
+    recipe = load_recipe("dpo-tiny").recipe
+    assert score_bytes_per_token(recipe) == 4.0 and score_bytes_per_token(load_recipe("sft-tiny").recipe) == 0
+    assert scores_bytes(recipe, f"1 {tmp_path / 'd' / 'train'}\n") == 4.0 * 200
+    peak = recipe_peak(recipe, 512)
+    withs = dataclasses.replace(peak, scores_bytes=800.0)
+    assert withs.total == peak.total + 800 and "stored scores" in withs.describe()
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "a.jsonl").write_text("x" * 3000)
+    chats = load_recipe("dpo-tiny", [f"data.chat_files={tmp_path / 'chats'}", "data.mock=false",
+                                     "data.tokenizer_type=HuggingFaceTokenizer", f"data.tokenizer_model={tmp_path}"])
+    assert scores_bytes(chats.recipe, None) == 4.0 * 1000  # estimated from the files' size

@@ -20,6 +20,7 @@ def format_run_status(st: dict[str, Any]) -> str:
                  + (f"   tokens/s: {st['tokens_per_s']:.0f}" + (" (run average)" if st.get("tokens_per_s_over") == "run"
                                                              else "") if st["tokens_per_s"] else "")
                  + (f"   loss: {st['loss']:.4g}" if isinstance(st["loss"], (int, float)) else ""))
+    lines += flow_lines(st)
     if st.get("goodput") is not None:
         mfu = f"   MFU: {st['mfu']:.1%}" if st.get("mfu") is not None else ""
         from megalaunch.config.planner.forecast import duration
@@ -165,3 +166,19 @@ def moe_lines(moe: dict[str, Any] | None) -> list[str]:
                      f"tokens (even {c['even']:.1%}) for {c['intervals']} log intervals, since iteration {c['since']}"
                      " (raise model.moe_aux_loss_coeff, or lower the learning rate)")
     return lines
+
+
+def flow_lines(st: dict[str, Any]) -> list[str]:
+    """A flow's own metrics at the last log step (DPO's rewards, GRPO's reward, KL and clip fraction,
+    distillation's KL: whatever names the flow reports), and DPO's reference scoring when it ran."""
+    out = []
+    flow = st.get("flow")
+    if isinstance(flow, dict) and flow:
+        out.append("  flow: " + "   ".join(f"{k}: {v:.4g}" for k, v in sorted(flow.items())
+                                           if isinstance(v, (int, float))))
+    ref = st.get("reference")
+    if isinstance(ref, dict):
+        docs = sum(v for v in (ref.get("documents") or {}).values() if isinstance(v, int))
+        out.append(f"  reference: {docs:,} documents scored in {ref.get('seconds', 0):.0f} s "
+                   f"({ref.get('tokens_per_s', 0):,.0f} tokens/s) -> RUN/scores/reference")
+    return out

@@ -135,6 +135,7 @@ class DiskPeak:
     eval_waiting: int  # a checkpoint kept until its evaluation ran (0 when evaluations are milestones)
     hf_copies: int  # Hugging Face copies an evaluation writes (RUN/evals/<iteration>/hf)
     hf_bytes: float  # one of them
+    scores_bytes: float = 0.0  # stored scores of post-training (RUN/scores/**: config/training/score_budget.py)
 
     @property
     def checkpoints(self) -> int:
@@ -142,7 +143,7 @@ class DiskPeak:
 
     @property
     def total(self) -> float:
-        return self.checkpoints * self.checkpoint.total + self.hf_copies * self.hf_bytes
+        return self.checkpoints * self.checkpoint.total + self.hf_copies * self.hf_bytes + self.scores_bytes
 
     def describe(self) -> str:
         """'51.9 GB: 3 checkpoints (keep_last 2 + 1 being written) + 1 milestone + ...'"""
@@ -157,6 +158,8 @@ class DiskPeak:
         if self.hf_copies:
             parts.append(f"{self.hf_copies} Hugging Face cop{'ies' if self.hf_copies != 1 else 'y'} for evaluation "
                          f"({gb(self.hf_bytes)} each)")
+        if self.scores_bytes:
+            parts.append(f"stored scores {gb(self.scores_bytes)} (RUN/scores)")
         return f"{gb(self.total)}: " + " + ".join(parts)
 
 

@@ -6,6 +6,7 @@ stops at once, and the ledger says which filesystem, how much was free, how much
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,12 @@ def predicted_peak(paths: RunPaths, recipe: Recipe | None = None) -> DiskPeak | 
         vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
         if vocab is None and recipe.data.tokenizer_type == "NullTokenizer":
             vocab = recipe.data.vocab_size
-        return recipe_peak(recipe, vocab if isinstance(vocab, int) else None)
+        peak = recipe_peak(recipe, vocab if isinstance(vocab, int) else None)
+        from megalaunch.config.training.score_budget import scores_bytes
+
+        blend = paths.root / "data_blend.txt"  # the stored scores of post-training (RUN/scores/**)
+        scores = scores_bytes(recipe, blend.read_text() if blend.is_file() else None)
+        return dataclasses.replace(peak, scores_bytes=scores) if scores else peak
     except (MegalaunchError, OSError, ValueError):
         return None
 
@@ -76,7 +82,7 @@ def checkpoint_usage(paths: RunPaths, recipe: Recipe | None = None,
             "peak": peak.describe() if peak else None, "filesystem": fs.describe(),
             "free_bytes": free_bytes(paths.checkpoints), "kept": kept_checkpoints(paths, iterations),
             "last_skipped": skipped[-1] if skipped else None, "last_squeezed": squeezed[-1] if squeezed else None,
-            "fix": storage_fix(paths)}
+            "fix": storage_fix(paths), "scores_bytes": disk_usage(paths.root / "scores")}
 
 
 def kept_checkpoints(paths: RunPaths, iterations: list[int]) -> dict[str, Any] | None:
@@ -110,6 +116,8 @@ def format_usage(usage: dict[str, Any] | None) -> list[str]:
     if usage.get("predicted_bytes"):
         line += f"; predicted {gb(usage['predicted_bytes'])} each, peak {usage['peak']}"
     lines = [line]
+    if usage.get("scores_bytes"):  # post-training's stored scores (DPO's reference, a teacher's top-k)
+        lines.append(f"  stored scores: {gb(usage['scores_bytes'])} (du of RUN/scores; in the peak above)")
     kept = usage.get("kept")
     if kept and its:
         setting = kept["keep_last_setting"]

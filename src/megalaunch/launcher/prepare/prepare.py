@@ -135,12 +135,15 @@ def with_disk_budget(prepared: PreparedRun, *, enforce: bool = True) -> Prepared
     from megalaunch.config.planner.checkpoint_size import recipe_peak
     from megalaunch.config.preflight import tokenizer_vocab_size
     from megalaunch.config.storage import check_disk, disk_budget
+    from megalaunch.config.training.score_budget import scores_bytes
 
     recipe = prepared.recipe
     if recipe.workload:  # a workload instead of Megatron: no checkpoints to budget
         return prepared
     vocab = tokenizer_vocab_size(recipe, prepared.tokenizer)
-    budget = disk_budget(recipe_peak(recipe, vocab), prepared.paths.checkpoints)
+    peak = recipe_peak(recipe, vocab)
+    scores = scores_bytes(recipe, prepared.files.get("data_blend.txt"))  # DPO's reference, a teacher's top-k
+    budget = disk_budget(dataclasses.replace(peak, scores_bytes=scores) if scores else peak, prepared.paths.checkpoints)
     if enforce:
         check_disk(recipe, budget, vocab)
     return dataclasses.replace(prepared, budget=budget)

@@ -104,6 +104,8 @@ def render_html(data: dict[str, Any], figures: dict[str, Path]) -> str:
                 out += ['<h2 id="goodput">Goodput per segment</h2>', _goodput_table(data)]
             if name == "throughput":
                 out += ['<h2 id="mfu">Throughput and MFU</h2>', _mfu_table(data)]
+    if any(m.get("flow") for m in data["metrics"]):
+        out += ['<h2 id="flow">Flow metrics</h2>', _flow_table(data)]
     out += ['<h2 id="checkpoints">Checkpoints</h2>', _checkpoint_table(data),
             '<h2 id="interval">Checkpoint interval (Young/Daly)</h2>', _hint_html(data),
             '<h2 id="triggers">Trigger audit</h2>', _trigger_table(data),
@@ -216,6 +218,19 @@ def _hint_html(data: dict[str, Any]) -> str:
             f"<b>{_e(duration(h['interval_s']))}</b>{iters} (<code>checkpoint.save_interval</code>). "
             "Young/Daly's first-order optimum; it assumes failures independent of each other and a save "
             "much shorter than the MTBF.</p>")
+
+
+def _flow_table(data: dict[str, Any], most: int = 24) -> str:
+    """A flow's own metrics (DPO's rewards, GRPO's reward / KL / clip fraction, distillation's KL) at up to
+    `most` logged iterations, evenly spaced, the last included."""
+    rows = [m for m in data["metrics"] if isinstance(m.get("flow"), dict) and m["flow"]]
+    names = sorted({k for m in rows for k in m["flow"]})
+    step = max(1, -(-len(rows) // most))
+    shown = rows[::step] + ([rows[-1]] if (len(rows) - 1) % step else [])
+    body = [f"<tr><td class=\"num\">{_e(m['iteration'])}</td>" + "".join(
+        f"<td class=\"num\">{_e(f'{m['flow'][k]:.4g}' if isinstance(m['flow'].get(k), (int, float)) else None)}</td>"
+        for k in names) + "</tr>" for m in shown]
+    return _table(["iteration", *names], body, "flow")
 
 
 def _trigger_table(data: dict[str, Any]) -> str:

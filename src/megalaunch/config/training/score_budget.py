@@ -1,0 +1,46 @@
+"""The stored scores in the disk budget (issue 51): what RUN/scores/** will hold, added to the checkpoints'
+peak that submit checks against the run root's free space and quota (config/storage.py) and that `status`
+shows. Per token of the training data: DPO's / IPO's reference 4 bytes (a float32 log-probability), GRPO's
+reference for its KL 4 bytes when kl_coeff > 0, a distillation teacher's top-k 8 bytes per kept entry (int32
+id + float32 log-probability). The tokens are the prepared data's (read from the .idx files) or, for chat
+files the chain's first stage tokenizes, estimated from their size (a token per 3 bytes of JSON, erring high)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megalaunch.config.schema import Recipe
+
+BYTES_PER_TOKEN_OF_TEXT = 3.0  # JSON rows -> tokens, an estimate that errs towards more tokens
+
+
+def score_bytes_per_token(recipe: Recipe) -> float:
+    pt = recipe.post_training
+    if pt.method in ("dpo", "ipo"):
+        return 4.0
+    if pt.method == "grpo" and pt.kl_coeff > 0:
+        return 4.0
+    if pt.method == "distill" and getattr(pt, "teacher_mode", "stage") == "stage":
+        return 8.0 * pt.teacher_top_k
+    return 0.0
+
+
+def data_tokens(recipe: Recipe, blend_text: str | None) -> tuple[int, bool]:
+    """(tokens of the training data, estimated?) for the stored scores; (0, False) when unknown (mock data)."""
+    from megalaunch.data.index import read_index_header
+
+    if blend_text:
+        prefixes = blend_text.split()[1::2]
+        return sum(read_index_header(p).token_count for p in prefixes), False
+    if recipe.data.chat_files:
+        root = Path(os.path.expanduser(recipe.data.chat_files))
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        return int(sum(p.stat().st_size for p in files) / BYTES_PER_TOKEN_OF_TEXT), True
+    return 0, False
+
+
+def scores_bytes(recipe: Recipe, blend_text: str | None) -> float:
+    """Bytes RUN/scores/** will hold (0: the run stores none)."""
+    per = score_bytes_per_token(recipe)
+    return per * data_tokens(recipe, blend_text)[0] if per else 0.0
