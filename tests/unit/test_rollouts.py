@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -164,14 +165,15 @@ def test_submit_refuses_a_round_with_a_bad_row_in_one_line(tmp_path: Path) -> No
         check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'rounds'}"]).recipe)
     assert "\n" not in str(e.value) and f"{bad}: 1 bad row (row 2: 'rewards[1]' must be a finite number" in str(e.value)
     assert e.value.field == "post_training.rollouts"
+    os.mkfifo(tmp_path / "fifo")
     with pytest.raises(PreflightError, match="neither a rollout file nor a directory"):
-        check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'nowhere'}"]).recipe)
+        check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'fifo'}"]).recipe)
+    check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'later'}"]).recipe)  # made later: waits
     (tmp_path / "rounds" / "round-000002.jsonl").unlink()
     check_files(load_recipe("grpo-tiny", [f"post_training.rollouts={tmp_path / 'rounds'}"]).recipe)  # fine
 
 
 def test_data_rollouts_names_the_bad_row_and_writes_nothing(tmp_path: Path, tokenizer: Path) -> None:
-    import os
     import subprocess
     import sys
 

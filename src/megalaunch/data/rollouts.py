@@ -115,13 +115,16 @@ def read_rollouts(path: Path) -> list[Group]:
 
 def check_rollout_source(source: str | Path) -> int:
     """`post_training.rollouts` at submit: a file, or a directory (the generator's) whose rounds there now are
-    read and checked; the number of rounds checked, or RolloutError (the file and its bad rows)."""
+    read and checked (one not there yet: the job waits for its rounds); the number of rounds checked, or
+    RolloutError (the file and its bad rows)."""
     import re
 
     path = Path(source).expanduser()
     if path.is_file():
         read_rollouts(path)
         return 1
+    if not path.exists():  # the generator's directory, not made yet: the job waits for its first round
+        return 0
     if not path.is_dir():
         raise RolloutError(f"{source} is neither a rollout file nor a directory of rounds")
     rounds = sorted(p for p in path.iterdir() if re.fullmatch(r"round-\d{6}\.(jsonl|parquet)", p.name))
