@@ -140,14 +140,6 @@ def check_files(recipe: Recipe) -> None:
                  f"{recipe.checkpoint.from_hf} has no config.json", "a Hugging Face model directory (config.json "
                  "and safetensors)", "fix the path, or convert first and use checkpoint.load")
     pt = recipe.post_training
-    if pt.method == "distill" and pt.teacher:  # the teacher stage (runtime/scoring/teacher.py) reads it in the job
-        _require(os.path.exists(os.path.expanduser(pt.teacher)), "post_training.teacher", f"{pt.teacher} does not exist",
-                 "a Hugging Face model directory or a megatron checkpoint sharing the student's tokenizer",
-                 "--set post_training.teacher=DIR")
-        _require(pt.teacher_mode != "online" or Path(os.path.expanduser(pt.teacher), "config.json").is_file(),
-                 "post_training.teacher", f"{pt.teacher} has no config.json: the online teacher runs with transformers",
-                 "a Hugging Face model directory", "--set post_training.teacher_mode=stage (it converts a megatron "
-                 "teacher first)")
     if pt.method == "grpo" and pt.rollouts:  # the rounds there now, row by row (the later ones: in the job)
         from megalaunch.data.rollouts import SHAPES, RolloutError, check_rollout_source
 

@@ -53,10 +53,11 @@ class PostTrainingConfig:
     hard_label_weight: float = doc("distill: weight of the next-token loss on the data's labels, 0..1 (the KL "
                                    "gets 1 - it)", 0.0)
     temperature: float = doc("distill: softmax temperature of teacher and student", 1.0)
-    teacher_mode: Literal["stage", "online"] = doc(
-        "distill: stage (the chain's first stage stores the teacher's top-k beside the data, once) or online (the "
+    teacher_mode: Literal["auto", "stage", "online"] = doc(
+        "distill: stage (the chain's first stage stores the teacher's top-k beside the data, once), online (the "
         "teacher, a Hugging Face directory, runs frozen in every rank's process and scores each micro-batch: no "
-        "store, but the teacher's weights and logits must fit beside the student)", "stage")
+        "store, but the teacher's weights and logits must fit beside the student), auto (online when the planner "
+        "says it fits, else stage; config/training/teacher_plan.py)", "stage")
 
     def __post_init__(self) -> None:
         checks = (

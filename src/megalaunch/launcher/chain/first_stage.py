@@ -114,10 +114,11 @@ def score_teacher(paths: RunPaths, post_training: dict[str, Any] | None, job_id:
                   log: Callable[[str], None]) -> Failed | None:
     """Distillation: the teacher's top-k of the run's chat data into RUN/scores/teacher unless complete; None
     when training may start, else why the stage failed (one line) and the fix."""
-    if not post_training or post_training.get("method") != "distill" or post_training.get("teacher_mode") == "online":
+    from megalaunch.runtime.scoring.teacher import TeacherJob, TeacherRefused, is_complete, resolved_mode
+
+    if not post_training or post_training.get("method") != "distill" or resolved_mode(post_training) == "online":
         return None  # online: the teacher runs in the ranks' processes, nothing to store
     from megalaunch.runtime.scoring.store import read_meta
-    from megalaunch.runtime.scoring.teacher import TeacherJob, TeacherRefused, is_complete
 
     try:
         job = TeacherJob.of_settings(paths, post_training)

@@ -16,6 +16,7 @@ from megalaunch.config.schema import Recipe
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.config.topology import node_counts
 from megalaunch.config.training.reference_plan import job_reference
+from megalaunch.config.training.teacher_plan import job_teacher
 from megalaunch.launcher.prepare.sbatch import JobHeader, cluster_options, environment_context, home
 from megalaunch.rundir.paths import RunPaths
 from megalaunch.runtime.rank.settings import RuntimeSettings
@@ -67,7 +68,8 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         min_train_time_s=recipe.chain.min_train_time_s, data_format=recipe.data.format,
         flow=recipe.post_training.flow or recipe.training.flow, from_hf=recipe.checkpoint.from_hf,
         chat_files=recipe.data.chat_files, export_hf=recipe.chain.export_hf,
-        post_training={**asdict(recipe.post_training), **job_reference(recipe)} if recipe.post_training.flow else None)
+        post_training={**asdict(recipe.post_training), **job_reference(recipe), **job_teacher(recipe)}
+        if recipe.post_training.flow else None)
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

@@ -24,6 +24,7 @@ from megalaunch.config.storage import DiskBudget
 from megalaunch.config.tokenizer import TokenizerSpec
 from megalaunch.config.topology import Topology
 from megalaunch.config.training.reference_plan import check_post_training_submit
+from megalaunch.config.training.teacher_plan import check_distill_submit
 from megalaunch.errors import RunDirError
 from megalaunch.launcher.prepare.explain import yaml_with_origins
 from megalaunch.launcher.prepare.job_inputs import runtime_settings, script_context
@@ -124,6 +125,7 @@ def prepare_submission(ref: str, sets: list[str], *, name: str | None = None, cl
         sets.append("chain.auto_requeue=false")
     prepared = prepare_run(load_recipe(ref, sets, name=name, cluster=cluster, layers=layers))
     check_post_training_submit(prepared.recipe)  # DPO on mock data: a plan or a render shows the shape, a submit needs pairs
+    check_distill_submit(prepared.recipe)  # the teacher's placeholder, mock data (config/training/teacher_plan.py)
     if check_disk:  # a real submit, not a dry run
         check_job_megalaunch(prepared.recipe)
     return with_disk_budget(prepared, enforce=check_disk)

@@ -42,9 +42,14 @@ def stage_lines(prepared: PreparedRun) -> list[str]:
         lines.append(f"first stage: tokenize {r.data.chat_files} with the model's chat template -> {root}/sft_data")
     if r.checkpoint.from_hf:
         lines.append(f"first stage: convert {r.checkpoint.from_hf} -> {root}/pretrained, then train from it")
-    if r.post_training.method == "distill" and r.post_training.teacher_mode == "stage":
-        lines.append(f"first stage: score the chat data with the teacher {r.post_training.teacher} (top "
-                     f"{r.post_training.teacher_top_k}) -> {root}/scores/teacher")
+    if r.post_training.method == "distill":  # where the teacher runs (config/training/teacher_plan.py), and why
+        from megalaunch.config.training.teacher_plan import teacher_choice
+
+        mode, why = teacher_choice(r, prepared.topology.dp, prepared.topology.num_microbatches, r.data.vocab_size) \
+            or ("stage", "")
+        lines.append(f"teacher: {mode} ({why})" + (f": the first stage scores the chat data with "
+                     f"{r.post_training.teacher} (top {r.post_training.teacher_top_k}) -> {root}/scores/teacher"
+                     if mode == "stage" else f": {r.post_training.teacher} runs in every rank's process"))
     if r.post_training.needs_reference:  # DPO's reference (config/training/reference_plan.py): the choice, and why
         from megalaunch.config.training.reference_plan import reference_choice
 

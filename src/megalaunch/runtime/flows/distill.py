@@ -47,9 +47,9 @@ def teacher_mode() -> str:
     """post_training.teacher_mode of the run this process trains (RUN/runtime.json), "stage" when not set."""
     from megalaunch.rundir.paths import RunPaths
     from megalaunch.runtime.rank.settings import RuntimeSettings
+    from megalaunch.runtime.scoring.teacher import resolved_mode
 
-    post_training = RuntimeSettings.load(RunPaths(teacher_store().parent.parent)).post_training or {}
-    return str(post_training.get("teacher_mode") or "stage")
+    return resolved_mode(RuntimeSettings.load(RunPaths(teacher_store().parent.parent)).post_training)
 
 
 def open_teacher_scores(prefix: str, store: Path) -> ScoreReader:
@@ -107,7 +107,9 @@ class DistillFlow(Flow):
 
     @property
     def online(self) -> bool:
-        return self.setting("teacher_mode", "stage") == "online"
+        from megalaunch.runtime.scoring.teacher import resolved_mode
+
+        return resolved_mode(getattr(self, "config", None)) == "online"
 
     def prepare(self, model: Any, context: Any) -> None:
         """Online: load the teacher (frozen, bf16 on this rank's GPU, float32 on the CPU), after checking that it

@@ -91,6 +91,13 @@ class TeacherJob:
         return {"fingerprint": fingerprint(self.teacher), "source": self.teacher}
 
 
+def resolved_mode(post_training: dict[str, Any] | None) -> str:
+    """Where the teacher runs, as decided at submit (config/training/teacher_plan.py): stage or online."""
+    pt = post_training or {}
+    mode = str(pt.get("teacher_mode_resolved") or pt.get("teacher_mode") or "stage")
+    return mode if mode in ("stage", "online") else "stage"
+
+
 def is_complete(job: TeacherJob) -> bool:
     """The store holds this teacher's scores of every document (the stage has nothing to do)."""
     meta = read_meta(job.store)

@@ -1,0 +1,84 @@
+"""Where distillation's teacher runs (config/training/teacher_plan.py): auto puts it online when the planner says
+the student, the teacher's bf16 weights and a micro-batch of logits fit the GPU, else in the stage; CPUs and a
+megatron teacher always take the stage; the choice reaches the job (RUN/runtime.json's post_training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megalaunch.config.loader import load_recipe
+from megalaunch.config.training.teacher_plan import job_teacher, teacher_choice
+from megalaunch.launcher.prepare.job_inputs import runtime_settings
+
+GB = 1000**3
+
+
+def _teacher(root: Path, weight_bytes: int, dtype: str = "bfloat16") -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({"vocab_size": 128256, "torch_dtype": dtype}))
+    with open(root / "model.safetensors", "wb") as f:  # sparse: the size is what counts
+        f.truncate(weight_bytes)
+    return root
+
+
+def _recipe(teacher: Path, mode: str = "auto", ref: str = "distill-llama3-1b", *more: str):
+    sets = [f"post_training.teacher={teacher}", f"post_training.teacher_mode={mode}", *more]
+    if ref == "distill-llama3-1b":
+        sets += ["cluster.gpu=H200", "cluster.gpus_per_node=8"]
+    return load_recipe(ref, sets).recipe
+
+
+@pytest.mark.parametrize(("weights", "dtype", "expected"), [
+    (16 * GB, "bfloat16", "online"),  # an 8B teacher beside a 1B student on an H200
+    (32 * GB, "float32", "online"),  # the same teacher stored in float32: loaded as bf16
+    (140 * GB, "bfloat16", "stage"),  # a 70B teacher does not fit
+])
+def test_auto_is_online_where_the_teacher_fits(tmp_path: Path, weights: int, dtype: str, expected: str) -> None:
+    mode, why = teacher_choice(_recipe(_teacher(tmp_path / "t", weights, dtype))) or ("", "")
+    assert mode == expected, why
+    assert why.startswith("auto: student ~") and ("fits" if expected == "online" else "does not fit") in why
+
+
+def test_cpus_a_megatron_teacher_and_an_explicit_mode(tmp_path: Path) -> None:
+    small = _teacher(tmp_path / "t", 16 * GB)
+    assert teacher_choice(_recipe(small, ref="distill-tiny"))[0] == "stage"  # type: ignore[index]
+    mcore = tmp_path / "mcore"
+    mcore.mkdir()
+    mode, why = teacher_choice(_recipe(mcore)) or ("", "")
+    assert mode == "stage" and "megatron teacher" in why
+    for given in ("stage", "online"):
+        assert teacher_choice(_recipe(small, given)) == (given, f"post_training.teacher_mode {given}")
+    assert teacher_choice(load_recipe("sft-tiny").recipe) is None and job_teacher(load_recipe("sft-tiny").recipe) == {}
+
+
+def test_the_choice_reaches_the_job(tmp_path: Path) -> None:
+    settings = runtime_settings(_recipe(_teacher(tmp_path / "t", 16 * GB)))
+    assert settings.post_training is not None
+    assert settings.post_training["teacher_mode"] == "auto"
+    assert settings.post_training["teacher_mode_resolved"] == "online"
+    assert "fits" in settings.post_training["teacher_why"]
+
+
+def test_submit_refuses_the_placeholder_teacher_and_mock_data_in_one_line(tmp_path: Path) -> None:
+    """A plan or a render of a shipped distill recipe works as shipped; a submit needs the user's teacher and data."""
+    from megalaunch.errors import PreflightError
+    from megalaunch.launcher.prepare.prepare import prepare_submission
+
+    for ref in ("distill-tiny", "distill-llama3-1b"):
+        with pytest.raises(PreflightError) as e:
+            prepare_submission(ref, [f"run.root={tmp_path}"], check_disk=False)
+        assert "post_training.teacher" in str(e.value) and "does not exist" in str(e.value)
+        assert "--set post_training.teacher=DIR" in str(e.value) and "\n" not in str(e.value)
+    teacher = _teacher(tmp_path / "t", 1000)
+    with pytest.raises(PreflightError) as e:
+        prepare_submission("distill-tiny", [f"run.root={tmp_path}", f"post_training.teacher={teacher}"],
+                           check_disk=False)
+    assert "not on mock data" in str(e.value) and "--data CHATS_DIR" in str(e.value)
+    (tmp_path / "mcore").mkdir()
+    with pytest.raises(PreflightError) as e:
+        prepare_submission("distill-tiny", [f"run.root={tmp_path}", f"post_training.teacher={tmp_path / 'mcore'}",
+                                            "post_training.teacher_mode=online"], check_disk=False)
+    assert "has no config.json" in str(e.value) and "teacher_mode=stage" in str(e.value)
