@@ -23,6 +23,7 @@
 #   bash bench/gpu_session.sh fsdp_e2e           # parallel.data_sharding=optimizer_grads_params: bf16, fp8 (FSDP_*) (~5 min)
 #   bash bench/gpu_session.sh fsdp_probe         # 4 GPUs: llama3-8b under Megatron-FSDP (TP 1) via megatron_args, bf16/fp8 (~6 min)
 #   bash bench/gpu_session.sh moe                # MoE on one GPU: SequentialMLP vs grouped-GEMM experts, moe-3b + Mixtral-like (~5 min)
+#   bash bench/gpu_session.sh post_training      # one GPU: 1B DPO beside SFT (same tokens per step), the reference stage (~6 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
 # The machine has no network: Python packages travel as wheels in .carry/wheels (carry that path).
@@ -272,12 +273,22 @@ stage_moe() {  # issue 48: the experts on torch's grouped GEMM beside Megatron's
   tar -czf "$OUT/moe_logs.tgz" -C "$WORK" --exclude runs moe 2>/dev/null || true
 }
 
+stage_post_training() {  # issue 51: DPO's tokens/s beside SFT's (same model, sequence length, tokens per step) and the reference stage's
+  rm -rf "$WORK/post_training"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=${PT_GPU:-0} timeout "${PT_S:-560}" "$PY" bench/post_training.py --out "$WORK/post_training" \
+    --attention "${ATTENTION:-sdpa}" ${PT_ARGS:-} 2>&1 | tee "$OUT/post_training.txt" | grep -vE "warn|Warn" | tail -n 8
+  cp "$WORK/post_training/post_training.json" "$OUT/" 2>/dev/null || true
+  tar -czf "$OUT/post_training_logs.tgz" -C "$WORK/post_training" sft.log dpo.log 2>/dev/null || true
+  rm -rf "$WORK/post_training"
+}
+
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e|moe) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e|moe|post_training) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, moe, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, moe, post_training, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

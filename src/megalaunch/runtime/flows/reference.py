@@ -3,8 +3,8 @@ computed once by a scoring phase in the run's first segment (the model Megatron 
 IS the starting model), stored in RUN/scores/reference (runtime/scoring/store.py), and checked against the
 model a run starts from (docs/post_training.md, "The reference").
 
-The phase is sharded over data-parallel ranks: each round, every data-parallel rank scores `micro_batch_size`
-documents (its tensor-parallel ranks together), the rows are gathered and rank 0 appends them in order. A stop
+The phase is sharded over data-parallel ranks: each round, every data-parallel rank scores 2 x `micro_batch_size`
+documents (a training micro-batch's sequences) (its tensor-parallel ranks together), the rows are gathered and rank 0 appends them in order. A stop
 (signal, trigger) during the phase is decided collectively between rounds like one between iterations: the
 rows scored so far are flushed and the next segment continues from documents_done.
 Test hook: MEGALAUNCH_TEST_SCORE_ROUND_S=S makes every round S seconds longer (a stop that arrives mid-phase)."""
@@ -82,7 +82,7 @@ def score_reference(model: Any, ctx: FlowContext) -> None:
     writer = ScoreWriter(store_dir(ctx.run_dir), kind="logprobs", prefixes=ctx.prefixes,
                          model=model_identity(ctx)) if ctx.is_zero else None
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    per_rank = max(1, ctx.micro_batch_size)
+    per_rank = max(1, 2 * ctx.micro_batch_size)  # a training micro-batch's sequences (pairs x 2), forward only
     began, last_flush, tokens = time.monotonic(), time.monotonic(), 0
     was_training = model.training
     model.eval()
