@@ -82,3 +82,13 @@ def test_submit_refuses_the_placeholder_teacher_and_mock_data_in_one_line(tmp_pa
         prepare_submission("distill-tiny", [f"run.root={tmp_path}", f"post_training.teacher={tmp_path / 'mcore'}",
                                             "post_training.teacher_mode=online"], check_disk=False)
     assert "has no config.json" in str(e.value) and "teacher_mode=stage" in str(e.value)
+
+
+def test_the_disk_budget_counts_the_store_only_where_the_stage_runs(tmp_path: Path) -> None:
+    from megalaunch.config.training.score_budget import score_bytes_per_token
+
+    small = _teacher(tmp_path / "t", 16 * GB)
+    assert score_bytes_per_token(_recipe(small, "stage")) == 8.0 * 32  # int32 id + float32 log-prob per kept entry
+    assert score_bytes_per_token(_recipe(small, "online")) == 0.0
+    assert score_bytes_per_token(_recipe(small, "auto")) == 0.0  # it fits: online, nothing stored
+    assert score_bytes_per_token(_recipe(_teacher(tmp_path / "big", 140 * GB), "auto")) == 8.0 * 32

@@ -21,8 +21,10 @@ def score_bytes_per_token(recipe: Recipe) -> float:
         return 4.0
     if pt.method == "grpo" and pt.kl_coeff > 0:
         return 4.0
-    if pt.method == "distill" and getattr(pt, "teacher_mode", "stage") == "stage":
-        return 8.0 * pt.teacher_top_k
+    if pt.method == "distill":  # stored only where the teacher runs in the stage (auto: as submit decides)
+        from megalaunch.config.training.teacher_plan import resolved_teacher_mode
+
+        return 8.0 * pt.teacher_top_k if resolved_teacher_mode(recipe) == "stage" else 0.0
     return 0.0
 
 

@@ -75,6 +75,11 @@ def job_teacher(recipe: Recipe) -> dict[str, str]:
     return {"teacher_mode_resolved": choice[0], "teacher_why": choice[1]} if choice else {}
 
 
+def resolved_teacher_mode(recipe: Recipe) -> str | None:
+    """stage | online for a distillation run (as `job_teacher` decides), None for any other."""
+    return job_teacher(recipe).get("teacher_mode_resolved")
+
+
 def check_distill_submit(recipe: Recipe) -> None:
     """What a submit of a distillation run refuses that a plan or a render does not (the shipped recipes name
     the teacher with a placeholder and train on mock data): a teacher that is not there, an online teacher
