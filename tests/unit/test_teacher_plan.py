@@ -92,3 +92,17 @@ def test_the_disk_budget_counts_the_store_only_where_the_stage_runs(tmp_path: Pa
     assert score_bytes_per_token(_recipe(small, "online")) == 0.0
     assert score_bytes_per_token(_recipe(small, "auto")) == 0.0  # it fits: online, nothing stored
     assert score_bytes_per_token(_recipe(_teacher(tmp_path / "big", 140 * GB), "auto")) == 8.0 * 32
+
+
+def test_the_teacher_stage_refuses_two_datasets_of_one_name(tmp_path: Path) -> None:
+    """The store names a dataset's rows by its prefix's basename: two `train` prefixes would share files."""
+    from megalaunch.rundir.paths import RunPaths
+    from megalaunch.runtime.scoring.teacher import TeacherJob, TeacherRefused
+
+    paths = RunPaths(tmp_path)
+    paths.data_blend.write_text(f"1 {tmp_path}/a/train 1 {tmp_path}/b/train 1 {tmp_path}/b/valid\n")
+    with pytest.raises(TeacherRefused, match=r"same name \(train\)"):
+        TeacherJob.of_settings(paths, {"method": "distill", "teacher": str(tmp_path)})
+    paths.data_blend.write_text(f"1 {tmp_path}/a/train 1 {tmp_path}/b/valid\n")
+    job = TeacherJob.of_settings(paths, {"method": "distill", "teacher": str(tmp_path), "teacher_top_k": 8})
+    assert job.prefixes == [f"{tmp_path}/a/train", f"{tmp_path}/b/valid"] and job.top_k == 8

@@ -84,8 +84,14 @@ class TeacherJob:
         if not paths.data_blend.is_file():  # mock data (a run with chat files has its blend by now)
             raise TeacherRefused("distillation needs chat data (the run has data.mock: true); fix: megalaunch submit "
                                  "RECIPE --data CHATS_DIR (or data.blend of `megalaunch data sft` output)")
+        prefixes = blend_prefixes(paths)
+        names = [prefix_name(p) for p in prefixes]
+        if len(set(names)) != len(names):  # the store names a dataset's rows by its prefix's basename
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise TeacherRefused(f"the blend holds datasets of the same name ({', '.join(twice)}) in different "
+                                 "directories: their teacher scores would share files; fix: give them distinct names")
         return cls(paths=paths, teacher=str(pt["teacher"]), top_k=int(pt.get("teacher_top_k") or 32),
-                   max_tokens=max_tokens, prefixes=blend_prefixes(paths))
+                   max_tokens=max_tokens, prefixes=prefixes)
 
     def model_record(self) -> dict[str, str]:
         return {"fingerprint": fingerprint(self.teacher), "source": self.teacher}
