@@ -114,3 +114,30 @@ def test_the_job_waits_for_a_round_and_stops_cleanly_when_none_comes(prep: dict[
     assert (paths.root / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
     assert [r["round"] for r in record] == [1, 2]
+
+
+def test_the_kl_to_the_reference_starts_at_zero_and_grows(prep: dict[str, Path], tmp_path: Path) -> None:
+    """kl_coeff > 0: rank 0 scores each round with the starting model's Hugging Face weights (transformers) as
+    it brings it in; at iteration 1 the policy is that model, so the k3 KL is ~0 (Megatron's and transformers'
+    float32 forward passes of the same weights), then it grows as the policy moves."""
+    import shutil
+
+    rounds = tmp_path / "rounds"
+    for k in range(1, 4):
+        write_round(rounds, k, seed=4)
+    sets = [f"training.micro_batch_size={GBS // 2}", f"training.global_batch_size={GBS}", "training.log_interval=1",
+            "chain.hang_timeout_s=120", "training.train_iters=6", "training.lr=1e-3", "training.min_lr=1e-3",
+            "checkpoint.save_interval=100", f"checkpoint.from_hf={prep['hf']}", f"post_training.rollouts={rounds}",
+            "data.tokenizer_type=HuggingFaceTokenizer", f"data.tokenizer_model={prep['hf']}",
+            "post_training.kl_coeff=0.1"]
+    paths = write_run(prepare_run(load_recipe("grpo-tiny", sets, name="grpo-kl"), root=tmp_path / "run"))
+    shutil.copytree(prep["converted"], paths.root / "pretrained")  # what `job begin` converts from checkpoint.from_hf
+    log = tmp_path / "loss.jsonl"
+    t = Trainer(paths, job_id="31", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    assert t.wait(600) == [0], t.log()[-3000:]
+    assert t.outcome()["status"] == "finished", t.outcome()
+    kl = [m["kl"] for _i, m in sorted(_metrics(log).items())]
+    assert len(kl) == 6 and abs(kl[0]) < 1e-5 and kl[-1] > 1e-3, kl
+    for k in range(1, 4):
+        meta = json.loads((paths.root / "scores" / "reference" / f"round-{k:06d}" / "meta.json").read_text())
+        assert meta["complete"] and meta["kind"] == "logprobs" and meta["model"]["source"] == str(prep["hf"])

@@ -185,3 +185,14 @@ def test_data_rollouts_names_the_bad_row_and_writes_nothing(tmp_path: Path, toke
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{bad}: 1 bad row (row 2:" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_kl_without_hugging_face_starting_weights_is_refused_at_submit(tmp_path: Path) -> None:
+    from megalaunch.config.loader import load_recipe
+    from megalaunch.config.preflight import check_files
+    from megalaunch.errors import PreflightError
+
+    with pytest.raises(PreflightError) as e:
+        check_files(load_recipe("grpo-tiny", ["post_training.kl_coeff=0.05",
+                                              f"post_training.rollouts={tmp_path}"]).recipe)
+    assert e.value.field == "post_training.kl_coeff" and "submit --from-hf DIR" in str(e.value)

@@ -140,6 +140,10 @@ def check_files(recipe: Recipe) -> None:
                  f"{recipe.checkpoint.from_hf} has no config.json", "a Hugging Face model directory (config.json "
                  "and safetensors)", "fix the path, or convert first and use checkpoint.load")
     pt = recipe.post_training
+    _require(pt.method != "grpo" or pt.kl_coeff == 0 or bool(recipe.checkpoint.from_hf), "post_training.kl_coeff",
+             f"post_training.kl_coeff {pt.kl_coeff} needs the starting model as Hugging Face weights (the reference "
+             "scores each rollout round with them as it arrives)", "0, or > 0 with checkpoint.from_hf",
+             "submit --from-hf DIR, or --set post_training.kl_coeff=0")
     if pt.method == "grpo" and pt.rollouts:  # the rounds there now, row by row (the later ones: in the job)
         from megalaunch.data.rollouts import SHAPES, RolloutError, check_rollout_source
 

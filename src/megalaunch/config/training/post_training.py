@@ -78,10 +78,6 @@ class PostTrainingConfig:
         if self.method == "grpo" and not self.rollouts:
             raise ValueError("post_training.method grpo needs post_training.rollouts (a rollout file or a round "
                              "directory); fix: --set post_training.rollouts=PATH")
-        if self.method == "grpo" and self.kl_coeff > 0:  # runtime/flows/grpo.py: the term is there, the scores not
-            raise ValueError("post_training.kl_coeff > 0 for grpo needs the reference's log-probabilities of every "
-                             "rollout round as it arrives, which this version does not compute (the scoring stage "
-                             "scores the run's fixed data); fix: --set post_training.kl_coeff=0")
         if self.method == "distill" and not self.teacher:
             raise ValueError("post_training.method distill needs post_training.teacher (a Hugging Face model "
                              "directory or a megatron checkpoint); fix: --set post_training.teacher=DIR")

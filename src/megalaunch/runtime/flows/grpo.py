@@ -20,9 +20,10 @@ above 1 + eps_high with A > 0), `ratio` (mean over tokens), `advantage x logp` (
 advantage times its mean token log-probability: it rises as good completions become likelier than bad
 ones), and `kl` with a reference.
 
-`kl_coeff > 0` needs the reference's log-probabilities of every round as it arrives; the scoring stage
-(runtime/scoring/) scores the run's fixed data before training, not rounds that come later, so this version
-refuses it at the recipe (config/training/post_training.py); the term is here, tested, for when it does."""
+With `kl_coeff > 0`, ref_t is the starting model's log-probability: rank 0 scores each round with it when it
+brings the round in (runtime/flows/rollout_reference.py: the run's `checkpoint.from_hf` weights with
+transformers, into RUN/scores/reference/<round>/ through the score store); a run without Hugging Face starting
+weights is refused at submit (config/preflight.py)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ from typing import Any
 import torch
 
 from megalaunch.runtime.flows.flow import Flow, FlowLoss
-from megalaunch.runtime.flows.rollout_data import RolloutDataset
+from megalaunch.runtime.flows.rollout_data import RolloutDataset, reference_model
 from megalaunch.runtime.flows.rollout_feed import FeedConfig, RolloutFeed
+from megalaunch.runtime.rank.failures import ConfigFailure
 
-KEYS = ("tokens", "labels", "loss_mask", "position_ids", "old_logprobs", "advantages", "rewards")
+KEYS = ("tokens", "labels", "loss_mask", "position_ids", "old_logprobs", "advantages", "rewards", "ref_logprobs")
 
 
 def grpo_token_terms(logp: Any, old: Any, adv: Any, *, eps_low: float, eps_high: float,
@@ -73,8 +75,8 @@ class GRPOFlow(Flow):
         eps_low, eps_high = self._eps()
         kl_coeff = float(self.config.get("kl_coeff", 0.0))
         terms = grpo_token_terms(logp, batch["old_logprobs"].float(), batch["advantages"].float(),
-                                 eps_low=eps_low, eps_high=eps_high, ref=batch.get("ref_logprobs"),
-                                 kl_coeff=kl_coeff)
+                                 eps_low=eps_low, eps_high=eps_high,
+                                 ref=batch["ref_logprobs"].float() if kl_coeff > 0 else None, kl_coeff=kl_coeff)
         tokens = mask.sum()
         answered = (mask.sum(-1) > 0).float()  # rows holding a completion (not padding samples)
         rows = answered.sum()
@@ -101,11 +103,20 @@ class GRPOFlow(Flow):
 
         args = get_args()
         paths = RunPaths(Path(context.run_dir))
-        tokenizer = paths.tokenizer if paths.tokenizer.is_dir() else Path(args.tokenizer_model)
+        tokenizer = paths.tokenizer if paths.tokenizer.is_dir() else Path(args.tokenizer_model or "")
+        if not (tokenizer / "tokenizer_config.json").is_file():
+            raise ConfigFailure("grpo renders the rollouts with the model's chat template: the run needs its Hugging "
+                                f"Face tokenizer, not {args.tokenizer_type}",
+                                fix="submit --from-hf DIR (or --set data.tokenizer_type=HuggingFaceTokenizer "
+                                    "--set data.tokenizer_model=DIR)")
+        reference = reference_model(paths.root)
+        if float(self.config.get("kl_coeff") or 0.0) > 0 and reference is None:
+            raise ConfigFailure("post_training.kl_coeff > 0 needs the starting model as Hugging Face weights to score "
+                                "each rollout round with", fix="submit --from-hf DIR, or --set post_training.kl_coeff=0")
         feed = RolloutFeed(FeedConfig(source=Path(self.config["rollouts"]).expanduser(), run_dir=paths.root,
                                       tokenizer=tokenizer, global_batch=int(args.global_batch_size),
                                       train_iters=int(args.train_iters), wait_s=float(self.config["rollout_wait_s"]),
-                                      seq_length=int(args.seq_length), job_id=_job_id()),
+                                      seq_length=int(args.seq_length), job_id=_job_id(), reference_model=reference),
                            is_zero=context.is_zero, log=context.log, ledger=context.ledger, beat=context.beat)
         clear_gates()
         add_gate(_gate(feed, paths, context.is_zero))

@@ -4,7 +4,7 @@ the generator made them for this point of training). A sample is the chat datase
 loss mask, position ids: runtime/flows/chat_dataset.py, one conversation per sequence) plus, per label
 position, the conversation's advantage (`advantages`), its reward (`rewards`, for the metric) and the old
 policy's log-probability of the label (`old_logprobs`, NaN where the rollouts gave none: there the old
-policy is the current one).
+policy is the current one) and, with kl_coeff > 0, the reference's (`ref_logprobs`, rollout_reference.py).
 
 The data does not come from the run's blend: the recipe keeps `data.mock` (Megatron's builder then asks for
 no files) and this class reads RUN/rollouts (`own_data`). A round not brought in yet (a data-loader worker
@@ -30,21 +30,40 @@ from megalaunch.runtime.flows.rollout_format import ADV_SUFFIX, OLD_LOGP_SUFFIX,
 
 
 class Round:
-    """One tokenized round: its documents and side files."""
+    """One tokenized round: its documents, side files and (kl_coeff > 0) the reference's scores."""
 
-    def __init__(self, prefix: Path) -> None:
+    def __init__(self, prefix: Path, reference: Path | None = None) -> None:
         self.docs = ChatDocuments(str(prefix))
         self.adv = numpy.fromfile(str(prefix) + ADV_SUFFIX, dtype="<f4")
         self.reward = numpy.fromfile(str(prefix) + REWARD_SUFFIX, dtype="<f4")
         old = Path(str(prefix) + OLD_LOGP_SUFFIX)
         self.old = numpy.memmap(old, dtype="<f4", mode="r") if old.is_file() else None
+        self.name = prefix.name
+        self.ref = None
+        if reference is not None:
+            from megalaunch.runtime.scoring.store import ScoreReader
+
+            self.ref = ScoreReader(reference, prefixes=[str(prefix)])
+
+    def ref_row(self, doc: int) -> Any:
+        return self.ref.get(self.name, doc) if self.ref is not None else None
+
+
+def reference_model(run_dir: Path) -> Path | None:
+    """The starting model that scores each round for the KL (kl_coeff > 0), from the run's settings."""
+    from megalaunch.rundir.paths import RunPaths
+    from megalaunch.runtime.rank.settings import RuntimeSettings
+
+    settings = RuntimeSettings.load(RunPaths(run_dir))
+    kl = float((settings.post_training or {}).get("kl_coeff") or 0.0)
+    return Path(settings.from_hf).expanduser() if kl > 0 and settings.from_hf else None
 
 
 def rounds_feed(run_dir: Path | None = None) -> RolloutFeed:
     """A reading feed (no waiting for files, no tokenizing) over RUN/rollouts."""
     root = run_dir or Path(os.environ.get("MEGALAUNCH_RUN_DIR", "."))
     return RolloutFeed(FeedConfig(source=root, run_dir=root, tokenizer=root, global_batch=1, train_iters=0,
-                                  wait_s=0), is_zero=False)
+                                  wait_s=0, reference_model=reference_model(root)), is_zero=False)
 
 
 class RolloutDataset(MegatronDataset):
@@ -80,7 +99,8 @@ class RolloutDataset(MegatronDataset):
             where = self.feed.locate(int(idx))
         k, row = where
         if k not in self.rounds:
-            self.rounds[k] = Round(self.feed.prefix(k + 1))
+            referenced = self.feed.c.reference_model is not None
+            self.rounds[k] = Round(self.feed.prefix(k + 1), self.feed._reference_dir(k + 1) if referenced else None)
         return self.sample((self.rounds[k], row))
 
     def sample(self, at: tuple[Round, int] | None) -> dict[str, torch.Tensor]:
@@ -88,6 +108,7 @@ class RolloutDataset(MegatronDataset):
         tokens = numpy.full(length, self.pad, dtype=numpy.int64)
         mask = numpy.zeros(length, dtype=numpy.float32)
         old = numpy.full(length, numpy.nan, dtype=numpy.float32)
+        ref = numpy.zeros(length, dtype=numpy.float32)
         adv = reward = 0.0
         if at is not None:
             rnd, doc = at
@@ -97,6 +118,9 @@ class RolloutDataset(MegatronDataset):
             if rnd.old is not None:
                 start = int(rnd.docs.offsets[doc])
                 old[:n] = rnd.old[start:start + n]
+            ref_row = rnd.ref_row(doc)
+            if ref_row is not None:
+                ref[:n] = ref_row[:n]
             adv, reward = float(rnd.adv[doc]), float(rnd.reward[doc])
         return {
             "tokens": torch.from_numpy(tokens[:-1].copy()),
@@ -104,6 +128,7 @@ class RolloutDataset(MegatronDataset):
             "loss_mask": torch.from_numpy(mask[1:].copy()),
             "position_ids": torch.arange(length - 1, dtype=torch.int64),
             "old_logprobs": torch.from_numpy(old[1:].copy()),  # row t: log p_old(labels[t] | tokens <= t)
+            "ref_logprobs": torch.from_numpy(ref[1:].copy()),  # the reference's, likewise (kl_coeff > 0)
             "advantages": torch.full((length - 1,), adv, dtype=torch.float32),
             "rewards": torch.full((length - 1,), reward, dtype=torch.float32),
         }

@@ -28,6 +28,7 @@ from typing import Any
 
 from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX
 from megalaunch.runtime.flows.rollout_format import RECORD, ROLLOUTS_DIR, round_source, round_stem
+from megalaunch.runtime.flows.rollout_reference import reference_complete, reference_dir
 
 POLL_S = 0.2  # how often a waiting rank looks at the state it waits for
 
@@ -42,6 +43,7 @@ class FeedConfig:
     wait_s: float  # post_training.rollout_wait_s
     seq_length: int | None = None
     job_id: str = "nojob"
+    reference_model: Path | None = None  # kl_coeff > 0: each round is scored with it (rollout_reference.py)
 
 
 class RolloutFeed:
@@ -66,7 +68,7 @@ class RolloutFeed:
         for k in range(1, 1 << 30):
             if len(self.sizes) < k:
                 marker = read_marker(self.prefix(k))
-                if marker is None:
+                if marker is None or not self._referenced(k):
                     return None
                 self.sizes.append(int(marker["conversations"]))
                 if self.is_zero and self.c.train_iters:  # a feed that brings rounds in (not a reader's)
@@ -109,7 +111,10 @@ class RolloutFeed:
         reason, k = None, len(self.sizes) + 1
         while reason is None and self.locate((iteration - 1) * self.c.global_batch) is None:
             k = len(self.sizes) + 1  # the rounds before the one this iteration reads come first, in order
-            reason = self._wait_for(k) or self._tokenize(k)
+            if read_marker(self.prefix(k)) is None:
+                reason = self._wait_for(k) or self._tokenize(k)
+            if reason is None and not self._referenced(k):
+                reason = self._score_reference(k)
         if reason is not None:
             self.dir.joinpath("gates").mkdir(parents=True, exist_ok=True)
             _write_json(self._gate_file(iteration), {"iteration": iteration, "round": k, "reason": reason})
@@ -152,6 +157,26 @@ class RolloutFeed:
             why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {proc.returncode}"
             return f"rollout round {k} refused: {why}"
         self.seconds[k] = round(time.monotonic() - begin, 2)
+        return None
+
+    def _referenced(self, k: int) -> bool:
+        """Round k's reference scores are complete, or none are needed."""
+        return self.c.reference_model is None or reference_complete(self._reference_dir(k))
+
+    def _reference_dir(self, k: int) -> Path:
+        return reference_dir(self.c.run_dir, round_stem(self.c.source, k))
+
+    def _score_reference(self, k: int) -> str | None:
+        self._pulse(f"scoring rollout round {k} with the reference")
+        command = [sys.executable, "-m", "megalaunch.runtime.flows.rollout_reference", "--prefix", str(self.prefix(k)),
+                   "--model", str(self.c.reference_model), "--out", str(self._reference_dir(k)),
+                   "--max-tokens", str((self.c.seq_length or 1 << 20) + 1)]
+        proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
+        if proc.returncode != 0 or not self._referenced(k):
+            why = lines[-1] if lines else f"exit status {proc.returncode}"
+            return f"scoring rollout round {k} with the reference {self.c.reference_model} failed: {why}"
+        self.log(f"rollouts: round {k}: {lines[-1] if lines else 'reference scored'}")
         return None
 
     def _record(self, k: int, marker: dict[str, Any]) -> None:
