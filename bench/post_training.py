@@ -15,6 +15,8 @@ throughput (issue 51).
    tokens/s = sequences per step x sequence length / time per step (sequence slots, padding included, as
    Megatron counts FLOPs; Megatron's own TFLOP/s for DPO counts one sequence per sample, a pair holds two, so
    DPO's TFLOP/s is printed doubled).
+   With `--online`, a third run: DPO with the reference online (a frozen copy of the starting model in the job,
+   one more forward per micro-batch, no stage).
 4. The reference stage: DPO's first segment scores every document with the starting model before iteration 1
    (RUN/scores/reference); its tokens/s and seconds come from the ledger's `reference_scored` (real tokens:
    each document up to the sequence length, no padding).
@@ -94,6 +96,7 @@ def main() -> int:
     parser.add_argument("--attention", default="sdpa", choices=["local", "sdpa"])
     parser.add_argument("--set", action="append", default=[], help="extra recipe overrides (both runs)")
     parser.add_argument("--allow-cpu", action="store_true", help="smoke-test without a GPU (--shape tiny)")
+    parser.add_argument("--online", action="store_true", help="also DPO with the reference online (a frozen copy)")
     a = parser.parse_args()
     import torch
 
@@ -122,17 +125,22 @@ def main() -> int:
                                "prepare_s": prep_s}
     results["sft"] = sft.run_one(out, "sft", shape["sft"], [
         *common, *data_sets, f"training.micro_batch_size={mb}", f"training.global_batch_size={gbs}"], a.iters, "401")
-    results["dpo"] = sft.run_one(out, "dpo", shape["dpo"], [
-        *common, *data_sets, f"training.micro_batch_size={mb // 2}", f"training.global_batch_size={gbs // 2}"],
-        a.iters, "402")
-    results["dpo"]["tflops_per_gpu"] *= 2  # Megatron counts one sequence per sample; a DPO sample is a pair
+    dpo_sets = [*common, *data_sets, f"training.micro_batch_size={mb // 2}", f"training.global_batch_size={gbs // 2}"]
+    results["dpo"] = sft.run_one(out, "dpo", shape["dpo"], [*dpo_sets, "post_training.reference=stage"], a.iters, "402")
     results["reference_stage"] = reference_stage(out)
-    for kind in ("sft", "dpo"):
+    kinds = ["sft", "dpo"]
+    if a.online:  # the reference as a frozen copy in the job: one more forward per micro-batch, no stage
+        results["dpo_online"] = sft.run_one(out, "dpo_online", shape["dpo"], [*dpo_sets, "post_training.reference=online"],
+                                            a.iters, "403")
+        kinds.append("dpo_online")
+    for kind in kinds[1:]:
+        results[kind]["tflops_per_gpu"] *= 2  # Megatron counts one sequence per sample; a DPO sample is a pair
+    for kind in kinds:
         results[kind]["tokens_per_s"] = gbs * seq / results[kind]["ms_per_iteration"] * 1000
     print(f"\n== DPO beside SFT, {a.shape} at {seq} tokens, {gbs} sequences per step, on {results['device']} ==")
-    for kind in ("sft", "dpo"):
+    for kind in kinds:
         k = results[kind]
-        print(f"{kind:4s} {k['tokens_per_s']:9.0f} tokens/s  {k['tflops_per_gpu']:6.1f} TFLOP/s/GPU  "
+        print(f"{kind:10s} {k['tokens_per_s']:9.0f} tokens/s  {k['tflops_per_gpu']:6.1f} TFLOP/s/GPU  "
               f"{k['ms_per_iteration']:7.1f} ms/iteration")
     ref = results["reference_stage"]
     if ref:

@@ -142,3 +142,21 @@ def test_a_reference_of_another_model_or_tampered_is_refused(prep: dict[str, Pat
     out = t.outcome()
     assert out["status"] == "config_error" and "does not match the starting model" in out["reason"], out
     assert not (tmp_path / "tampered.jsonl").exists()  # no iteration was reported
+
+
+def test_online_reference_equals_the_stored_one_and_resumes_exactly(prep: dict[str, Path], tmp_path: Path) -> None:
+    """reference online: a frozen copy loaded from the starting checkpoint in every segment (not a copy of the
+    policy, which a resumed segment no longer starts from); its losses and metrics equal the stage's."""
+    stage = _run(tmp_path / "a", prep, "stage", "post_training.reference=stage", "training.train_iters=8")
+    stage_log = tmp_path / "stage.jsonl"
+    assert run_segment(stage, "500", stage_log, None).outcome()["status"] == "finished"
+    online = _run(tmp_path / "b", prep, "online", "post_training.reference=online", "training.train_iters=8")
+    log = tmp_path / "online.jsonl"
+    assert run_segment(online, "501", log, 3).outcome()["status"] == "saved"
+    assert run_segment(online, "502", log, None).outcome()["status"] == "finished"
+    assert not (online.root / "scores").exists() and ledger(online, "reference")[0]["choice"] == "online"
+    ref, got = _records(stage_log), _records(log)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    assert math.isclose(got[1]["loss"], math.log(2), rel_tol=1e-6)
+    assert all(got[i]["loss"] == pytest.approx(ref[i]["loss"], rel=1e-5) for i in ref), (ref, got)
+    assert all(got[i]["metrics"] == pytest.approx(ref[i]["metrics"], rel=1e-4, abs=1e-5) for i in ref), (ref, got)

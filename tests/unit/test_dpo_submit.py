@@ -71,7 +71,7 @@ def test_flow_layout_and_data_checks(tmp_path: Path) -> None:
         load_recipe("sft-tiny", ["training.flow=a.b:C", "parallel.pipeline_model_parallel_size=2"])
     with pytest.raises(PreflightError, match="not on mock data"):
         prepare_submission("dpo-tiny", [f"run.root={tmp_path}"], check_disk=False)
-    with pytest.raises(PreflightError, match=r"online .* is not available"):
+    with pytest.raises(PreflightError, match=r"online loads the starting model again .* random initialisation"):
         prepare_run(load_recipe("dpo-tiny", ["post_training.reference=online"]), root=tmp_path)
 
 
@@ -79,7 +79,14 @@ def test_the_reference_choice_is_said(tmp_path: Path) -> None:
     assert reference_choice(load_recipe("sft-tiny").recipe) is None
     assert reference_choice(load_recipe("dpo-tiny", ["post_training.reference=stage"]).recipe)[0] == "stage"
     choice, why = reference_choice(load_recipe("dpo-llama3-1b", ["cluster.gpu=h100"]).recipe, 8, 4, 128256)
-    assert choice == "stage" and "frozen bf16 copy" in why and "would fit" in why, why
+    assert (choice, why) == ("stage", "auto: no starting checkpoint to load a frozen copy from")
+    start = [f"checkpoint.load={tmp_path}"]
+    choice, why = reference_choice(load_recipe("dpo-llama3-1b", ["cluster.gpu=h100", *start]).recipe, 8, 4, 128256)
+    assert choice == "online" and "frozen bf16 copy (2.3 GiB)" in why and "GiB of 79 GiB: fits" in why, why
+    small = ["parallel.layout=pinned", "cluster.gpu_memory_gb=23", *start]  # the policy fits, its copy does not
+    choice, why = reference_choice(load_recipe("dpo-llama3-1b", small).recipe, 8, 4, 128256)
+    assert choice == "stage" and "does not fit" in why, why
+    assert reference_choice(load_recipe("dpo-tiny", start).recipe)[0] == "stage"  # a CPU job: no GPU memory
     pytest.importorskip("transformers")
     from tests.support.chat import make_chat_tokenizer
     from tests.unit.test_finetune_submit import TINY

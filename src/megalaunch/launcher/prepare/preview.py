@@ -56,7 +56,8 @@ def stage_lines(prepared: PreparedRun) -> list[str]:
         choice = reference_choice(r, prepared.topology.dp, prepared.topology.num_microbatches, r.data.vocab_size)
         if choice is not None:
             lines.append(f"reference: {choice[0]} ({choice[1]})" + (
-                f" -> {root}/scores/reference, scored in the first segment before iteration 1" if choice[0] == "stage" else ""))
+                f" -> {root}/scores/reference, scored in the first segment before iteration 1" if choice[0] == "stage"
+                else ": a frozen copy of the starting checkpoint in the job, loaded in every segment"))
     if r.chain.export_hf:
         lines.append(f"last stage: the final checkpoint as a Hugging Face model -> {root}/hf")
     return lines

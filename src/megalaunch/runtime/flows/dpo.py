@@ -66,16 +66,18 @@ class DPOFlow(Flow):
 
     def __init__(self) -> None:
         self.reader: ScoreReader | None = None
+        self.frozen: Any = None  # reference online: the frozen starting model
         self.names: dict[int, str] = {}
         self.check_first = False
         self.tolerance = CHECK_TOLERANCE[True]
 
     def prepare(self, model: Any, ctx: FlowContext) -> None:
         """Score the reference if this run starts from iteration 0 and it is not complete yet; check it."""
-        reference = self.config.get("reference", "stage")
-        if reference == "online":  # submit refuses it too (config/schema.py); a hand-edited runtime.json
-            raise ConfigFailure("post_training.reference online is not available in this version",
-                                fix="--set post_training.reference=stage (auto picks stage)")
+        choice = self.config.get("reference_resolved") or ("online" if self.config.get("reference") == "online"
+                                                            else "stage")
+        if choice == "online":
+            self._prepare_online(ctx)
+            return
         names = [prefix_name(p) for p in ctx.prefixes]
         if len(set(names)) != len(names):
             raise ConfigFailure(f"DPO data prefixes must have distinct names (the reference store keys them so): {names}",
@@ -96,9 +98,26 @@ class DPOFlow(Flow):
         self.check_first = ctx.iteration == 0
         self.tolerance = CHECK_TOLERANCE[ctx.bf16]
 
+    def _prepare_online(self, ctx: FlowContext) -> None:
+        """The reference in the job: a frozen copy of the starting model, loaded from the starting checkpoint
+        in every segment (a copy of the policy would be wrong after a resume)."""
+        self.frozen = ctx.frozen_start() if ctx.frozen_start is not None else None
+        if self.frozen is None:
+            raise ConfigFailure("post_training.reference online needs a starting checkpoint (checkpoint.load or "
+                                "--from-hf): a random initialisation cannot be loaded again",
+                                fix="--set post_training.reference=stage")
+        why = self.config.get("reference_why", "post_training.reference online")
+        ctx.log(f"reference: online ({why}): a frozen copy of {ctx.start}")
+        if ctx.iteration == 0:
+            ctx.ledger("reference", choice="online", why=why)
+
     def loss(self, model: Any, batch: dict[str, Any]) -> FlowLoss:
         mask = batch["loss_mask"].float()
-        ref_tokens = self._reference(batch, mask.shape[-1]).to(mask.device)
+        if self.frozen is not None:  # online: the frozen starting model's log-probabilities of these labels
+            with torch.no_grad():
+                ref_tokens = -self.frozen(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float()
+        else:
+            ref_tokens = self._reference(batch, mask.shape[-1]).to(mask.device)
         if self.check_first:
             self._check(model, batch, mask, ref_tokens)
         logp = -model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float()

@@ -70,6 +70,8 @@ class FlowContext:
     beat: Callable[[str], None]  # tell the hang watcher that a long phase still makes progress
     decide: Callable[[], int]  # collective: the stop decision now (runtime/stop/decisions.Decision; 0: continue)
     act: Callable[[int], None]  # act on a decision: a stop leaves the segment (saved / exited / aborted)
+    # a frozen copy of the starting model, loaded from the starting checkpoint (None: there is none, random init)
+    frozen_start: Callable[[], Any] | None = None
 
 
 class Flow:

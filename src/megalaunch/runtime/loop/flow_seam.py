@@ -12,8 +12,9 @@ from typing import Any
 from megalaunch.runtime.flows.flow import Flow, FlowContext
 
 
-def install_prepare(flow: Flow, session: Any) -> None:
-    """Wrap Megatron's `train` so that `flow.prepare` runs first (no-op for a flow without one)."""
+def install_prepare(flow: Flow, session: Any, model_provider: Any = None) -> None:
+    """Wrap Megatron's `train` so that `flow.prepare` runs first (no-op for a flow without one).
+    `model_provider`: Megatron's, for a frozen copy of the starting model (`FlowContext.frozen_start`)."""
     prepare = getattr(flow, "prepare", None)
     if not callable(prepare):
         return
@@ -25,7 +26,7 @@ def install_prepare(flow: Flow, session: Any) -> None:
     def train(forward_step_func: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         if session is not None:
             session.phase("flow_prepare_start")
-        prepare(model[0] if isinstance(model, list) else model, flow_context(session))
+        prepare(model[0] if isinstance(model, list) else model, flow_context(session, model_provider))
         if session is not None:
             session.phase("flow_prepare_end")
         return original(forward_step_func, model, *args, **kwargs)
@@ -33,7 +34,7 @@ def install_prepare(flow: Flow, session: Any) -> None:
     mtraining.train = train
 
 
-def flow_context(session: Any) -> FlowContext:
+def flow_context(session: Any, model_provider: Any = None) -> FlowContext:
     """The context of `prepare`, from Megatron's arguments and the segment's session (None: tests)."""
     from megatron.training import get_args
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -67,7 +68,37 @@ def flow_context(session: Any) -> FlowContext:
         seq_length=int(args.seq_length), micro_batch_size=int(args.micro_batch_size), bf16=bool(args.bf16),
         is_zero=ctx.is_zero if ctx is not None else True,
         log=ctx.log if ctx is not None else print, ledger=ctx.ledger if ctx is not None else _no_ledger,
-        beat=beat, decide=decide, act=act)
+        beat=beat, decide=decide, act=act,
+        frozen_start=(lambda: frozen_start(model_provider)) if model_provider is not None else None)
+
+
+def frozen_start(model_provider: Any) -> Any:
+    """A second model, built like the policy and loaded from the starting checkpoint (--pretrained-checkpoint),
+    frozen: eval mode, no gradients, no optimizer, no DDP. Megatron's arguments, RNG states and counters are
+    left as they were (the load runs as a fine-tune load: iteration 0, no optimizer, no RNG, no counters)."""
+    import copy
+
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.training import get_model
+
+    args = get_args()
+    if not getattr(args, "pretrained_checkpoint", None):
+        return None
+    saved = copy.copy(vars(args))
+    try:
+        args.finetune, args.no_load_rng, args.no_load_optim, args.ckpt_step = True, True, True, None
+        chunks = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+        load_checkpoint(chunks, None, None, load_arg="pretrained_checkpoint", strict=True)
+    finally:
+        vars(args).clear()
+        vars(args).update(saved)
+    frozen = chunks[0]
+    frozen.eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen
 
 
 def _run_dir(args: Any) -> Any:

@@ -144,7 +144,7 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
         sys.argv = saved_argv
     provide_data: Any = partial(dataset_provider, data_format=data_format, flow=flow)
     provide_data.is_distributed = True
-    provide_model = model_provider(attention, liger_ops, fp8=fp8, on_fp8=on_fp8, experts=experts)
+    provide_model = build_model = model_provider(attention, liger_ops, fp8=fp8, on_fp8=on_fp8, experts=experts)
     if session is not None:
         provide_model = _timed(provide_model, session, "model_build")
         provide_data = _timed(provide_data, session, "data")
@@ -155,7 +155,7 @@ def run_pretrain(argv: list[str], *, attention: str, session: StepHooks | None, 
 
         the_flow = load_flow(flow, post_training)  # before Megatron starts: a flow that cannot load fails at once
         forward_step = flow_forward_step(the_flow, session)
-        install_prepare(the_flow, session)
+        install_prepare(the_flow, session, build_model)
     pretrain(cfg, provide_data, ModelType.encoder_or_decoder, forward_step, model_provider=provide_model)
 
 
