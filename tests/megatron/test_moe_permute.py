@@ -79,3 +79,13 @@ def test_fused_swiglu_probs_matches_the_unfused_arithmetic(monkeypatch: pytest.M
     (out * up_grad).sum().backward()
     torch.testing.assert_close(h2.grad, h.grad)
     torch.testing.assert_close(probs2.grad, probs.grad)
+
+
+def test_the_identity_chunk_sort_is_skipped_and_a_real_one_is_not() -> None:
+    td = pytest.importorskip("megatron.core.transformer.moe.token_dispatcher")
+    assert ours.install()
+    rows, probs = torch.randn(10, 4), torch.rand(10)
+    out, out_probs = td.sort_chunks_by_idxs(rows, torch.tensor([3, 0, 7]), torch.arange(3), probs=probs)
+    assert out is rows and out_probs is probs  # no copy
+    out, out_probs = td.sort_chunks_by_idxs(rows, torch.tensor([3, 0, 7]), torch.tensor([2, 0, 1]), probs=probs)
+    assert torch.equal(out, torch.cat([rows[3:], rows[:3]])) and torch.equal(out_probs, torch.cat([probs[3:], probs[:3]]))

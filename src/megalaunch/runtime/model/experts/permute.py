@@ -8,8 +8,11 @@ a gather and a sum of k rows per token (`index_select`, `sum`), accumulated in f
 Installed for the all-to-all dispatcher (`install`, with grouped experts): its `dispatch_preprocess` tells
 `permute` the router's k when the routing is dropless (no capacity factor, no padding for quantization, no
 drop-and-pad); `permute` then computes the same order as Megatron's (same outputs, bit for bit, in the forward)
-and attaches `inv` to the sorted indices it returns; `unpermute` uses it when it finds it. Every other call
-(the all-gather dispatcher, token dropping, TE's fused kernels) goes to Megatron's functions unchanged.
+and attaches `inv` to the sorted indices it returns; `unpermute` uses it when it finds it. With one expert-parallel
+and tensor-parallel rank, the dispatcher's `sort_chunks_by_idxs` of the rows by local expert is an identity (a
+split and a concatenation of every routed row, each way, after a host sync for the sizes): skipped. Every other
+call (the all-gather dispatcher, token dropping, TE's fused kernels, a real reordering) goes to Megatron's
+functions unchanged.
 
 Heavy imports (torch, megatron) happen inside functions: importing this module is cheap."""
 
@@ -92,6 +95,17 @@ def combine_dropless(rows: Any, order: Any) -> Any:
     return combine.apply(rows, order, getattr(order, INVERSE))
 
 
+def _identity(order: Any) -> bool:
+    """Whether a chunk order (a CPU tensor: Megatron keeps it there without TE) is 0, 1, 2, ...: then Megatron's
+    `sort_chunks_by_idxs` would split the rows and concatenate them back as they were (a full copy of every routed
+    row, four per layer and micro-batch, and a host sync for the split sizes)."""
+    import torch
+
+    if not isinstance(order, torch.Tensor) or order.device.type != "cpu":
+        return False  # never a device sync to decide
+    return bool(torch.equal(order, torch.arange(order.numel(), dtype=order.dtype)))
+
+
 def install() -> bool:
     """Route the all-to-all dispatcher's dropless permutations through the gathers above (idempotent); False when
     this Megatron has no such dispatcher (nothing changed)."""
@@ -134,6 +148,16 @@ def install() -> bool:
         finally:
             _ROUTING.topk = None
 
+    megatron_sort = td.sort_chunks_by_idxs if hasattr(td, "sort_chunks_by_idxs") else None
+
+    def sort_chunks_by_idxs(input: Any, split_sizes: Any, sorted_idxs: Any, probs: Any = None,
+                            fused: bool = False) -> Any:
+        if not fused and _identity(sorted_idxs):  # one expert-parallel rank: the chunks are in order already
+            return input, probs
+        return megatron_sort(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    if megatron_sort is not None:
+        td.sort_chunks_by_idxs = sort_chunks_by_idxs
     td.permute, td.unpermute = permute, unpermute
     td.MoEAlltoAllTokenDispatcher.dispatch_preprocess = preprocess
     _INSTALLED.append(True)
