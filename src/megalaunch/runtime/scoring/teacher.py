@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class TeacherJob:
     top_k: int
     max_tokens: int  # seq_length + 1: the tokens of one training sequence (inputs and the last label)
     prefixes: list[str]
+    cpu: bool = False  # the run trains on CPUs (cluster.gpus_per_node 0): the teacher too, whatever the node has
 
     @property
     def store(self) -> Path:
@@ -72,7 +73,9 @@ class TeacherJob:
         paths = RunPaths(Path(os.path.abspath(root)))
         args = paths.megatron_args.read_text().split("\n") if paths.megatron_args.is_file() else []
         seq = int(args[args.index("--seq-length") + 1]) if "--seq-length" in args[:-1] else 4096
-        return cls.of_settings(paths, RuntimeSettings.load(paths).post_training, seq + 1)
+        settings = RuntimeSettings.load(paths)
+        job = cls.of_settings(paths, settings.post_training, seq + 1)
+        return replace(job, cpu=settings.cpu)
 
     @classmethod
     def of_settings(cls, paths: RunPaths, post_training: dict[str, Any] | None, max_tokens: int = 0) -> TeacherJob:
@@ -271,7 +274,7 @@ def run_teacher_stage(root: str | os.PathLike[str], *, batch_tokens: int = 8192,
     writer = ScoreWriter(job.store, kind="topk", prefixes=job.prefixes, model=model_record, top_k=job.top_k)
     if writer.restarted_because is not None:
         log(f"teacher: starting {job.store} afresh: {writer.restarted_because.reason}")
-    teacher = TeacherModel(hf_dir, top_k=job.top_k, vocab=vocab, device=device)
+    teacher = TeacherModel(hf_dir, top_k=job.top_k, vocab=vocab, device=device or ("cpu" if job.cpu else None))
     log(f"teacher: {job.teacher} (top {job.top_k}) on {teacher.device.type}, {len(job.prefixes)} dataset(s)")
     tokens, seconds = 0, 0.0
     try:
