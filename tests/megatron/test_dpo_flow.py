@@ -160,3 +160,17 @@ def test_online_reference_equals_the_stored_one_and_resumes_exactly(prep: dict[s
     assert math.isclose(got[1]["loss"], math.log(2), rel_tol=1e-6)
     assert all(got[i]["loss"] == pytest.approx(ref[i]["loss"], rel=1e-5) for i in ref), (ref, got)
     assert all(got[i]["metrics"] == pytest.approx(ref[i]["metrics"], rel=1e-4, abs=1e-5) for i in ref), (ref, got)
+
+
+def test_reference_scoring_shards_over_data_parallel_ranks(prep: dict[str, Path], tmp_path: Path) -> None:
+    """DP 2: each rank scores its share of every round, rank 0 writes them in order: the same store bytes as
+    DP 1, and the same losses (float rounding of the gradient all-reduce aside)."""
+    got = {}
+    for dp in (1, 2):
+        paths = _run(tmp_path / f"dp{dp}", prep, f"dp{dp}", "training.train_iters=3", f"cluster.tasks_per_node={dp}")
+        log = tmp_path / f"dp{dp}.jsonl"
+        t = Trainer(paths, world=dp, env={"MEGALAUNCH_LOSS_LOG": str(log)})
+        assert t.wait() == [0] * dp, t.log()[-3000:]
+        got[dp] = (_records(log), (paths.root / "scores" / "reference" / "train.logp").read_bytes())
+    assert got[1][1] == got[2][1]
+    assert all(got[2][0][i]["loss"] == pytest.approx(got[1][0][i]["loss"], rel=1e-5) for i in (1, 2, 3)), got

@@ -113,6 +113,7 @@ def score_reference(model: Any, ctx: FlowContext) -> None:
         if writer is not None:
             writer.flush(seconds=time.monotonic() - began, tokens=tokens, complete=True)
             writer.close()
+        _broadcast_int(1)  # every rank reads the store after rank 0 has written it whole
     finally:
         model.train(was_training)
 
