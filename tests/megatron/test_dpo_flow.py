@@ -162,15 +162,23 @@ def test_online_reference_equals_the_stored_one_and_resumes_exactly(prep: dict[s
     assert all(got[i]["metrics"] == pytest.approx(ref[i]["metrics"], rel=1e-4, abs=1e-5) for i in ref), (ref, got)
 
 
-def test_reference_scoring_shards_over_data_parallel_ranks(prep: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [("dp2", "cluster.tasks_per_node=2"),
+                                    ("tp2", "cluster.tasks_per_node=2", "parallel.tensor_model_parallel_size=2")])
+def test_reference_scoring_shards_over_data_parallel_ranks(prep: dict[str, Path], tmp_path: Path,
+                                                           layout: tuple[str, ...]) -> None:
     """DP 2: each rank scores its share of every round, rank 0 writes them in order: the same store bytes as
-    DP 1, and the same losses (float rounding of the gradient all-reduce aside)."""
+    DP 1; TP 2: both ranks score the same documents together (the same rows, to float rounding of the split
+    matmuls). The losses equal one rank's (float rounding aside)."""
     got = {}
-    for dp in (1, 2):
-        paths = _run(tmp_path / f"dp{dp}", prep, f"dp{dp}", "training.train_iters=3", f"cluster.tasks_per_node={dp}")
-        log = tmp_path / f"dp{dp}.jsonl"
-        t = Trainer(paths, world=dp, env={"MEGALAUNCH_LOSS_LOG": str(log)})
-        assert t.wait() == [0] * dp, t.log()[-3000:]
-        got[dp] = (_records(log), (paths.root / "scores" / "reference" / "train.logp").read_bytes())
-    assert got[1][1] == got[2][1]
-    assert all(got[2][0][i]["loss"] == pytest.approx(got[1][0][i]["loss"], rel=1e-5) for i in (1, 2, 3)), got
+    for name, *sets in (("one",), layout):
+        paths = _run(tmp_path / name, prep, name, "training.train_iters=3", *sets)
+        log = tmp_path / f"{name}.jsonl"
+        world = 2 if sets else 1
+        t = Trainer(paths, world=world, env={"MEGALAUNCH_LOSS_LOG": str(log), "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        assert t.wait() == [0] * world, t.log()[-3000:]
+        got[name] = (_records(log), np.fromfile(paths.root / "scores" / "reference" / "train.logp", dtype=np.float32))
+    one, other = got["one"], got[layout[0]]
+    if layout[0] == "dp2":
+        assert np.array_equal(one[1], other[1])
+    np.testing.assert_allclose(other[1], one[1], rtol=1e-5, atol=1e-5)
+    assert all(other[0][i]["loss"] == pytest.approx(one[0][i]["loss"], rel=1e-5) for i in (1, 2, 3)), got
