@@ -58,7 +58,8 @@ def observe_config(s: RuntimeSettings) -> ObserveConfig:
                          health_check=s.health_check, health_check_margin=s.health_check_margin,
                          node_health_dir=s.node_health_dir, straggler_threshold=s.straggler_threshold,
                          run_name=s.run_name, wandb_project=s.wandb_project, wandb_entity=s.wandb_entity,
-                         wandb_mode=s.wandb_mode)
+                         wandb_mode=s.wandb_mode,
+                         sequences_per_sample=2 if (s.post_training or {}).get("method") in ("dpo", "ipo") else 1)
 
 
 class Session:

@@ -45,8 +45,8 @@ class ObserveConfig:
     """Where the health check's figures per device are kept (None: no baselines)."""
     straggler_threshold: float = 0.1
     run_name: str = "run"
-    wandb_project: str | None = None
-    """None: no W&B."""
+    wandb_project: str | None = None  # None: no W&B
+    sequences_per_sample: int = 1  # a DPO sample is a pair: tokens/s and TFLOP/s count both sequences
     wandb_entity: str | None = None
     wandb_mode: str = "online"
 
@@ -287,8 +287,8 @@ class Observer:
         if self._window is not None:
             t0, s0, f0 = self._window
             dt = max(now - t0 - self._saving_in_window, 1e-9)
-            tokens_per_s = (samples - s0) * args.seq_length / dt
-            tflops = (flops_so_far - f0) / dt / self.ctx.world / 1e12
+            tokens_per_s = (samples - s0) * args.seq_length * self.config.sequences_per_sample / dt
+            tflops = (flops_so_far - f0) * self.config.sequences_per_sample / dt / self.ctx.world / 1e12
         self._window = (now, samples, flops_so_far)
         self._saving_in_window, paths, flow = 0.0, self.ctx.paths, {"flow": self.flow_metrics} if self.flow_metrics else {}
         write_progress(paths, iteration=iteration, consumed_samples=samples, loss=self.loss,
