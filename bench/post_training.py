@@ -10,7 +10,8 @@ throughput (issue 51).
    on the answers), capped at the sequence length.
 3. SFT (`train/sft-llama3-1b`) on those documents as conversations, and DPO (`train/dpo-llama3-1b`, beta 0.1)
    on them as pairs, from the converted checkpoint: micro-batch 4 sequences (SFT 4 conversations, DPO 2
-   pairs), global batch 64 sequences (DPO 32 pairs), so both process the same sequence slots per step. Each run
+   pairs), global batch 64 sequences (DPO 32 pairs; DPO's batch sizes count sequences), so both process the
+   same sequence slots per step. Each run
    is stopped once `--iters` iterations are logged; ms per iteration from Megatron's log after the warm-up.
    tokens/s = sequences per step x sequence length / time per step (sequence slots, padding included, as
    Megatron counts FLOPs; Megatron's own TFLOP/s for DPO counts one sequence per sample, a pair holds two, so
@@ -125,7 +126,8 @@ def main() -> int:
                                "prepare_s": prep_s}
     results["sft"] = sft.run_one(out, "sft", shape["sft"], [
         *common, *data_sets, f"training.micro_batch_size={mb}", f"training.global_batch_size={gbs}"], a.iters, "401")
-    dpo_sets = [*common, *data_sets, f"training.micro_batch_size={mb // 2}", f"training.global_batch_size={gbs // 2}"]
+    # DPO's batch sizes count sequences too (a pair is two): the same slots per micro-batch and per step
+    dpo_sets = [*common, *data_sets, f"training.micro_batch_size={mb}", f"training.global_batch_size={gbs}"]
     results["dpo"] = sft.run_one(out, "dpo", shape["dpo"], [*dpo_sets, "post_training.reference=stage"], a.iters, "402")
     results["reference_stage"] = reference_stage(out)
     kinds = ["sft", "dpo"]

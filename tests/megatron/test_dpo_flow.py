@@ -55,7 +55,7 @@ def prep(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(root: Path, prep: dict[str, Path], name: str, *more: str, start: str = "converted0"):
-    sets = [*FAST, "training.global_batch_size=16", "training.micro_batch_size=2", f"training.train_iters={ITERS}",
+    sets = [*FAST, "training.global_batch_size=32", "training.micro_batch_size=4", f"training.train_iters={ITERS}",
             "training.lr=2e-3", "training.min_lr=2e-3", "checkpoint.save_interval=4", "checkpoint.keep_last=20",
             "data.mock=false", f"data.blend=[{{path: {prep['data']}}}]", "data.tokenizer_type=HuggingFaceTokenizer",
             f"data.tokenizer_model={prep['hf0']}", f"checkpoint.load={prep[start]}", "chain.export_hf=false", *more]

@@ -39,7 +39,7 @@ def _recipe(tmp: Path, name: str, env: dict[str, str]) -> Path:
                     "time": "00:10:00", "python": trainer_python(), "megalaunch": job_cli(), "master_port": free_port(),
                     "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.5", "OMP_NUM_THREADS": "1",
                             "MEGALAUNCH_LOSS_LOG": str(tmp / f"{name}.losses.jsonl"), **env}},
-        "training": {"train_iters": ITERS, "global_batch_size": 8, "micro_batch_size": 2, "log_interval": 1,
+        "training": {"train_iters": ITERS, "global_batch_size": 16, "micro_batch_size": 4, "log_interval": 1,
                      "precision": "fp32", "lr": 2e-3, "min_lr": 2e-3},
         "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
         "chain": {"step_time_estimate_s": 2, "signal_margin_s": 18, "min_train_time_s": 30, "hang_timeout_s": 300,

@@ -120,3 +120,16 @@ def test_stored_scores_count_in_the_disk_peak(tmp_path: Path) -> None:
     chats = load_recipe("dpo-tiny", [f"data.chat_files={tmp_path / 'chats'}", "data.mock=false",
                                      "data.tokenizer_type=HuggingFaceTokenizer", f"data.tokenizer_model={tmp_path}"])
     assert scores_bytes(chats.recipe, None) == 4.0 * 1000  # estimated from the files' size
+
+
+def test_batch_sizes_count_sequences_and_megatron_gets_pairs(tmp_path: Path) -> None:
+    from megalaunch.config.megatron_args import megatron_args
+    from megalaunch.rundir.paths import RunPaths
+
+    args = megatron_args(load_recipe("dpo-tiny", ["training.micro_batch_size=4"]).recipe, RunPaths(tmp_path))
+    assert args[args.index("--micro-batch-size") + 1] == "2" and args[args.index("--global-batch-size") + 1] == "8"
+    sft = megatron_args(load_recipe("sft-tiny", ["training.micro_batch_size=4"]).recipe, RunPaths(tmp_path))
+    assert sft[sft.index("--micro-batch-size") + 1] == "4" and sft[sft.index("--global-batch-size") + 1] == "8"
+    with pytest.raises(ConfigError, match=r"training.micro_batch_size counts sequences .* got 3; fix: --set "
+                                          r"training.micro_batch_size=4"):
+        load_recipe("dpo-tiny", ["training.micro_batch_size=3", "training.global_batch_size=12"])

@@ -145,6 +145,9 @@ def megatron_args(recipe: Recipe, paths: RunPaths) -> list[str]:
     if g.nsys:  # the window counts from the iteration each segment resumes from (the runtime shifts it)
         out += ["--profile", "--profile-step-start", str(g.nsys_start_offset),
                 "--profile-step-end", str(g.nsys_start_offset + g.nsys_iters)]
+    if recipe.post_training.method in ("dpo", "ipo"):  # the recipe counts sequences; Megatron's sample is a pair
+        for flag in ("--micro-batch-size", "--global-batch-size"):
+            out[out.index(flag) + 1] = str(int(out[out.index(flag) + 1]) // 2)
     for key, value in recipe.megatron_args.items():
         _emit(out, key, value)
     return out

@@ -335,6 +335,11 @@ def _check_flow_layout(recipe: Recipe) -> None:
         if value != 1:
             raise ValueError(f"{what} runs with parallel.{name} 1 in this version, got {value}; "
                              f"fix: --set parallel.{name}=1 (tensor and data parallelism both work)")
+    t = recipe.training
+    for name, value in (("micro_batch_size", t.micro_batch_size), ("global_batch_size", t.global_batch_size)):
+        if pt.method in ("dpo", "ipo") and value % 2:
+            raise ValueError(f"training.{name} counts sequences and a preference pair is two (post_training.method "
+                             f"{pt.method}), got {value}; fix: --set training.{name}={value + 1}")
     if pt.method in ("dpo", "ipo") and recipe.data.format != "chat":
         raise ValueError(f"post_training.method {pt.method} reads preference pairs (data.format chat), got data.format "
                          f"{recipe.data.format}; fix: --set data.format=chat with pairs written by `megalaunch data sft` "

@@ -286,7 +286,8 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
                          fsdp=recipe.parallel.use_distributed_optimizer and recipe.checkpoint.async_save is not True
                          and recipe.checkpoint.ckpt_format == "torch_dist"))
     if recipe.post_training.method != "none" or recipe.training.flow:  # flows: PP 1, CP 1 (config/schema.py)
-        cands = [c for c in cands if c.layout.pp == 1 and c.layout.cp == 1]
+        cands = [c for c in cands if c.layout.pp == 1 and c.layout.cp == 1
+                 and (c.layout.micro_batch % 2 == 0 or recipe.post_training.method not in ("dpo", "ipo"))]  # pairs
     if not cands:
         raise PreflightError(f"no layout of {recipe.name} divides {nodes * gpn} GPUs and global batch "
                              f"{t.global_batch_size}", field="training.global_batch_size",
