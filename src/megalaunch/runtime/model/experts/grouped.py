@@ -59,6 +59,21 @@ def fp8_forward(module: Any, hidden: Any, tokens_per_expert: Any, probs: Any) ->
     return fp8.unpad(fp8.fp8_gmm(inter, module.weight2, lay.offs, fused), lay)
 
 
+def bf16_forward(module: Any, hidden: Any, tokens_per_expert: Any, probs: Any) -> Any:
+    """The experts' forward with torch's grouped GEMM: fc1, the activation times the probabilities, fc2."""
+    import torch
+
+    offs = tokens_per_expert.to(device=hidden.device, non_blocking=True).cumsum(0).to(torch.int32)
+    h = gmm(hidden, module.weight1, offs, module.grouped)
+    if activation.applies(h, module.config):  # one fused kernel each way (runtime/model/experts/activation.py)
+        inter = activation.swiglu_probs(h, probs)
+    else:
+        inter = glu(h, module.config)
+        dtype = inter.dtype  # MLP.forward: the activation times the probabilities, back in its dtype
+        inter = (inter * probs.unsqueeze(-1)).to(dtype)
+    return gmm(inter, module.weight2, offs, module.grouped)
+
+
 def _groups(pg_collection: Any) -> Any:
     if pg_collection is not None:
         return pg_collection
@@ -141,15 +156,7 @@ def _build_class() -> type:
                 probs = torch.ones_like(probs)
             if self.fp8_format is not None:
                 return fp8_forward(self, hidden, tokens_per_expert, probs), None
-            offs = tokens_per_expert.to(device=hidden.device, non_blocking=True).cumsum(0).to(torch.int32)
-            h = gmm(hidden, self.weight1, offs, self.grouped)
-            if activation.applies(h, self.config):  # one fused kernel each way (runtime/model/experts/activation.py)
-                inter = activation.swiglu_probs(h, probs)
-            else:
-                inter = glu(h, self.config)
-                dtype = inter.dtype  # MLP.forward: the activation times the probabilities, back in its dtype
-                inter = (inter * probs.unsqueeze(-1)).to(dtype)
-            return gmm(inter, self.weight2, offs, self.grouped), None
+            return bf16_forward(self, hidden, tokens_per_expert, probs), None
 
         def backward_dw(self) -> None:
             """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
