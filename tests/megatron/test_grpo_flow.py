@@ -2,8 +2,10 @@
 model trains on rollout rounds written in a directory, rewards favouring one kind of completion (the
 reversed prompt) over another; the advantage-weighted log-probability rises. The hand-off: a round that is
 not there yet is waited for (the test writes it once the job says it waits, by rename) and training goes
-on; a round that never comes stops the segment cleanly after rollout_wait_s with the reason (outcome
-exited, a checkpoint at the boundary), and record.jsonl says which round and sha256 each iteration used."""
+on; the stop signal cuts a wait short (outcome saved at that boundary); a round that never comes stops the
+next segment cleanly after rollout_wait_s with the reason (outcome exited), and record.jsonl says which round
+and sha256 each iteration used. With kl_coeff > 0 the rounds are scored with the starting model and the KL
+starts at 0."""
 
 from __future__ import annotations
 
@@ -101,7 +103,10 @@ def test_the_job_waits_for_a_round_and_stops_cleanly_when_none_comes(prep: dict[
     wait_for(lambda: "waiting up to 300 s for round 2" in _log(t), timeout=300, what="the wait for round 2", trainer=t)
     write_round(rounds, 2, seed=2)  # the generator delivers: training goes on
     wait_for(lambda: "waiting up to 300 s for round 3" in _log(t), timeout=300, what="the wait for round 3", trainer=t)
-    t.kill()  # round 3 will not come in this segment; the next one waits a short while only
+    t.signal()  # the time limit's warning cuts the wait short: the segment saves at this boundary
+    assert t.wait(300) == [0], _log(t)[-3000:]
+    assert (t.outcome()["status"], t.outcome()["iteration"]) == ("saved", 4), t.outcome()
+    # the next segment resumes at 4 and waits for round 3 before its first iteration, a short while only
     paths = _run(tmp_path / "run", prep, rounds, 6, "post_training.rollout_wait_s=1")
     t = Trainer(paths, job_id="22")
     assert t.wait(600) == [0], t.log()[-3000:]

@@ -95,3 +95,14 @@ def test_the_dataset_gives_the_old_logprobs_of_the_labels(tmp_path: Path, tokeni
     assert list(old[start - 1:start - 1 + len(ids)]) == pytest.approx([-0.25 * (i + 1) for i in range(len(ids))])
     assert numpy.isnan(old[:start - 1]).all() and mask[start - 1] == 1
     assert float(sample["advantages"][0]) == pytest.approx(0.5 / (0.5 ** 0.5 + 1e-4))  # (1 - .5) / (std + 1e-4)
+
+
+def test_the_stop_signal_cuts_a_wait_short_and_the_wait_resumes_later(tmp_path: Path, tokenizer: Path) -> None:
+    from megalaunch.runtime.flows.rollout_feed import INTERRUPTED
+
+    zero = _feed(tmp_path, tokenizer, is_zero=True, wait_s=1e9)  # would wait for ever: the signal ends it
+    assert zero.ready(1, lambda: True) == INTERRUPTED
+    other = _feed(tmp_path, tokenizer, is_zero=False, wait_s=1e9)
+    assert other.ready(1) == INTERRUPTED  # freed by rank 0's verdict, without a signal of its own
+    _round(tmp_path / "rounds", 1, 1)
+    assert zero.ready(1) is None  # not cached: asked again, the wait goes on and the round is brought in

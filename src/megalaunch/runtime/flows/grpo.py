@@ -34,7 +34,7 @@ import torch
 
 from megalaunch.runtime.flows.flow import Flow, FlowLoss
 from megalaunch.runtime.flows.rollout_data import RolloutDataset, reference_model
-from megalaunch.runtime.flows.rollout_feed import FeedConfig, RolloutFeed
+from megalaunch.runtime.flows.rollout_feed import INTERRUPTED, FeedConfig, RolloutFeed
 from megalaunch.runtime.rank.failures import ConfigFailure
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids", "old_logprobs", "advantages", "rewards", "ref_logprobs")
@@ -126,10 +126,12 @@ class GRPOFlow(Flow):
 def _gate(feed: RolloutFeed, paths: Any, is_zero: bool) -> Any:
     said: set[str] = set()
 
-    def gate(iteration: int) -> bool:
-        reason = feed.ready(iteration + 1)
+    def gate(iteration: int, interrupted: Any) -> bool:
+        reason = feed.ready(iteration + 1, interrupted)
         if reason is None:
             return False
+        if reason == INTERRUPTED:  # decide now: the signal's save
+            return True
         if is_zero and reason not in said:  # the exit trigger carries the reason into the ledger and status
             import contextlib
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from megalaunch.runtime.flows.rollout_format import RECORD, ROLLOUTS_DIR, round_
 from megalaunch.runtime.flows.rollout_reference import reference_complete, reference_dir
 
 POLL_S = 0.2  # how often a waiting rank looks at the state it waits for
+INTERRUPTED = "interrupted by the stop signal"  # a wait cut short: the signal's save comes first (not cached)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RolloutFeed:
         self.answers: dict[int, str | None] = {}  # iteration -> None (ready) or why it cannot run
         self.recorded: set[int] | None = None  # rounds in record.jsonl (rank 0, read once)
         self.seconds: dict[int, float] = {}  # round -> seconds its tokenization took here
+        self.interrupted: Callable[[], bool] = lambda: False  # this rank's stop-signal flag, while it waits
 
     def prefix(self, k: int) -> Path:
         return self.dir / round_stem(self.c.source, k)
@@ -78,18 +81,22 @@ class RolloutFeed:
             start += self.sizes[k - 1]
         return None
 
-    def ready(self, iteration: int) -> str | None:
+    def ready(self, iteration: int, interrupted: Callable[[], bool] = lambda: False) -> str | None:
         """Every rank, at the boundary before `iteration`: None when its round is in, else why the segment
-        stops (rank 0 has written that down for the others)."""
+        stops (rank 0 has written that down for the others), or INTERRUPTED when the stop signal came during
+        the wait (asked again later, the wait goes on)."""
         if iteration > self.c.train_iters:
             return None
-        if iteration not in self.answers:
-            sample = (iteration - 1) * self.c.global_batch
-            if self.locate(sample) is not None:
-                self.answers[iteration] = None
-            else:
-                self.answers[iteration] = self._bring(iteration) if self.is_zero else self._await(iteration)
-        return self.answers[iteration]
+        if iteration in self.answers:
+            return self.answers[iteration]
+        self.interrupted = interrupted
+        if self.locate((iteration - 1) * self.c.global_batch) is not None:
+            answer = None
+        else:
+            answer = self._bring(iteration) if self.is_zero else self._await(iteration)
+        if answer != INTERRUPTED:
+            self.answers[iteration] = answer
+        return answer
 
     def _gate_file(self, iteration: int) -> Path:
         return self.dir / "gates" / f"{self.c.job_id}-{iteration}.json"
@@ -103,6 +110,8 @@ class RolloutFeed:
             verdict = _read_json(self._gate_file(iteration))
             if verdict is not None:
                 return str(verdict["reason"])
+            if self.interrupted():
+                return INTERRUPTED
             self._pulse(f"waiting for rank 0 to bring in rollout round {k}")
             time.sleep(POLL_S)
 
@@ -118,6 +127,9 @@ class RolloutFeed:
         if reason is not None:
             self.dir.joinpath("gates").mkdir(parents=True, exist_ok=True)
             _write_json(self._gate_file(iteration), {"iteration": iteration, "round": k, "reason": reason})
+            if reason == INTERRUPTED:  # the gate file only frees the others' wait; a later segment waits again
+                self.log(f"rollouts: the wait for round {k} gives way to the stop signal")
+                return reason
             self.log(f"rollouts: stopping before iteration {iteration}: {reason}")
             if self.ledger is not None:
                 self.ledger("rollouts_stop", iteration=iteration, round=k, reason=reason)
@@ -133,6 +145,8 @@ class RolloutFeed:
         if round_source(self.c.source, k) is None:
             self.log(f"rollouts: waiting up to {self.c.wait_s:g} s for round {k} in {self.c.source}")
         while round_source(self.c.source, k) is None:
+            if self.interrupted():
+                return INTERRUPTED
             if time.monotonic() >= deadline:
                 return (f"rollout round {k} ({self.c.source}/{round_stem(self.c.source, k)}.jsonl) did not come "
                         f"within post_training.rollout_wait_s={self.c.wait_s:g} s; megalaunch resume continues "
@@ -151,10 +165,11 @@ class RolloutFeed:
         command += ["--multiple-of", str(self.c.global_batch)]  # refused before its marker: a marker is a usable round
         if self.c.seq_length:
             command += ["--seq-length", str(self.c.seq_length)]
-        proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
-            why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {proc.returncode}"
+        code, lines = self._run(command, f"tokenizing rollout round {k}")
+        if code is None:
+            return INTERRUPTED
+        if code != 0:
+            why = lines[-1].removeprefix("megalaunch: error: ") if lines else f"exit status {code}"
             return f"rollout round {k} refused: {why}"
         self.seconds[k] = round(time.monotonic() - begin, 2)
         return None
@@ -171,10 +186,11 @@ class RolloutFeed:
         command = [sys.executable, "-m", "megalaunch.runtime.flows.rollout_reference", "--prefix", str(self.prefix(k)),
                    "--model", str(self.c.reference_model), "--out", str(self._reference_dir(k)),
                    "--max-tokens", str((self.c.seq_length or 1 << 20) + 1)]
-        proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        lines = [x for x in (proc.stderr or proc.stdout).splitlines() if x.strip()]
-        if proc.returncode != 0 or not self._referenced(k):
-            why = lines[-1] if lines else f"exit status {proc.returncode}"
+        code, lines = self._run(command, f"scoring rollout round {k} with the reference")
+        if code is None:
+            return INTERRUPTED
+        if code != 0 or not self._referenced(k):
+            why = lines[-1] if lines else f"exit status {code}"
             return f"scoring rollout round {k} with the reference {self.c.reference_model} failed: {why}"
         self.log(f"rollouts: round {k}: {lines[-1] if lines else 'reference scored'}")
         return None
@@ -204,6 +220,21 @@ class RolloutFeed:
         if self.ledger is not None:
             self.ledger("rollout_round", **{key: line[key] for key in ("round", "source", "sha256", "completions",
                                                                        "first_iteration", "last_iteration")})
+
+    def _run(self, command: list[str], what: str) -> tuple[int | None, list[str]]:
+        """A stage's process, beating the hang watcher while it runs: (exit status or None when the stop
+        signal ended it, its output's lines, errors last)."""
+        with tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            while proc.poll() is None:
+                if self.interrupted():
+                    proc.terminate()
+                    proc.wait()
+                    return None, []
+                self._pulse(what)
+                time.sleep(POLL_S)
+            out.seek(0)
+            return proc.returncode, [x for x in out.read().splitlines() if x.strip()]
 
     def _pulse(self, what: str) -> None:
         if self.beat is not None:

@@ -72,9 +72,10 @@ class Decisions:
         `force`: decide now whatever the interval (right after a save: every rank saved, so every rank
         is here)."""
         c = self.config
-        from megalaunch.runtime.rank.gates import gates_say_stop
+        from megalaunch.runtime.rank.gates import gates_say_decide
 
-        force = gates_say_stop(iteration) or force  # a flow's data gate (runtime/rank/gates.py) decides now
+        # a flow's data gate (runtime/rank/gates.py) may stop here, or have its wait cut short by the signal
+        force = gates_say_decide(iteration, lambda: self.flag.received) or force
         if not force and iteration % max(1, c.trigger_interval) != 0 and iteration < c.train_iters:
             return Decision.CONTINUE
         from megalaunch.runtime.rank.collectives import all_reduce_max
