@@ -115,7 +115,7 @@ def run_status(paths: RunPaths) -> dict[str, Any]:
         "last_checkpoint": checkpoint,
         "tokens_per_s": rate if rate is not None else progress.get("tokens_per_s"),
         "tokens_per_s_over": "recent" if chain_state == "running" else "run",
-        "loss": progress.get("loss"), "flow": progress.get("flow"), "reference": _last(rest, "reference_scored"),
+        "loss": progress.get("loss"), "flow": progress.get("flow"), "reference": _last(rest, "reference_scored") or _last(rest, "reference"),
         "progress_age_s": (time.time() - progress["time"]) if progress.get("time") else None,
         "pending_triggers": box.pending(), "consumed_triggers": len(box.consumed()),
         "last_outcome": read_outcome(paths), "segments": rows, "slurm_error": slurm_error, "vanished": vanished,

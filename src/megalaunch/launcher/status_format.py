@@ -177,7 +177,9 @@ def flow_lines(st: dict[str, Any]) -> list[str]:
         out.append("  flow: " + "   ".join(f"{k}: {v:.4g}" for k, v in sorted(flow.items())
                                            if isinstance(v, (int, float))))
     ref = st.get("reference")
-    if isinstance(ref, dict):
+    if isinstance(ref, dict) and ref.get("event") == "reference":  # online, or a scoring not finished yet
+        out.append(f"  reference: {ref.get('choice')} ({ref.get('why')})")
+    elif isinstance(ref, dict):
         docs = sum(v for v in (ref.get("documents") or {}).values() if isinstance(v, int))
         out.append(f"  reference: {docs:,} documents scored in {ref.get('seconds', 0):.0f} s "
                    f"({ref.get('tokens_per_s', 0):,.0f} tokens/s) -> RUN/scores/reference")
