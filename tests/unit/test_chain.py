@@ -311,3 +311,30 @@ def test_status_of_a_finished_run_names_the_conversion(run, monkeypatch) -> None
     (line,) = [x for x in text.splitlines() if x.startswith("  next: ")]
     assert shlex.split(line.removeprefix("  next: ")) == [
         "megalaunch", "convert", "mcore-to-hf", str(paths.root), "--out", str(paths.root / "hf")]
+
+
+def test_the_successor_is_queued_before_first_stage_work_and_cancelled_when_it_fails(run, monkeypatch) -> None:
+    """A long first stage (tokenizing chat files, converting, a teacher's scores) may outlive the segment's time
+    limit: the successor is queued before it starts; a stage that fails stops the chain and cancels it."""
+    import dataclasses
+
+    from megalaunch.launcher.chain.first_stage import Failed
+
+    paths, sched, chain = run
+    chain.settings = dataclasses.replace(chain.settings, chat_files="/data/chats")
+    seen: list[int] = []
+
+    def stage(*_: object) -> Failed:
+        seen.append(len(sched.submitted))
+        return Failed("chats/a.jsonl row 3: no 'messages'", "fix the row")
+
+    monkeypatch.setattr("megalaunch.launcher.chain.chain.tokenize_chats", stage)
+    verdict = chain.begin("1")
+    assert seen == [1] and not verdict.proceed
+    assert sched.cancelled == sched.submitted == ["100"]
+    from megalaunch.launcher.chain.first_stage import stage_work_pending
+
+    assert stage_work_pending(paths, "/data/chats", None, None)
+    atomic_write_text(paths.data_blend, "done\n")  # the stage's work done: the successor is queued after, as before
+    assert not stage_work_pending(paths, "/data/chats", None, None)
+    assert stage_work_pending(paths, None, None, {"method": "distill"})  # no complete teacher store yet

@@ -15,7 +15,12 @@ from typing import Any
 
 from megalaunch.launcher.accounting.evidence import abnormal_ends
 from megalaunch.launcher.chain.backend import JobControl
-from megalaunch.launcher.chain.first_stage import convert_from_hf, score_teacher, tokenize_chats
+from megalaunch.launcher.chain.first_stage import (
+    convert_from_hf,
+    score_teacher,
+    stage_work_pending,
+    tokenize_chats,
+)
 from megalaunch.launcher.chain.last_stage import export_hf
 from megalaunch.launcher.chain.notify import Notifier, StopKind
 from megalaunch.launcher.chain.segment_end import (
@@ -96,23 +101,35 @@ class Chain:
         start = iteration if requested is None else requested
         if start is not None and start >= target:
             return self.stop(job_id, f"training already reached its target (iteration {start})", kind="finished")
+        # With first-stage work (tokenizing, converting, a teacher's scores) the successor is queued first: a long
+        # stage may outlive this segment's time limit, and a job Slurm ends then never reaches `job end`. A stage
+        # that fails stops the chain, which cancels it.
+        post = getattr(self.settings, "post_training", None)
+        early = stage_work_pending(self.paths, self.settings.chat_files, self.settings.from_hf, post)
+        if early:
+            self._queue_successor(job_id)
         if self.settings.chat_files and (failed := tokenize_chats(self.paths, self.settings.chat_files, job_id, log)):
             return self.stop(job_id, failed.reason, fix=failed.fix)
         if self.settings.from_hf and (failed := convert_from_hf(self.paths, self.settings.from_hf, job_id, log)):
             return self.stop(job_id, failed.reason, fix=failed.fix)
-        if failed := score_teacher(self.paths, getattr(self.settings, "post_training", None), job_id, log):  # distill
+        if failed := score_teacher(self.paths, post, job_id, log):  # distill
             return self.stop(job_id, failed.reason, fix=failed.fix)
         self.ledger.append("started", job_id=job_id, checkpoint_iteration=iteration,
                            nodes=os.environ.get("SLURM_JOB_NODELIST"), restart_count=restart,
                            **({} if requested is None else {"resume_from": requested}))
-        if self.settings.auto_requeue:
-            try:
-                self.successor.queue(f"segment {job_id}")
-            except Exception as e:  # Slurm did not answer: train anyway, `job end` queues it (unknown != failed)
-                self.ledger.append("successor_not_queued", job_id=job_id, when="begin", error=str(e))
-                log(f"could not queue the successor now ({e}); training anyway, `job end` tries again")
+        if not early:
+            self._queue_successor(job_id)
         log(f"segment {job_id} starts at checkpoint iteration {iteration}")
         return Verdict(True, "train")
+
+    def _queue_successor(self, job_id: str) -> None:
+        if not self.settings.auto_requeue:
+            return
+        try:
+            self.successor.queue(f"segment {job_id}")
+        except Exception as e:  # Slurm did not answer: train anyway, `job end` queues it (unknown != failed)
+            self.ledger.append("successor_not_queued", job_id=job_id, when="begin", error=str(e))
+            log(f"could not queue the successor now ({e}); training anyway, `job end` tries again")
 
     def _check_trust(self, job_id: str) -> Verdict | None:
         """Before anything runs: the run directory is the owner's and nobody else can swap it, and every

@@ -68,6 +68,21 @@ def convert_from_hf(paths: RunPaths, hf_dir: str, job_id: str, log: Callable[[st
     return None
 
 
+def stage_work_pending(paths: RunPaths, chat_files: str | None, from_hf: str | None,
+                       post_training: dict[str, Any] | None) -> bool:
+    """Whether `job begin` has first-stage work left (chat files to tokenize, a model to convert, a teacher's
+    scores to store), cheaply: the chain queues the successor before such work (launcher/chain/chain.py)."""
+    if chat_files and not paths.data_blend.is_file():
+        return True
+    if from_hf and paths.read_tracker() is None and not (pretrained_dir(paths.root) / TRACKER).is_file():
+        return True
+    if post_training and post_training.get("method") == "distill":
+        from megalaunch.runtime.scoring.store import read_meta
+
+        return not (read_meta(paths.root / "scores" / "teacher") or {}).get("complete")
+    return False
+
+
 def run_stage(command: list[str], module: str = "megalaunch.cli.main") -> tuple[bool, str, float]:
     """Run one stage's command as a process of its own: (ok, its last line of error, seconds)."""
     start = time.monotonic()
