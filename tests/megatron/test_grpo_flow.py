@@ -146,3 +146,25 @@ def test_the_kl_to_the_reference_starts_at_zero_and_grows(prep: dict[str, Path],
     for k in range(1, 4):
         meta = json.loads((paths.root / "scores" / "reference" / f"round-{k:06d}" / "meta.json").read_text())
         assert meta["complete"] and meta["kind"] == "logprobs" and meta["model"]["source"] == str(prep["hf"])
+
+
+@pytest.mark.parametrize("layout", [("2", "1"), ("1", "2")], ids=["dp2", "tp2"])
+def test_two_ranks_read_the_same_rounds_as_one(prep: dict[str, Path], tmp_path: Path, layout: tuple[str, str]) -> None:
+    """Two ranks (data parallel 2, or tensor parallel 2): rank 0 brings the rounds in while the other waits on
+    its state; the step's loss and advantage x logp equal one rank's at every iteration."""
+    rounds = tmp_path / "rounds"
+    for k in range(1, 3):
+        write_round(rounds, k, seed=5)
+    out = {}
+    for name, world, tp in (("one", 1, "1"), ("two", 2, layout[1])):
+        paths = _run(tmp_path / name, prep, rounds, 4, f"parallel.tensor_model_parallel_size={tp}",
+                     f"cluster.tasks_per_node={world}", "training.micro_batch_size=2")
+        log = tmp_path / f"{name}.jsonl"
+        t = Trainer(paths, world=world, job_id=f"4{world}",
+                    env={"MEGALAUNCH_LOSS_LOG": str(log), "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        assert t.wait(600) == [0] * world, t.log()[-3000:]
+        out[name] = {i: (r["loss"], r["metrics"]["advantage x logp"]) for i, r in
+                     ((r["iteration"], r) for r in read_jsonl(log))}
+    assert sorted(out["one"]) == sorted(out["two"]) == [1, 2, 3, 4]
+    for i, (loss, score) in out["one"].items():
+        assert out["two"][i] == pytest.approx((loss, score), rel=1e-4, abs=1e-5), (i, out)
