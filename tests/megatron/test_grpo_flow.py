@@ -168,3 +168,43 @@ def test_two_ranks_read_the_same_rounds_as_one(prep: dict[str, Path], tmp_path: 
     assert sorted(out["one"]) == sorted(out["two"]) == [1, 2, 3, 4]
     for i, (loss, score) in out["one"].items():
         assert out["two"][i] == pytest.approx((loss, score), rel=1e-4, abs=1e-5), (i, out)
+
+
+def test_old_logprobs_given_by_the_generator_line_up_with_the_policy(prep: dict[str, Path], tmp_path: Path) -> None:
+    """Rollouts with the generator's token ids and log-probabilities (here: transformers' on the starting weights,
+    as a sampler running that model reports them): at iteration 1 the policy is that model, so every answer
+    token's ratio is 1 (a row off by one token would not be) and nothing is clipped; at iteration 2 the policy
+    has moved and the ratio is no longer 1 (they are used, not replaced by the current policy's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megalaunch.tokenization.chat.render import ChatRenderer
+
+    renderer = ChatRenderer(prep["hf"])
+    model = AutoModelForCausalLM.from_pretrained(str(prep["hf"]), torch_dtype=torch.float32).eval()
+    rounds = tmp_path / "rounds"
+    write_round(rounds, 1, seed=6)
+    rows = []
+    for line in (rounds / "round-000001.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        ids_all, logps_all = [], []
+        for answer in row["completions"]:
+            enc = renderer.encode([{"role": "user", "content": row["prompt"]},
+                                   {"role": "assistant", "content": answer}], 1)
+            start, n = enc.mask.index(1), sum(enc.mask)
+            with torch.no_grad():
+                logits = model(torch.tensor([enc.tokens])).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            ids_all.append(enc.tokens[start:start + n])
+            logps_all.append([float(logp[j - 1, enc.tokens[j]]) for j in range(start, start + n)])
+        rows.append({**row, "completion_ids": ids_all, "old_logprobs": logps_all})
+    (rounds / "round-000001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = _run(tmp_path / "run", prep, rounds, 2)
+    log = tmp_path / "loss.jsonl"
+    t = Trainer(paths, job_id="51", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    assert t.wait(600) == [0], t.log()[-3000:]
+    first, second = _metrics(log)[1], _metrics(log)[2]
+    assert abs(first["ratio"] - 1.0) < 1e-4 and first["clip fraction"] == 0.0, first
+    assert abs(second["ratio"] - 1.0) > 1e-4, second  # one step later the policy is not the generator's: used
+    record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
+    assert record[0]["old_logprobs"] is True
