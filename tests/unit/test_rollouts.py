@@ -196,3 +196,19 @@ def test_a_kl_without_hugging_face_starting_weights_is_refused_at_submit(tmp_pat
         check_files(load_recipe("grpo-tiny", ["post_training.kl_coeff=0.05",
                                               f"post_training.rollouts={tmp_path}"]).recipe)
     assert e.value.field == "post_training.kl_coeff" and "submit --from-hf DIR" in str(e.value)
+
+
+def test_parquet_rollouts_are_read_like_jsonl(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({  # a struct column gives every message every key: null ones are dropped
+        "prompt": [[{"role": "user", "content": "hi", "name": None}]] * 2,
+        "completion": [[{"role": "assistant", "content": "a", "name": None}],
+                       [{"role": "assistant", "content": "b", "name": "bot"}]],
+        "score": [1.0, 0.0], "uid": ["u", "u"]})
+    pq.write_table(table, tmp_path / "r.parquet")
+    [group] = read_rollouts(tmp_path / "r.parquet")
+    assert group.prompt == [{"role": "user", "content": "hi"}]
+    assert [c.answer for c in group.completions] == [[{"role": "assistant", "content": "a"}],
+                                                     [{"role": "assistant", "content": "b", "name": "bot"}]]
+    assert group.advantages() == pytest.approx(_advantages([1.0, 0.0]))

@@ -226,8 +226,13 @@ def _prompt(value: Any) -> list[Message]:
     if isinstance(value, list) and value and all(_is_message(m) for m in value):
         if value[-1]["role"] == "assistant":
             raise BadRow("the prompt's messages end with an assistant turn; the completion is the answer to it")
-        return [dict(m) for m in value]
+        return [_clean(m) for m in value]
     raise BadRow(f"no prompt ({'/'.join(FIELDS['prompt'])}: non-empty text or a list of {{role, content}} messages)")
+
+
+def _clean(m: dict[str, Any]) -> Message:
+    """A message without its null fields (a parquet struct column gives every key to every row)."""
+    return {k: v for k, v in m.items() if v is not None}
 
 
 def _is_message(m: Any) -> bool:
@@ -239,7 +244,7 @@ def _answer(value: Any, name: str) -> list[Message]:
         return [{"role": "assistant", "content": value}]
     value = [value] if isinstance(value, dict) else value
     if isinstance(value, list) and value and all(_is_message(m) and m["role"] == "assistant" for m in value):
-        return [dict(m) for m in value]
+        return [_clean(m) for m in value]
     raise BadRow(f"'{name}' must be text, an assistant message or a list of assistant messages")
 
 
