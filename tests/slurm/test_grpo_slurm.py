@@ -108,3 +108,51 @@ def test_grpo_chain_resumes_exactly_after_sigusr2_with_rounds_in_a_directory(slu
     assert all(math.isclose(g, r, rel_tol=1e-6, abs_tol=1e-7) for i in ref for g, r in zip(got[i], ref[i], strict=True)), \
         {i: (ref[i], got[i]) for i in ref}
     assert ref[ITERS][1] > ref[1][1]  # good completions got likelier
+
+
+@pytest.mark.timeout(1500)
+def test_a_chain_that_runs_out_of_rounds_stops_cleanly_and_resume_continues(slurm_tmp: Path) -> None:
+    """The hand-off on Slurm: rounds 1-2 (4 iterations) of 8; the chain waits rollout_wait_s for round 3, saves and
+    stops with the reason `status` shows (not a failure); the generator writes rounds 3-4 and `megalaunch resume`
+    trains on to the end, record.jsonl naming every round."""
+    from tests.support.chat import make_chat_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+    from test_grpo_flow import write_round
+
+    model = make_chat_model(slurm_tmp / "model", seed=0)
+    rounds = slurm_tmp / "rounds"
+    for k in (1, 2):
+        write_round(rounds, k, seed=8)
+    recipe = _recipe(slurm_tmp, "handoff", rounds)
+    tree = yaml.safe_load(recipe.read_text())
+    tree["training"]["train_iters"] = 8
+    tree["post_training"]["rollout_wait_s"] = 5
+    recipe.write_text(yaml.safe_dump(tree))
+    proc = megalaunch(None, "submit", str(recipe), "--from-hf", str(model), cwd=slurm_tmp, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [run] = [p for p in (slurm_tmp / "handoff").iterdir() if not p.name.startswith(".")]
+    try:
+        wait_for(lambda: _done(run), 600, interval=1, what="the chain to stop for want of round 3")
+        ended = [e for e in ledger(run) if e["event"] == "ended"]
+        assert [(e["outcome"], e["checkpoint_iteration"]) for e in ended] == [("exited", 4)], ended
+        [stopped] = [e for e in ledger(run) if e["event"] == "chain_stopped"]
+        assert "rollouts: rollout round 3" in stopped["reason"], stopped
+        assert "did not come within post_training.rollout_wait_s=5 s" in stopped["reason"], stopped
+        status = megalaunch(None, "status", str(run), cwd=slurm_tmp)
+        assert "did not come within post_training.rollout_wait_s=5 s" in status.stdout, status.stdout
+        for k in (3, 4):
+            write_round(rounds, k, seed=8)
+        resumed = megalaunch(None, "resume", str(run), cwd=slurm_tmp)
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+        wait_for(lambda: sum(e["event"] == "chain_stopped" for e in ledger(run)) >= 2 and not queue_ids(name=run.name),
+                 600, interval=1, what="the resumed chain to finish")
+    finally:
+        if not _done(run):
+            megalaunch(None, "cancel", str(run))
+    ended = [e for e in ledger(run) if e["event"] == "ended"]
+    assert [e["outcome"] for e in ended] == ["exited", "finished"], ended
+    record = [json.loads(line) for line in (run / "rollouts" / "record.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["first_iteration"], r["last_iteration"]) for r in record] == \
+        [(1, 1, 2), (2, 3, 4), (3, 5, 6), (4, 7, 8)]
+    assert sorted(_losses(slurm_tmp, "handoff")) == list(range(1, 9))
