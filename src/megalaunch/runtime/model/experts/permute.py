@@ -148,7 +148,7 @@ def install() -> bool:
         finally:
             _ROUTING.topk = None
 
-    megatron_sort = td.sort_chunks_by_idxs if hasattr(td, "sort_chunks_by_idxs") else None
+    megatron_sort: Any = getattr(td, "sort_chunks_by_idxs", None)
 
     def sort_chunks_by_idxs(input: Any, split_sizes: Any, sorted_idxs: Any, probs: Any = None,
                             fused: bool = False) -> Any:
