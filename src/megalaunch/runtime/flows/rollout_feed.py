@@ -17,6 +17,7 @@ continues from that checkpoint and waits again."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import subprocess
 import sys
@@ -57,6 +58,8 @@ class RolloutFeed:
         self.dir = config.run_dir / ROLLOUTS_DIR
         self.is_zero, self.log, self.ledger, self.beat = is_zero, log, ledger, beat
         self.sizes: list[int] = []  # conversations of rounds 1, 2, ... known so far (markers read)
+        self.starts: list[int] = []  # the first sample of each of them
+        self.total = 0  # samples in them
         self.answers: dict[int, str | None] = {}  # iteration -> None (ready) or why it cannot run
         self.recorded: set[int] | None = None  # rounds in record.jsonl (rank 0, read once)
         self.seconds: dict[int, float] = {}  # round -> seconds its tokenization took here
@@ -66,20 +69,19 @@ class RolloutFeed:
         return self.dir / round_stem(self.c.source, k)
 
     def locate(self, sample: int) -> tuple[int, int] | None:
-        """(round, row), both from 0... round 0 is round-000001; None: the round is not tokenized yet."""
-        start = 0
-        for k in range(1, 1 << 30):
-            if len(self.sizes) < k:
-                marker = read_marker(self.prefix(k))
-                if marker is None or not self._referenced(k):
-                    return None
-                self.sizes.append(int(marker["conversations"]))
-                if self.is_zero and self.c.train_iters:  # a feed that brings rounds in (not a reader's)
-                    self._record(k, marker)
-            if sample < start + self.sizes[k - 1]:
-                return k - 1, sample - start
-            start += self.sizes[k - 1]
-        return None
+        """(round, row), both from 0 (round 0 is round-000001); None: that round is not brought in yet."""
+        while sample >= self.total:
+            k = len(self.sizes) + 1
+            marker = read_marker(self.prefix(k))
+            if marker is None or not self._referenced(k):
+                return None
+            self.starts.append(self.total)
+            self.sizes.append(int(marker["conversations"]))
+            self.total += self.sizes[-1]
+            if self.is_zero and self.c.train_iters:  # a feed that brings rounds in (not a reader's)
+                self._record(k, marker)
+        i = bisect.bisect_right(self.starts, sample) - 1
+        return i, sample - self.starts[i]
 
     def ready(self, iteration: int, interrupted: Callable[[], bool] = lambda: False) -> str | None:
         """Every rank, at the boundary before `iteration`: None when its round is in, else why the segment
@@ -137,7 +139,7 @@ class RolloutFeed:
 
     def _wait_for(self, k: int) -> str | None:
         if self.c.source.is_file() and k > 1:
-            used = sum(self.sizes)
+            used = self.total
             return (f"the rollouts in {self.c.source} ({used} completions, {used // self.c.global_batch} iterations "
                     f"of global batch {self.c.global_batch}) are used up before train_iters {self.c.train_iters}; "
                     "give a directory of rounds, or lower training.train_iters")
@@ -206,7 +208,7 @@ class RolloutFeed:
             return
         self.recorded.add(k)
         seconds = self.seconds.get(k)
-        first = sum(self.sizes[:k - 1])  # samples of the rounds before this one
+        first = self.starts[k - 1]  # samples of the rounds before this one
         n, gbs = int(marker["conversations"]), self.c.global_batch
         line = {"round": k, "source": marker["source"], "sha256": marker["source_sha256"], "completions": n,
                 "groups": marker["groups"], "first_sample": first, "first_iteration": first // gbs + 1,
