@@ -109,6 +109,10 @@ class GRPOFlow(Flow):
                                 f"Face tokenizer, not {args.tokenizer_type}",
                                 fix="submit --from-hf DIR (or --set data.tokenizer_type=HuggingFaceTokenizer "
                                     "--set data.tokenizer_model=DIR)")
+        if getattr(args, "dataloader_type", "single") not in (None, "single"):
+            raise ConfigFailure(f"grpo reads the rollout rounds in order (sample i of iteration i's round), not with "
+                                f"dataloader_type {args.dataloader_type}",
+                                fix="drop dataloader_type from megatron_args")
         reference = reference_model(paths.root)
         if float(self.config.get("kl_coeff") or 0.0) > 0 and reference is None:
             raise ConfigFailure("post_training.kl_coeff > 0 needs the starting model as Hugging Face weights to score "
