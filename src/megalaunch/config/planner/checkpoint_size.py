@@ -159,7 +159,7 @@ class DiskPeak:
             parts.append(f"{self.hf_copies} Hugging Face cop{'ies' if self.hf_copies != 1 else 'y'} for evaluation "
                          f"({gb(self.hf_bytes)} each)")
         if self.scores_bytes:
-            parts.append(f"stored scores {gb(self.scores_bytes)} (RUN/scores)")
+            parts.append(f"stored scores {gb(self.scores_bytes)} (RUN/scores, GRPO's RUN/rollouts)")
         return f"{gb(self.total)}: " + " + ".join(parts)
 
 

@@ -3,7 +3,10 @@ peak that submit checks against the run root's free space and quota (config/stor
 shows. Per token of the training data: DPO's / IPO's reference 4 bytes (a float32 log-probability), GRPO's
 reference for its KL 4 bytes when kl_coeff > 0, a distillation teacher's top-k 8 bytes per kept entry (int32
 id + float32 log-probability). The tokens are the prepared data's (read from the .idx files) or, for chat
-files the chain's first stage tokenizes, estimated from their size (a token per 3 bytes of JSON, erring high)."""
+files the chain's first stage tokenizes, estimated from their size (a token per 3 bytes of JSON, erring high).
+GRPO's rounds arrive while the chain trains: their tokenized data (RUN/rollouts: tokens, loss mask, old
+log-probabilities) and per-round reference scores are bounded by the samples trained, train_iters x global batch
+x (seq_length + 1) tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from megalaunch.config.schema import Recipe
 
 BYTES_PER_TOKEN_OF_TEXT = 3.0  # JSON rows -> tokens, an estimate that errs towards more tokens
+ROLLOUT_BYTES_PER_TOKEN = 4 + 1 + 4  # RUN/rollouts: token (int32 at most), loss-mask byte, old log-probability
 
 
 def score_bytes_per_token(recipe: Recipe) -> float:
@@ -45,4 +49,7 @@ def data_tokens(recipe: Recipe, blend_text: str | None) -> tuple[int, bool]:
 def scores_bytes(recipe: Recipe, blend_text: str | None) -> float:
     """Bytes RUN/scores/** will hold (0: the run stores none)."""
     per = score_bytes_per_token(recipe)
+    if recipe.post_training.method == "grpo":
+        t = recipe.training
+        return (per + ROLLOUT_BYTES_PER_TOKEN) * t.train_iters * t.global_batch_size * (recipe.model.seq_length + 1)
     return per * data_tokens(recipe, blend_text)[0] if per else 0.0

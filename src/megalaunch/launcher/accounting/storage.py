@@ -82,7 +82,8 @@ def checkpoint_usage(paths: RunPaths, recipe: Recipe | None = None,
             "peak": peak.describe() if peak else None, "filesystem": fs.describe(),
             "free_bytes": free_bytes(paths.checkpoints), "kept": kept_checkpoints(paths, iterations),
             "last_skipped": skipped[-1] if skipped else None, "last_squeezed": squeezed[-1] if squeezed else None,
-            "fix": storage_fix(paths), "scores_bytes": disk_usage(paths.root / "scores")}
+            "fix": storage_fix(paths),
+            "scores_bytes": disk_usage(paths.root / "scores") + disk_usage(paths.root / "rollouts")}
 
 
 def kept_checkpoints(paths: RunPaths, iterations: list[int]) -> dict[str, Any] | None:
@@ -117,7 +118,7 @@ def format_usage(usage: dict[str, Any] | None) -> list[str]:
         line += f"; predicted {gb(usage['predicted_bytes'])} each, peak {usage['peak']}"
     lines = [line]
     if usage.get("scores_bytes"):  # post-training's stored scores (DPO's reference, a teacher's top-k)
-        lines.append(f"  stored scores: {gb(usage['scores_bytes'])} (du of RUN/scores; in the peak above)")
+        lines.append(f"  stored scores: {gb(usage['scores_bytes'])} (du of RUN/scores and GRPO's RUN/rollouts; in the peak above)")
     kept = usage.get("kept")
     if kept and its:
         setting = kept["keep_last_setting"]
