@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-from harness import Trainer, ledger, wait_for
+from harness import Trainer, last_iteration, ledger, losses, wait_for
 from tests.support.chat import WORDS, make_chat_model
 
 from megalaunch.config.loader import load_recipe
@@ -79,7 +79,7 @@ def test_grpo_trains_toward_the_rewarded_completions(prep: dict[str, Path], tmp_
     rounds = tmp_path / "rounds"
     for k in range(1, 11):
         write_round(rounds, k, seed=1)
-    paths = _run(tmp_path / "run", prep, rounds, 20)
+    paths = _run(tmp_path / "run", prep, rounds, 20, "post_training.old_logprobs=current")
     log = tmp_path / "loss.jsonl"
     t = Trainer(paths, job_id="11", env={"MEGALAUNCH_LOSS_LOG": str(log)})
     assert t.wait(600) == [0], t.log()[-3000:]
@@ -87,7 +87,8 @@ def test_grpo_trains_toward_the_rewarded_completions(prep: dict[str, Path], tmp_
     m = _metrics(log)
     score = [m[i]["advantage x logp"] for i in sorted(m)]
     assert len(score) == 20 and all(abs(m[i]["reward"] - 0.5) < 1e-6 for i in m)
-    assert all(abs(m[i]["ratio"] - 1.0) < 1e-5 for i in m)  # on-policy: no old log-probabilities given
+    assert all(abs(m[i]["ratio"] - 1.0) < 1e-5 for i in m)  # old_logprobs current: the old policy is the current
+    assert not (paths.root / "scores" / "old").exists()  # nothing scored
     assert sum(score[-4:]) / 4 > sum(score[:4]) / 4 + 0.05, score  # good completions got likelier than bad ones
     record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
     assert [(r["round"], r["first_iteration"], r["last_iteration"]) for r in record] == \
@@ -208,3 +209,88 @@ def test_old_logprobs_given_by_the_generator_line_up_with_the_policy(prep: dict[
     assert abs(second["ratio"] - 1.0) > 1e-4, second  # one step later the policy is not the generator's: used
     record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
     assert record[0]["old_logprobs"] is True
+
+
+def _old_run(root: Path, prep: dict[str, Path], rounds: Path) -> Any:
+    """4 iterations per round (16 completions, global batch 4), 2 rounds; a small clip range."""
+    return _run(root, prep, rounds, 8, "training.global_batch_size=4", "training.micro_batch_size=2",
+                "post_training.clip_eps=0.05", "post_training.clip_eps_high=0.05")
+
+
+def test_old_logprobs_are_the_policys_at_each_rounds_start(prep: dict[str, Path], tmp_path: Path) -> None:
+    """The stage scores each round with the policy at the boundary before its first iteration: round 1's rows are
+    the starting model's log-probabilities (transformers' forward of its weights, here), the ratio is 1 at
+    iterations 1 and 5 (a round's first) and not at the others, where the small clip range clips."""
+    import numpy
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megalaunch.runtime.scoring.store import Documents, ScoreReader
+
+    rounds = tmp_path / "rounds"
+    for k in (1, 2):
+        write_round(rounds, k, seed=7)
+    paths = _old_run(tmp_path / "run", prep, rounds)
+    log = tmp_path / "loss.jsonl"
+    t = Trainer(paths, job_id="61", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    assert t.wait(600) == [0], t.log()[-3000:]
+    m = _metrics(log)
+    assert sorted(m) == list(range(1, 9))
+    for i in (1, 5):
+        assert abs(m[i]["ratio"] - 1.0) < 1e-6 and m[i]["clip fraction"] == 0.0, (i, m[i])
+    for i in (2, 3, 4, 6, 7, 8):
+        assert abs(m[i]["ratio"] - 1.0) > 1e-4, (i, m[i])
+    assert max(m[i]["clip fraction"] for i in m) > 0.0, m
+    prefix = paths.root / "rollouts" / "round-000001"
+    store = paths.root / "scores" / "old"
+    metas = [json.loads((store / f"round-00000{k}" / "meta.json").read_text()) for k in (1, 2)]
+    assert [(x["complete"], x["kind"], x["model"]["fingerprint"]) for x in metas] == \
+        [(True, "logprobs", "policy:iteration=0"), (True, "logprobs", "policy:iteration=4")]
+    reader, docs = ScoreReader(store / "round-000001", prefixes=[str(prefix)]), Documents(prefix)
+    model = AutoModelForCausalLM.from_pretrained(str(prep["hf"]), torch_dtype=torch.float32).eval()
+    for d in range(len(docs)):
+        ids = torch.tensor(numpy.asarray(docs.get(d)[0][:65], dtype=numpy.int64))
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+        mine = logp[torch.arange(len(ids) - 1), ids[1:]].numpy()  # log p(token j | < j), j >= 1
+        numpy.testing.assert_allclose(numpy.asarray(reader.get("round-000001", d))[1:], mine, atol=1e-4)
+    scored = ledger(paths, "old_logprobs_scored")
+    assert [(r["round"], r["iteration"], r["documents"]) for r in scored] == [(1, 0, 16), (2, 4, 16)], scored
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in scored)
+
+
+def test_a_chain_stopped_during_the_scoring_and_mid_round_resumes_exactly(prep: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """Segment 1 is stopped while round 2 is scored (the boundary after iteration 4): it saves there with the
+    round partly scored; segment 2 (loaded from that checkpoint: the model that began the scoring) continues
+    the scoring and is stopped mid-round; segment 3 reads the round's stored scores: every iteration's loss and
+    ratio equal an uninterrupted run's."""
+    rounds = tmp_path / "rounds"
+    for k in (1, 2):
+        write_round(rounds, k, seed=8)
+    straight, ref_log = _old_run(tmp_path / "straight", prep, rounds), tmp_path / "straight.jsonl"
+    assert Trainer(straight, job_id="70", env={"MEGALAUNCH_LOSS_LOG": str(ref_log)}).wait(600) == [0]
+    chain, log = _old_run(tmp_path / "chain", prep, rounds), tmp_path / "chain.jsonl"
+    t = Trainer(chain, job_id="71", env={"MEGALAUNCH_LOSS_LOG": str(log), "MEGALAUNCH_TEST_SCORE_ROUND_S": "0.3"})
+    wait_for(lambda: "with the policy at iteration 4" in _log(t), timeout=300, what="round 2's scoring", trainer=t)
+    t.signal()
+    assert t.wait(300) == [0], _log(t)[-3000:]
+    assert (t.outcome()["status"], t.outcome()["iteration"]) == ("saved", 4), t.outcome()
+    meta = json.loads((chain.root / "scores" / "old" / "round-000002" / "meta.json").read_text())
+    done = meta["documents_done"]["round-000002"]
+    assert not meta["complete"] and 0 < done < 16, meta
+    t = Trainer(chain, job_id="72", env={"MEGALAUNCH_LOSS_LOG": str(log), "MEGALAUNCH_TEST_STEP_SLEEP_S": "0.3"})
+    wait_for(lambda: last_iteration(log) >= 5, timeout=300, what="iteration 5", trainer=t)
+    t.signal()
+    assert t.wait(300) == [0], _log(t)[-3000:]
+    assert f"documents {done}..16" in _log(t)  # continued where segment 1 stopped
+    stopped = t.outcome()
+    assert stopped["status"] == "saved" and 5 <= stopped["iteration"] < 8, stopped  # mid-round 2
+    t = Trainer(chain, job_id="73", env={"MEGALAUNCH_LOSS_LOG": str(log)})
+    assert t.wait(600) == [0], _log(t)[-3000:]
+    assert t.outcome()["status"] == "finished", t.outcome()
+    ref, got = losses(ref_log), losses(log)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    assert got == ref, {i: (ref[i], got[i]) for i in ref}
+    ratios = {i: r["ratio"] for i, r in _metrics(log).items()}
+    assert ratios == {i: r["ratio"] for i, r in _metrics(ref_log).items()}, ratios

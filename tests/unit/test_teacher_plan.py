@@ -110,13 +110,15 @@ def test_the_teacher_stage_refuses_two_datasets_of_one_name(tmp_path: Path) -> N
 
 def test_grpo_rounds_are_counted_by_the_samples_trained() -> None:
     """GRPO's rounds arrive while the chain trains: RUN/rollouts (tokens, mask, old log-probabilities) and the
-    per-round reference scores are bounded by train_iters x global batch x (seq_length + 1) tokens."""
+    per-round reference and old scores are bounded by train_iters x global batch x (seq_length + 1) tokens."""
     from megalaunch.config.training.score_budget import ROLLOUT_BYTES_PER_TOKEN, scores_bytes
 
     sets = ["post_training.method=grpo", "post_training.rollouts=/tmp/rounds", "training.train_iters=10",
             "training.global_batch_size=8"]
-    plain = load_recipe("grpo-tiny", sets).recipe
-    with_kl = load_recipe("grpo-tiny", [*sets, "post_training.kl_coeff=0.1"]).recipe
+    plain = load_recipe("grpo-tiny", [*sets, "post_training.old_logprobs=current"]).recipe
+    with_kl = load_recipe("grpo-tiny", [*sets, "post_training.old_logprobs=current", "post_training.kl_coeff=0.1"])
+    staged = load_recipe("grpo-tiny", [*sets, "post_training.kl_coeff=0.1"]).recipe  # old_logprobs stage (default)
     tokens = 10 * 8 * (plain.model.seq_length + 1)
     assert scores_bytes(plain, None) == ROLLOUT_BYTES_PER_TOKEN * tokens
-    assert scores_bytes(with_kl, None) == (ROLLOUT_BYTES_PER_TOKEN + 4) * tokens
+    assert scores_bytes(with_kl.recipe, None) == (ROLLOUT_BYTES_PER_TOKEN + 4) * tokens
+    assert scores_bytes(staged, None) == (ROLLOUT_BYTES_PER_TOKEN + 8) * tokens  # RUN/scores/old: 4 bytes a token

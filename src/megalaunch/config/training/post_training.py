@@ -44,6 +44,10 @@ class PostTrainingConfig:
     rollout_wait_s: float = doc("grpo: how long a job waits for the next round's file before it saves and stops", 3600.0)
     clip_eps: float = doc("grpo: the ratio's clip range, 1 - eps .. 1 + eps", 0.2)
     clip_eps_high: float | None = doc("grpo: a different upper clip (DAPO's clip-higher); null: clip_eps", None)
+    old_logprobs: Literal["stage", "current"] = doc(
+        "grpo, where the rollouts give no old log-probabilities: stage (the policy at each round's start scores "
+        "the round before its first iteration, stored in RUN/scores/old: the clipped ratio acts within a round), "
+        "current (the old policy is the current one at each update: ratio 1, no scoring)", "stage")
     kl_coeff: float = doc("grpo: weight of the KL to the reference (k3 estimator); 0: no reference needed", 0.0)
     teacher: str | None = doc("distill: the teacher, a Hugging Face model directory or a megatron checkpoint", None,
                               path="path")

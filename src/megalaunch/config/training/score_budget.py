@@ -1,11 +1,12 @@
 """The stored scores in the disk budget (issue 51): what RUN/scores/** will hold, added to the checkpoints'
 peak that submit checks against the run root's free space and quota (config/storage.py) and that `status`
 shows. Per token of the training data: DPO's / IPO's reference 4 bytes (a float32 log-probability), GRPO's
-reference for its KL 4 bytes when kl_coeff > 0, a distillation teacher's top-k 8 bytes per kept entry (int32
+reference for its KL 4 bytes when kl_coeff > 0 and its old policy's 4 bytes with old_logprobs stage
+(RUN/scores/old), a distillation teacher's top-k 8 bytes per kept entry (int32
 id + float32 log-probability). The tokens are the prepared data's (read from the .idx files) or, for chat
 files the chain's first stage tokenizes, estimated from their size (a token per 3 bytes of JSON, erring high).
 GRPO's rounds arrive while the chain trains: their tokenized data (RUN/rollouts: tokens, loss mask, old
-log-probabilities) and per-round reference scores are bounded by the samples trained, train_iters x global batch
+log-probabilities) and per-round reference and old scores are bounded by the samples trained, train_iters x global batch
 x (seq_length + 1) tokens."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def score_bytes_per_token(recipe: Recipe) -> float:
     pt = recipe.post_training
     if pt.method in ("dpo", "ipo"):
         return 4.0
-    if pt.method == "grpo" and pt.kl_coeff > 0:
-        return 4.0
+    if pt.method == "grpo":  # the reference for the KL; the old policy's, scored at each round's start (stage)
+        return 4.0 * (pt.kl_coeff > 0) + 4.0 * (pt.old_logprobs == "stage")
     if pt.method == "distill":  # stored only where the teacher runs in the stage (auto: as submit decides)
         from megalaunch.config.training.teacher_plan import resolved_teacher_mode
 

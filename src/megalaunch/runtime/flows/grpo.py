@@ -12,9 +12,11 @@ averaged over all answer tokens of the step (token-level normalisation, as DAPO 
 type: every trained token weighs the same, whatever the length of its completion; `calculate_per_token_loss`
 makes Megatron divide by the step's token count over micro-batches and data-parallel ranks). `old_t` is the
 generator's log-probability where the rollouts gave it (checked against the template's tokens); where they
-did not, the old policy is the current one at the update: old_t = logp_t without its gradient, so the ratio
-is 1 in value and the objective's gradient is the policy gradient A * grad logp_t (one update per rollout
-batch, on-policy). Metrics: `reward` (the mean reward of the step's completions), `advantage` (their mean
+did not, with `old_logprobs: stage` (the default) the policy's at the round's start, scored at the boundary
+before the round's first iteration (runtime/flows/rollout_old.py): the ratio is 1 at that iteration and
+moves, clipped, at the round's later ones; with `old_logprobs: current` the old policy is the current one at
+each update: old_t = logp_t without its gradient, the ratio is 1 in value and the objective's gradient is
+the policy gradient A * grad logp_t. Metrics: `reward` (the mean reward of the step's completions), `advantage` (their mean
 advantage), `clip fraction` (tokens whose clipped term is the one taken: ratio below 1 - eps with A < 0, or
 above 1 + eps_high with A > 0), `ratio` (mean over tokens), `advantage x logp` (per completion, its
 advantage times its mean token log-probability: it rises as good completions become likelier than bad
@@ -35,6 +37,7 @@ import torch
 from megalaunch.runtime.flows.flow import Flow, FlowLoss
 from megalaunch.runtime.flows.rollout_data import RolloutDataset, reference_model
 from megalaunch.runtime.flows.rollout_feed import INTERRUPTED, FeedConfig, RolloutFeed
+from megalaunch.runtime.flows.rollout_old import OldScorer, old_stage
 from megalaunch.runtime.rank.failures import ConfigFailure
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids", "old_logprobs", "advantages", "rewards", "ref_logprobs")
@@ -122,16 +125,20 @@ class GRPOFlow(Flow):
                                       train_iters=int(args.train_iters), wait_s=float(self.config["rollout_wait_s"]),
                                       seq_length=int(args.seq_length), job_id=_job_id(), reference_model=reference),
                            is_zero=context.is_zero, log=context.log, ledger=context.ledger, beat=context.beat)
+        old = OldScorer(model, feed, micro_batch_size=int(args.micro_batch_size), beat=context.beat) \
+            if old_stage(self.config) else None
         clear_gates()
-        add_gate(_gate(feed, paths, context.is_zero))
+        add_gate(_gate(feed, paths, context.is_zero, old))
         context.act(context.decide())  # the decision runs the gate for the first iteration
 
 
-def _gate(feed: RolloutFeed, paths: Any, is_zero: bool) -> Any:
+def _gate(feed: RolloutFeed, paths: Any, is_zero: bool, old: OldScorer | None) -> Any:
     said: set[str] = set()
 
     def gate(iteration: int, interrupted: Any) -> bool:
         reason = feed.ready(iteration + 1, interrupted)
+        if reason is None and old is not None:  # the round's old log-probabilities, before its first iteration
+            reason = old.ensure(iteration + 1, interrupted)
         if reason is None:
             return False
         if reason == INTERRUPTED:  # decide now: the signal's save

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,8 @@ def stored_mismatch(ctx: FlowContext, *, need_complete: bool) -> str | None:
 def score_reference(model: Any, ctx: FlowContext) -> None:
     """Score every document of the training data with `model` (frozen, eval mode) into RUN/scores/reference,
     continuing where a stopped segment left it."""
-    import torch
-    from megatron.core import mpu
-
     writer = ScoreWriter(store_dir(ctx.run_dir), kind="logprobs", prefixes=ctx.prefixes,
                          model=model_identity(ctx)) if ctx.is_zero else None
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     per_rank = max(1, 2 * ctx.micro_batch_size)  # a training micro-batch's sequences (pairs x 2), forward only
     began, last_flush, tokens = time.monotonic(), time.monotonic(), 0
     was_training = model.training
@@ -89,18 +86,11 @@ def score_reference(model: Any, ctx: FlowContext) -> None:
     try:
         for prefix in ctx.prefixes:
             name, docs = prefix_name(prefix), Documents(prefix)
-            done = _broadcast_int(writer.done(name) if writer is not None else 0)
-            if done < len(docs):
-                ctx.log(f"reference scoring: {name}, documents {done}..{len(docs)} ({dp} data-parallel ranks)")
-            while done < len(docs):
-                chunk = list(range(done, min(len(docs), done + dp * per_rank)))
-                mine = chunk[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-                with torch.no_grad():
-                    rows = _score(model, docs, mine, per_rank, ctx.seq_length)
-                gathered = _gather(rows)
-                scored = [_row(gathered[i], docs.lengths[d], ctx.seq_length) for i, d in enumerate(chunk)]
+            start = _broadcast_int(writer.done(name) if writer is not None else 0)
+            if start < len(docs):
+                ctx.log(f"reference scoring: {name}, documents {start}..{len(docs)}")
+            for done, scored in score_chunks(model, docs, start, per_rank=per_rank, seq=ctx.seq_length):
                 tokens += sum(len(r) - 1 for r in scored)
-                done = chunk[-1] + 1
                 if writer is not None:
                     writer.append(name, scored)
                 time.sleep(float(os.environ.get(ROUND_DELAY_ENV) or 0))
@@ -116,6 +106,25 @@ def score_reference(model: Any, ctx: FlowContext) -> None:
         _broadcast_int(1)  # every rank reads the store after rank 0 has written it whole
     finally:
         model.train(was_training)
+
+
+def score_chunks(model: Any, docs: Documents, done: int, *, per_rank: int,
+                 seq: int) -> Iterator[tuple[int, list[Any]]]:
+    """Every rank (a collective): score documents `done`.. of `docs` with `model` (frozen by the caller: eval
+    mode), `per_rank` documents per data-parallel rank and chunk (tensor-parallel ranks together); yields
+    (documents done, the chunk's store rows: `_row`), the rows gathered on every rank."""
+    import torch
+    from megatron.core import mpu
+
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    while done < len(docs):
+        chunk = list(range(done, min(len(docs), done + dp * per_rank)))
+        mine = chunk[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        with torch.no_grad():
+            rows = _score(model, docs, mine, per_rank, seq)
+        gathered = _gather(rows)
+        done = chunk[-1] + 1
+        yield done, [_row(gathered[i], docs.lengths[d], seq) for i, d in enumerate(chunk)]
 
 
 def _broadcast_int(value: int) -> int:

@@ -3,7 +3,8 @@
 the generator made them for this point of training). A sample is the chat dataset's (tokens, labels,
 loss mask, position ids: runtime/flows/chat_dataset.py, one conversation per sequence) plus, per label
 position, the conversation's advantage (`advantages`), its reward (`rewards`, for the metric) and the old
-policy's log-probability of the label (`old_logprobs`, NaN where the rollouts gave none: there the old
+policy's log-probability of the label (`old_logprobs`: the rollouts' own where given, else the policy's at
+the round's start as the stage stored them, rollout_old.py; NaN with `old_logprobs: current`: there the old
 policy is the current one) and, with kl_coeff > 0, the reference's (`ref_logprobs`, rollout_reference.py).
 
 The data does not come from the run's blend: the recipe keeps `data.mock` (Megatron's builder then asks for
@@ -27,34 +28,52 @@ from megatron.core.datasets.utils import Split
 from megalaunch.runtime.flows.chat_dataset import ChatDocuments, padding_token
 from megalaunch.runtime.flows.rollout_feed import POLL_S, FeedConfig, RolloutFeed
 from megalaunch.runtime.flows.rollout_format import ADV_SUFFIX, OLD_LOGP_SUFFIX, REWARD_SUFFIX
+from megalaunch.runtime.flows.rollout_old import needs_scoring, old_dir, old_stage
+from megalaunch.runtime.flows.rollout_reference import reference_complete
 
 
 class Round:
     """One tokenized round: its documents, side files and (kl_coeff > 0) the reference's scores."""
 
-    def __init__(self, prefix: Path, reference: Path | None = None) -> None:
+    def __init__(self, prefix: Path, reference: Path | None = None, old_scores: Path | None = None) -> None:
         self.docs = ChatDocuments(str(prefix))
         self.adv = numpy.fromfile(str(prefix) + ADV_SUFFIX, dtype="<f4")
         self.reward = numpy.fromfile(str(prefix) + REWARD_SUFFIX, dtype="<f4")
         old = Path(str(prefix) + OLD_LOGP_SUFFIX)
         self.old = numpy.memmap(old, dtype="<f4", mode="r") if old.is_file() else None
         self.name = prefix.name
-        self.ref = None
-        if reference is not None:
-            from megalaunch.runtime.scoring.store import ScoreReader
+        from megalaunch.runtime.scoring.store import ScoreReader
 
-            self.ref = ScoreReader(reference, prefixes=[str(prefix)])
+        self.ref = ScoreReader(reference, prefixes=[str(prefix)]) if reference is not None else None
+        self.scored = ScoreReader(old_scores, prefixes=[str(prefix)]) if old_scores is not None else None
 
     def ref_row(self, doc: int) -> Any:
         return self.ref.get(self.name, doc) if self.ref is not None else None
 
+    def old_row(self, doc: int, n: int) -> numpy.ndarray:
+        """Row j < n: log p_old(token j | < j): the rollouts' own where given, else the old policy's as the
+        stage scored it at the round's start (rollout_old.py), else NaN (the current policy's)."""
+        out = numpy.full(n, numpy.nan, dtype=numpy.float32)
+        if self.scored is not None:
+            stored = self.scored.get(self.name, doc)
+            out[:min(n, len(stored))] = stored[:n]
+        if self.old is not None:
+            start = int(self.docs.offsets[doc])
+            given = numpy.asarray(self.old[start:start + n])
+            out = numpy.where(numpy.isnan(given), out, given)
+        return out
 
-def reference_model(run_dir: Path) -> Path | None:
-    """The starting model that scores each round for the KL (kl_coeff > 0), from the run's settings."""
+
+def _settings(run_dir: Path) -> Any:
     from megalaunch.rundir.paths import RunPaths
     from megalaunch.runtime.rank.settings import RuntimeSettings
 
-    settings = RuntimeSettings.load(RunPaths(run_dir))
+    return RuntimeSettings.load(RunPaths(run_dir))
+
+
+def reference_model(run_dir: Path) -> Path | None:
+    """The starting model that scores each round for the KL (kl_coeff > 0), from the run's settings."""
+    settings = _settings(run_dir)
     kl = float((settings.post_training or {}).get("kl_coeff") or 0.0)
     return Path(settings.from_hf).expanduser() if kl > 0 and settings.from_hf else None
 
@@ -76,6 +95,7 @@ class RolloutDataset(MegatronDataset):
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.num_samples = max(int(num_samples or 0), 1)  # a split not trained on (eval_iters 0) still has one
         self.feed = rounds_feed()
+        self.old_stage = old_stage(_settings(self.feed.c.run_dir).post_training)
         self.rounds: dict[int, Round] = {}
         self.pad = padding_token(self._pad_token_id, getattr(config.tokenizer, "vocab_size", None))
 
@@ -99,9 +119,20 @@ class RolloutDataset(MegatronDataset):
             where = self.feed.locate(int(idx))
         k, row = where
         if k not in self.rounds:
-            referenced = self.feed.c.reference_model is not None
-            self.rounds[k] = Round(self.feed.prefix(k + 1), self.feed._reference_dir(k + 1) if referenced else None)
+            self.rounds[k] = self._round(k + 1)
         return self.sample((self.rounds[k], row))
+
+    def _round(self, k: int) -> Round:
+        """Round k (from 1), once its old log-probabilities are stored where the stage computes them (a reader
+        ahead of the boundary that scores them waits for them: see the module docstring)."""
+        prefix = self.feed.prefix(k)
+        old = None
+        if self.old_stage and needs_scoring(prefix):
+            old = old_dir(self.feed.c.run_dir, prefix.name)
+            while not reference_complete(old):
+                time.sleep(POLL_S)
+        referenced = self.feed.c.reference_model is not None
+        return Round(prefix, self.feed._reference_dir(k) if referenced else None, old)
 
     def sample(self, at: tuple[Round, int] | None) -> dict[str, torch.Tensor]:
         length = self.config.sequence_length + 1
@@ -115,9 +146,7 @@ class RolloutDataset(MegatronDataset):
             ids, bits = rnd.docs.get(doc)
             n = min(len(ids), length)
             tokens[:n], mask[:n] = ids[:n], bits[:n]
-            if rnd.old is not None:
-                start = int(rnd.docs.offsets[doc])
-                old[:n] = rnd.old[start:start + n]
+            old[:n] = rnd.old_row(doc, n)
             ref_row = rnd.ref_row(doc)
             if ref_row is not None:
                 ref[:n] = ref_row[:n]
