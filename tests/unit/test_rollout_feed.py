@@ -106,3 +106,44 @@ def test_the_stop_signal_cuts_a_wait_short_and_the_wait_resumes_later(tmp_path: 
     assert other.ready(1) == INTERRUPTED  # freed by rank 0's verdict, without a signal of its own
     _round(tmp_path / "rounds", 1, 1)
     assert zero.ready(1) is None  # not cached: asked again, the wait goes on and the round is brought in
+
+
+def test_the_rollouts_old_logprobs_come_first_then_the_stages(tmp_path: Path, tokenizer: Path) -> None:
+    """A round where one completion gives old log-probabilities and the other does not: the dataset takes the
+    given ones, and the stage's stored rows (RUN/scores/old/<round>, aligned as the reference's) for the rest."""
+    from megalaunch.runtime.flows.rollout_data import RolloutDataset, Round
+    from megalaunch.runtime.flows.rollout_old import needs_scoring
+    from megalaunch.runtime.scoring.store import Documents, ScoreWriter
+    from megalaunch.tokenization.chat.render import ChatRenderer
+    from megalaunch.tokenization.rollout_build import tokenize_rollouts
+
+    renderer = ChatRenderer(tokenizer)
+    enc = renderer.encode([{"role": "user", "content": "red"}, {"role": "assistant", "content": "cat"}], 1)
+    start = enc.mask.index(1)
+    ids = enc.tokens[start:start + sum(enc.mask)]
+    rows = [{"prompt": "red", "completion": "cat", "reward": 1.0, "uid": 1, "completion_ids": ids,
+             "old_logprobs": [-0.25] * len(ids)},
+            {"prompt": "red", "completion": "dog", "reward": 0.0, "uid": 1}]
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prefix = tmp_path / "out" / "r"
+    tokenize_rollouts(src, prefix, renderer)
+    assert needs_scoring(prefix)  # the second completion has none
+    docs = Documents(prefix)
+    writer = ScoreWriter(tmp_path / "old", kind="logprobs", prefixes=[str(prefix)],
+                         model={"fingerprint": "f", "source": "s"})
+    # row j of document d: -(j + 10 d) / 100 (row 0 unused), as the stage writes log p(token j | < j)
+    writer.append("r", [numpy.array([0.0] + [-(j + 10 * d) / 100 for j in range(1, docs.lengths[d])], "float32")
+                        for d in range(len(docs))])
+    writer.flush(complete=True)
+    writer.close()
+    ds = RolloutDataset.__new__(RolloutDataset)
+    ds.config, ds.pad = SimpleNamespace(sequence_length=32), 0
+    rnd = Round(prefix, old_scores=tmp_path / "old")
+    given, stored = ds.sample((rnd, 0))["old_logprobs"].numpy(), ds.sample((rnd, 1))
+    mask = stored["loss_mask"].numpy()
+    assert list(given[start - 1:start - 1 + len(ids)]) == [-0.25] * len(ids)  # the rollouts' own
+    assert given[0] == pytest.approx(-0.01)  # the stage's where the row gave none (label 0 is token 1)
+    n = int(docs.lengths[1])
+    want = [-(t + 1 + 10) / 100 for t in range(n - 1)]  # label t is token t + 1 of document 1
+    assert stored["old_logprobs"].numpy()[:n - 1].tolist() == pytest.approx(want) and mask[:n - 1].sum() > 0
