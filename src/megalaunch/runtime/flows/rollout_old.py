@@ -26,7 +26,6 @@ import numpy
 
 from megalaunch.runtime.flows.rollout_feed import INTERRUPTED, RolloutFeed
 from megalaunch.runtime.flows.rollout_format import OLD_LOGP_SUFFIX
-from megalaunch.runtime.flows.rollout_reference import reference_complete
 from megalaunch.runtime.rank.failures import ConfigFailure
 
 OLD_DIR = "scores/old"  # RUN/scores/old/<round>/
@@ -53,6 +52,11 @@ def needs_scoring(prefix: Path) -> bool:
     return bool(numpy.isnan(old[numpy.asarray(masks) > 0]).any())
 
 
+def policy_at(iteration: int) -> dict[str, str]:
+    """The store's model: the policy at the boundary after `iteration` (a store continues only for the same)."""
+    return {"fingerprint": f"policy:iteration={iteration}", "source": f"the policy at iteration {iteration}"}
+
+
 class OldScorer:
     """Every rank: makes sure the round of the next iteration has its old log-probabilities (module docstring)."""
 
@@ -75,9 +79,8 @@ class OldScorer:
         if k in self.ready:
             return None
         prefix, directory = self.feed.prefix(k), old_dir(c.run_dir, self.feed.prefix(k).name)
-        zero = self.feed.is_zero
-        state = 0 if not zero else 1 if reference_complete(directory) else 2 if needs_scoring(prefix) else 1
-        state = broadcast_from_zero(state)  # rank 0's view: 1 stored or not needed, 2 to score
+        start = iteration - 1 - row // c.global_batch  # the boundary before the round's first iteration
+        state = broadcast_from_zero(self._state(prefix, directory, start) if self.feed.is_zero else 0)
         if state == 1:
             self.ready.add(k)
             return None
@@ -91,13 +94,23 @@ class OldScorer:
             self.ready.add(k)
         return answer
 
+    @staticmethod
+    def _state(prefix: Path, directory: Path, start: int) -> int:
+        """Rank 0: 1 when the round's store is complete for the policy at `start` (or none is needed), 2 when it
+        is to be scored."""
+        from megalaunch.runtime.scoring.store import read_meta
+
+        meta = read_meta(directory) or {}
+        if meta.get("complete") and meta.get("model", {}).get("fingerprint") == policy_at(start)["fingerprint"]:
+            return 1
+        return 2 if needs_scoring(prefix) else 1
+
     def _score(self, k: int, at: int, prefix: Path, directory: Path, interrupted: Callable[[], bool]) -> str | None:
         from megalaunch.runtime.flows.reference import ROUND_DELAY_ENV, score_chunks
         from megalaunch.runtime.rank.collectives import all_reduce_max, broadcast_from_zero
         from megalaunch.runtime.scoring.store import Documents, ScoreWriter, prefix_name
 
-        model = {"fingerprint": f"policy:iteration={at}", "source": f"the policy at iteration {at}"}
-        writer = ScoreWriter(directory, kind="logprobs", prefixes=[str(prefix)], model=model) \
+        writer = ScoreWriter(directory, kind="logprobs", prefixes=[str(prefix)], model=policy_at(at)) \
             if self.feed.is_zero else None
         name, docs = prefix_name(prefix), Documents(prefix)
         done = start = broadcast_from_zero(writer.done(name) if writer is not None else 0)
