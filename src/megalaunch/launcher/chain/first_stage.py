@@ -77,9 +77,7 @@ def stage_work_pending(paths: RunPaths, chat_files: str | None, from_hf: str | N
     if from_hf and paths.read_tracker() is None and not (pretrained_dir(paths.root) / TRACKER).is_file():
         return True
     if post_training and post_training.get("method") == "distill":
-        from megalaunch.runtime.scoring.store import read_meta
-
-        return not (read_meta(paths.root / "scores" / "teacher") or {}).get("complete")
+        return not (read_json(paths.root / "scores" / "teacher" / "meta.json") or {}).get("complete")
     return False
 
 
@@ -129,9 +127,11 @@ def score_teacher(paths: RunPaths, post_training: dict[str, Any] | None, job_id:
                   log: Callable[[str], None]) -> Failed | None:
     """Distillation: the teacher's top-k of the run's chat data into RUN/scores/teacher unless complete; None
     when training may start, else why the stage failed (one line) and the fix."""
+    if not post_training or post_training.get("method") != "distill":
+        return None  # before any import: a login node's core install runs `job begin` in tests (no numpy)
     from megalaunch.runtime.scoring.teacher import TeacherJob, TeacherRefused, is_complete, resolved_mode
 
-    if not post_training or post_training.get("method") != "distill" or resolved_mode(post_training) == "online":
+    if resolved_mode(post_training) == "online":
         return None  # online: the teacher runs in the ranks' processes, nothing to store
     from megalaunch.runtime.scoring.store import read_meta
 
