@@ -63,8 +63,9 @@ def _done(run: Path) -> bool:
 
 
 def _losses(tmp: Path, name: str) -> dict[int, tuple[float, float]]:
-    """Iteration -> (loss, advantage x logp): on-policy the loss is -mean(A) over the answer tokens whatever the
-    weights, so the weights' trace is the log-probability metric (runtime/flows/grpo.py)."""
+    """Iteration -> (loss, advantage x logp): at a round's first iteration the ratio is 1 and the loss -mean(A)
+    over the answer tokens whatever the weights, so the weights' trace is also the log-probability metric
+    (runtime/flows/grpo.py); the old log-probabilities are the stage's (RUN/scores/old, rollout_old.py)."""
     lines = (tmp / f"{name}.losses.jsonl").read_text().splitlines()
     return {r["iteration"]: (r["loss"], r["metrics"]["advantage x logp"]) for r in map(json.loads, lines) if r}
 
@@ -103,6 +104,9 @@ def test_grpo_chain_resumes_exactly_after_sigusr2_with_rounds_in_a_directory(slu
     for run in (straight, stopped):
         record = [json.loads(line) for line in (run / "rollouts" / "record.jsonl").read_text().splitlines()]
         assert [(r["round"], r["first_iteration"]) for r in record] == [(k, 2 * k - 1) for k in range(1, 7)]
+        metas = [json.loads((run / "scores" / "old" / f"round-{k:06d}" / "meta.json").read_text()) for k in range(1, 7)]
+        assert [(m["complete"], m["model"]["fingerprint"]) for m in metas] == \
+            [(True, f"policy:iteration={2 * k - 2}") for k in range(1, 7)]  # each round's, scored at its start
     ref, got = _losses(slurm_tmp, "straight"), _losses(slurm_tmp, "stopped")
     assert sorted(ref) == sorted(got) == list(range(1, ITERS + 1)), (ref, got)
     assert all(math.isclose(g, r, rel_tol=1e-6, abs_tol=1e-7) for i in ref for g, r in zip(got[i], ref[i], strict=True)), \
