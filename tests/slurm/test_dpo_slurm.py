@@ -12,14 +12,11 @@ import json
 import math
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
-from cluster import queue_ids, wait_for
-from launch import job_cli, ledger, megalaunch, trainer_python
-
-from megalaunch.runtime.rank.dist_env import free_port
+from cluster import wait_for
+from flow_chains import cancel_unfinished, done, flow_recipe, progress, records, submit
+from launch import ledger
 
 pytestmark = [
     pytest.mark.megatron, pytest.mark.slow, pytest.mark.usefixtures("node_names_resolve"),
@@ -32,48 +29,12 @@ ITERS = 12
 PAIRS = 48
 
 
-def _recipe(tmp: Path, name: str, env: dict[str, str]) -> Path:
-    recipe: dict[str, Any] = {
-        "include": ["dpo-tiny"], "name": name, "run": {"root": str(tmp / name)},
-        "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
-                    "time": "00:10:00", "python": trainer_python(), "megalaunch": job_cli(), "master_port": free_port(),
-                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.5", "OMP_NUM_THREADS": "1",
-                            "MEGALAUNCH_LOSS_LOG": str(tmp / f"{name}.losses.jsonl"), **env}},
-        "training": {"train_iters": ITERS, "global_batch_size": 16, "micro_batch_size": 4, "log_interval": 1,
-                     "precision": "fp32", "lr": 2e-3, "min_lr": 2e-3},
-        "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
-        "chain": {"step_time_estimate_s": 2, "signal_margin_s": 18, "min_train_time_s": 30, "hang_timeout_s": 300,
-                  "restarts_per_segment": 0, "export_hf": False},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    path.chmod(0o644)
-    return path
-
-
 def _submit(tmp: Path, name: str, made: dict[str, Path], env: dict[str, str]) -> Path:
-    proc = megalaunch(None, "submit", str(_recipe(tmp, name, env)), "--from-hf", str(made["model"]),
-                      "--data", str(made["pairs"]), cwd=tmp, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "reference: stage (auto:" in proc.stdout, proc.stdout
-    [run] = [p for p in (tmp / name).iterdir() if not p.name.startswith(".")]
+    recipe = flow_recipe(tmp, name, "dpo-tiny", {"train_iters": ITERS, "global_batch_size": 16, "micro_batch_size": 4,
+                                                 "lr": 2e-3, "min_lr": 2e-3}, env=env)
+    run, printed = submit(tmp, name, recipe, "--from-hf", str(made["model"]), "--data", str(made["pairs"]))
+    assert "reference: stage (auto:" in printed, printed
     return run
-
-
-def _done(run: Path) -> bool:
-    return any(e["event"] == "chain_stopped" for e in ledger(run)) and not queue_ids(name=run.name)
-
-
-def _records(tmp: Path, name: str) -> dict[int, dict]:
-    lines = (tmp / f"{name}.losses.jsonl").read_text().splitlines()
-    return {r["iteration"]: r for r in map(json.loads, lines) if r}
-
-
-def _progress(run: Path) -> int:
-    try:
-        return int(json.loads((run / "state" / "progress.json").read_text())["iteration"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
 
 
 def _job(run: Path, n: int) -> str | None:
@@ -101,14 +62,12 @@ def test_dpo_chain_stopped_during_scoring_and_training_resumes_exactly(slurm_tmp
     try:
         wait_for(lambda: _scoring(stopped), 600, interval=0.5, what="the stopped chain's reference scoring")
         subprocess.run(["scancel", "--signal=USR2", _job(stopped, 0)], check=True, timeout=30)
-        wait_for(lambda: _job(stopped, 1) is not None and _progress(stopped) >= 4, 600, interval=1,
+        wait_for(lambda: _job(stopped, 1) is not None and progress(stopped) >= 4, 600, interval=1,
                  what="the second segment's 4th iteration")
         subprocess.run(["scancel", "--signal=USR2", _job(stopped, 1)], check=True, timeout=30)
-        wait_for(lambda: _done(straight) and _done(stopped), 900, interval=2, what="both chains to finish")
+        wait_for(lambda: done(straight) and done(stopped), 900, interval=2, what="both chains to finish")
     finally:
-        for run in (straight, stopped):
-            if not _done(run):
-                megalaunch(None, "cancel", str(run))
+        cancel_unfinished(straight, stopped)
     ended = [e for e in ledger(stopped) if e["event"] == "ended"]
     assert [e["outcome"] for e in ended] == ["saved", "saved", "finished"], ended
     assert [e["outcome"] for e in ledger(straight) if e["event"] == "ended"] == ["finished"]
@@ -123,7 +82,7 @@ def test_dpo_chain_stopped_during_scoring_and_training_resumes_exactly(slurm_tmp
         assert scored["documents"] == {"train": 2 * PAIRS} and scored["tokens_per_s"] > 0, scored
         stores.append((run / "scores" / "reference" / "train.logp").read_bytes())
     assert stores[0] == stores[1]
-    ref, got = _records(slurm_tmp, "straight"), _records(slurm_tmp, "stopped")
+    ref, got = records(slurm_tmp, "straight"), records(slurm_tmp, "stopped")
     assert sorted(ref) == sorted(got) == list(range(1, ITERS + 1)), (ref, got)
     assert all(math.isclose(got[i]["loss"], ref[i]["loss"], rel_tol=1e-6) for i in ref), (ref, got)
     assert all(got[i]["metrics"] == pytest.approx(ref[i]["metrics"], rel=1e-5, abs=1e-6) for i in ref)

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from cluster import queue_ids, wait_for
-from launch import job_cli, ledger, megalaunch, trainer_python
-
-from megalaunch.runtime.rank.dist_env import free_port
+from flow_chains import cancel_unfinished, done, flow_recipe, progress, records, submit
+from launch import ledger, megalaunch
 
 pytestmark = [
     pytest.mark.megatron, pytest.mark.slow, pytest.mark.usefixtures("node_names_resolve"),
@@ -31,50 +30,17 @@ pytestmark = [
 ITERS = 12  # 6 rounds of 16 completions, 2 iterations each
 
 
-def _recipe(tmp: Path, name: str, rounds: Path) -> Path:
-    recipe: dict[str, Any] = {
-        "include": ["grpo-tiny"], "name": name, "run": {"root": str(tmp / name)},
-        "cluster": {"backend": "slurm", "gpus_per_node": 0, "tasks_per_node": 1, "cpus_per_task": 1,
-                    "time": "00:10:00", "python": trainer_python(), "megalaunch": job_cli(), "master_port": free_port(),
-                    "env": {"MEGALAUNCH_TEST_STEP_SLEEP_S": "0.5", "OMP_NUM_THREADS": "1",
-                            "MEGALAUNCH_LOSS_LOG": str(tmp / f"{name}.losses.jsonl")}},
-        "training": {"train_iters": ITERS, "global_batch_size": 8, "micro_batch_size": 4, "log_interval": 1,
-                     "precision": "fp32", "lr": 1e-3, "min_lr": 1e-3},
-        "checkpoint": {"save_interval": 1000000, "save_time_estimate_s": 10, "keep_last": 20},
-        "chain": {"step_time_estimate_s": 2, "signal_margin_s": 18, "min_train_time_s": 30, "hang_timeout_s": 300,
-                  "restarts_per_segment": 0, "export_hf": False},
-        "post_training": {"rollouts": str(rounds), "rollout_wait_s": 60},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    path.chmod(0o644)
-    return path
-
-
-def _submit(tmp: Path, name: str, model: Path, rounds: Path) -> Path:
-    proc = megalaunch(None, "submit", str(_recipe(tmp, name, rounds)), "--from-hf", str(model), cwd=tmp, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    [run] = [p for p in (tmp / name).iterdir() if not p.name.startswith(".")]
-    return run
-
-
-def _done(run: Path) -> bool:
-    return any(e["event"] == "chain_stopped" for e in ledger(run)) and not queue_ids(name=run.name)
+def _recipe(tmp: Path, name: str, rounds: Path, **training: Any) -> Path:
+    return flow_recipe(tmp, name, "grpo-tiny", {"train_iters": ITERS, "global_batch_size": 8, "micro_batch_size": 4,
+                                                "lr": 1e-3, "min_lr": 1e-3, **training},
+                       post_training={"rollouts": str(rounds), "rollout_wait_s": 60})
 
 
 def _losses(tmp: Path, name: str) -> dict[int, tuple[float, float]]:
     """Iteration -> (loss, advantage x logp): at a round's first iteration the ratio is 1 and the loss -mean(A)
     over the answer tokens whatever the weights, so the weights' trace is also the log-probability metric
     (runtime/flows/grpo.py); the old log-probabilities are the stage's (RUN/scores/old, rollout_old.py)."""
-    lines = (tmp / f"{name}.losses.jsonl").read_text().splitlines()
-    return {r["iteration"]: (r["loss"], r["metrics"]["advantage x logp"]) for r in map(json.loads, lines) if r}
-
-
-def _progress(run: Path) -> int:
-    try:
-        return int(json.loads((run / "state" / "progress.json").read_text())["iteration"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+    return {i: (r["loss"], r["metrics"]["advantage x logp"]) for i, r in records(tmp, name).items()}
 
 
 @pytest.mark.timeout(1500)
@@ -88,16 +54,15 @@ def test_grpo_chain_resumes_exactly_after_sigusr2_with_rounds_in_a_directory(slu
     rounds = slurm_tmp / "rounds"
     for k in range(1, ITERS // 2 + 1):
         write_round(rounds, k, seed=3)
-    straight, stopped = _submit(slurm_tmp, "straight", model, rounds), _submit(slurm_tmp, "stopped", model, rounds)
+    straight, stopped = (submit(slurm_tmp, name, _recipe(slurm_tmp, name, rounds), "--from-hf", str(model))[0]
+                         for name in ("straight", "stopped"))
     try:
-        wait_for(lambda: _progress(stopped) >= 5, 600, interval=1, what="the stopped chain's 5th iteration")
+        wait_for(lambda: progress(stopped) >= 5, 600, interval=1, what="the stopped chain's 5th iteration")
         first = next(e for e in ledger(stopped) if e["event"] == "started")["job_id"]
         subprocess.run(["scancel", "--signal=USR2", first], check=True, timeout=30)  # the step's tasks, not the script
-        wait_for(lambda: _done(straight) and _done(stopped), 900, interval=2, what="both chains to finish")
+        wait_for(lambda: done(straight) and done(stopped), 900, interval=2, what="both chains to finish")
     finally:
-        for run in (straight, stopped):
-            if not _done(run):
-                megalaunch(None, "cancel", str(run))
+        cancel_unfinished(straight, stopped)
     ended = [e for e in ledger(stopped) if e["event"] == "ended"]
     assert [e["outcome"] for e in ended] == ["saved", "finished"], ended
     assert [e["outcome"] for e in ledger(straight) if e["event"] == "ended"] == ["finished"]
@@ -128,16 +93,13 @@ def test_a_chain_that_runs_out_of_rounds_stops_cleanly_and_resume_continues(slur
     rounds = slurm_tmp / "rounds"
     for k in (1, 2):
         write_round(rounds, k, seed=8)
-    recipe = _recipe(slurm_tmp, "handoff", rounds)
+    recipe = _recipe(slurm_tmp, "handoff", rounds, train_iters=8)
     tree = yaml.safe_load(recipe.read_text())
-    tree["training"]["train_iters"] = 8
     tree["post_training"]["rollout_wait_s"] = 5
     recipe.write_text(yaml.safe_dump(tree))
-    proc = megalaunch(None, "submit", str(recipe), "--from-hf", str(model), cwd=slurm_tmp, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    [run] = [p for p in (slurm_tmp / "handoff").iterdir() if not p.name.startswith(".")]
+    run, _ = submit(slurm_tmp, "handoff", recipe, "--from-hf", str(model))
     try:
-        wait_for(lambda: _done(run), 600, interval=1, what="the chain to stop for want of round 3")
+        wait_for(lambda: done(run), 600, interval=1, what="the chain to stop for want of round 3")
         ended = [e for e in ledger(run) if e["event"] == "ended"]
         assert [(e["outcome"], e["checkpoint_iteration"]) for e in ended] == [("exited", 4)], ended
         [stopped] = [e for e in ledger(run) if e["event"] == "chain_stopped"]
@@ -152,8 +114,7 @@ def test_a_chain_that_runs_out_of_rounds_stops_cleanly_and_resume_continues(slur
         wait_for(lambda: sum(e["event"] == "chain_stopped" for e in ledger(run)) >= 2 and not queue_ids(name=run.name),
                  600, interval=1, what="the resumed chain to finish")
     finally:
-        if not _done(run):
-            megalaunch(None, "cancel", str(run))
+        cancel_unfinished(run)
     ended = [e for e in ledger(run) if e["event"] == "ended"]
     assert [e["outcome"] for e in ended] == ["exited", "finished"], ended
     record = [json.loads(line) for line in (run / "rollouts" / "record.jsonl").read_text().splitlines()]
