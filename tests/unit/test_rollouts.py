@@ -212,3 +212,41 @@ def test_parquet_rollouts_are_read_like_jsonl(tmp_path: Path) -> None:
     assert [c.answer for c in group.completions] == [[{"role": "assistant", "content": "a"}],
                                                      [{"role": "assistant", "content": "b", "name": "bot"}]]
     assert group.advantages() == pytest.approx(_advantages([1.0, 0.0]))
+
+
+def test_a_round_the_job_cannot_trust_is_refused_without_blocking(tmp_path: Path) -> None:
+    """The generator's directory may be a team member's: a FIFO named as a round would block whoever opens it, a
+    link may point at the owner's private files, a hard link may be swapped under the job. Each is refused in
+    one line naming the file; the check at submit (check_rollout_source) says the same."""
+    from megalaunch.data.rollouts import check_rollout_source
+
+    rows = [{"prompt": "p", "completions": ["a", "b"], "rewards": [1, 0]}]
+    good = _jsonl(tmp_path / "good.jsonl", rows)
+    rounds = tmp_path / "rounds"
+    rounds.mkdir()
+    os.mkfifo(rounds / "round-000001.jsonl")
+    with pytest.raises(RolloutError, match=r"round-000001\.jsonl is a fifo, not a regular file"):
+        read_rollouts(rounds / "round-000001.jsonl")  # returns at once: never opened for reading
+    with pytest.raises(RolloutError, match="fifo"):
+        check_rollout_source(rounds)
+    (rounds / "round-000001.jsonl").unlink()
+    (rounds / "round-000001.jsonl").symlink_to(good)
+    with pytest.raises(RolloutError, match="symlink"):
+        read_rollouts(rounds / "round-000001.jsonl")
+    (rounds / "round-000001.jsonl").unlink()
+    os.link(good, rounds / "round-000001.jsonl")
+    with pytest.raises(RolloutError, match="hard link"):
+        read_rollouts(rounds / "round-000001.jsonl")
+    assert len(read_rollouts(_jsonl(tmp_path / "other.jsonl", rows))) == 1
+
+
+def test_the_recorded_sha256_is_of_the_bytes_tokenized(tmp_path: Path, tokenizer: Path) -> None:
+    """The round is read once: its sha256 in the marker (and RUN/rollouts/record.jsonl) is of the rows trained on."""
+    import hashlib
+
+    from megalaunch.tokenization.chat.render import ChatRenderer
+    from megalaunch.tokenization.rollout_build import tokenize_rollouts
+
+    f = _jsonl(tmp_path / "r.jsonl", [{"prompt": "red cat", "completions": ["cat red", "red"], "rewards": [1, 0]}])
+    stats = tokenize_rollouts(f, tmp_path / "out" / "r", ChatRenderer(tokenizer))
+    assert stats.source_sha256 == hashlib.sha256(f.read_bytes()).hexdigest()

@@ -32,6 +32,7 @@ from typing import Any
 
 Message = dict[str, Any]
 SHOWN = 8  # bad rows named in the one-line error
+MAX_ROUND_BYTES = 1 << 30  # a round file's bound (1 GiB of rows)
 EPS = 1e-4  # TRL's GRPOTrainer: (r - mean) / (std + 1e-4)
 
 # Our field -> the names it has in the dumps of common frameworks (first match wins; two names of one
@@ -91,11 +92,27 @@ class Group:
         return [(r - mean) / (std + EPS) for r in rewards]
 
 
-def read_rollouts(path: Path) -> list[Group]:
-    """The file's groups (first-row order), or RolloutError naming every bad row."""
+def read_round_bytes(path: Path) -> bytes:
+    """A rollout file's bytes, read once: the generator's directory may be another user's (a team member's
+    service), so the file is opened as rundir/untrusted.py opens what members write: a regular file with one
+    name, no link followed, never a FIFO that blocks the job, within MAX_ROUND_BYTES; else RolloutError."""
+    from megalaunch.rundir.untrusted import Refused, open_member_file
+
+    got = open_member_file(path, MAX_ROUND_BYTES)
+    if got is None:
+        raise RolloutError(f"{path} is not there")
+    if isinstance(got, Refused):
+        raise RolloutError(f"{path} is {got.why} (owner {got.owner}); a round is a regular file the generator "
+                           "writes under another name and renames into place")
+    return got.data
+
+
+def read_rollouts(path: Path, data: bytes | None = None) -> list[Group]:
+    """The file's groups (first-row order), or RolloutError naming every bad row; `data`: its bytes, read
+    already (read_round_bytes)."""
     groups: dict[str, Group] = {}
     bad: list[tuple[int, str]] = []
-    for number, record in _records(path):
+    for number, record in _records(path, read_round_bytes(path) if data is None else data):
         try:
             if isinstance(record, BadRow):
                 raise record
@@ -140,29 +157,29 @@ def rollout_error(path: Path, bad: list[tuple[int, str]]) -> RolloutError:
                         f"this file was used; rows look like {SHAPES}")
 
 
-def _records(path: Path) -> Iterator[tuple[int, Any]]:
+def _records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
     if path.suffix == ".parquet":
         from megalaunch.errors import require
 
         require("pyarrow", "tokenize")
+        import pyarrow
         import pyarrow.parquet as pq
 
         number = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for batch in pq.ParquetFile(pyarrow.BufferReader(data)).iter_batches(batch_size=1024):
             for record in batch.to_pylist():
                 number += 1
                 yield number, record
         return
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield number, json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield number, BadRow(f"not UTF-8 text (byte {e.start})")
-            except json.JSONDecodeError as e:
-                yield number, BadRow(f"not JSON ({e.msg} at column {e.colno})")
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield number, json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            yield number, BadRow(f"not UTF-8 text (byte {e.start})")
+        except json.JSONDecodeError as e:
+            yield number, BadRow(f"not JSON ({e.msg} at column {e.colno})")
 
 
 def pick(record: dict[str, Any], name: str) -> Any:

@@ -26,7 +26,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megalaunch.data.rollouts import BadRow, Completion, Group, RolloutError, read_rollouts, rollout_error
+from megalaunch.data.rollouts import (
+    BadRow,
+    Completion,
+    Group,
+    RolloutError,
+    read_rollouts,
+    read_round_bytes,
+    rollout_error,
+)
 from megalaunch.runtime.flows.chat_format import MARKER_SUFFIX, MASK_SUFFIX, tokenizer_digest
 from megalaunch.runtime.flows.rollout_format import ADV_SUFFIX, OLD_LOGP_SUFFIX, REWARD_SUFFIX
 from megalaunch.tokenization.chat.render import ChatRenderer, Encoded, RenderError
@@ -48,14 +56,6 @@ class RolloutStats:
     tokenizer_sha256: str | None = None
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_marker(prefix: Path) -> RolloutStats | None:
     try:
         return RolloutStats(**json.loads(Path(str(prefix) + MARKER_SUFFIX).read_text()))
@@ -72,8 +72,9 @@ def tokenize_rollouts(path: Path, prefix: Path, renderer: ChatRenderer, *, seq_l
 
     from megalaunch.data.writer import IndexedWriter, token_dtype_for_vocab
 
-    digest = sha256_file(path)  # first: the file the rows come from is the file recorded
-    groups = read_rollouts(path)
+    data = read_round_bytes(path)  # read once: the rows trained on are the bytes recorded (a swap changes neither)
+    digest = hashlib.sha256(data).hexdigest()
+    groups = read_rollouts(path, data)
     n = sum(len(g.completions) for g in groups)
     if multiple_of and n % multiple_of:
         raise RolloutError(f"{path} holds {n} completions, not a multiple of the global batch size {multiple_of}: "
