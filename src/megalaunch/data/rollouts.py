@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megalaunch.data.jsonl import json_lines
+
 Message = dict[str, Any]
 SHOWN = 8  # bad rows named in the one-line error
 MAX_ROUND_BYTES = 1 << 30  # a round file's bound (1 GiB of rows)
@@ -171,15 +173,8 @@ def _records(path: Path, data: bytes) -> Iterator[tuple[int, Any]]:
                 number += 1
                 yield number, record
         return
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            yield number, json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            yield number, BadRow(f"not UTF-8 text (byte {e.start})")
-        except json.JSONDecodeError as e:
-            yield number, BadRow(f"not JSON ({e.msg} at column {e.colno})")
+    for number, record, problem in json_lines(data.split(b"\n")):
+        yield number, BadRow(problem) if problem else record
 
 
 def pick(record: dict[str, Any], name: str) -> Any:

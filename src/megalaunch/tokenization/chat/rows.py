@@ -10,11 +10,12 @@ Standard library only (parquet needs pyarrow)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megalaunch.data.jsonl import json_lines
 
 Message = dict[str, Any]
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -39,20 +40,8 @@ def read_rows(path: Path) -> Iterator[Row]:
         yield from _parquet_rows(path)
         return
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield Row(number, problem=f"not UTF-8 text (byte {e.start})")
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Row(number, problem=f"not JSON ({e.msg} at column {e.colno})")
-                continue
-            yield check_record(number, record)
+        for number, record, problem in json_lines(f):
+            yield Row(number, problem=problem) if problem else check_record(number, record)
 
 
 def _parquet_rows(path: Path) -> Iterator[Row]:
