@@ -23,6 +23,8 @@
 #   bash bench/gpu_session.sh fsdp_e2e           # parallel.data_sharding=optimizer_grads_params: bf16, fp8 (FSDP_*) (~5 min)
 #   bash bench/gpu_session.sh fsdp_probe         # 4 GPUs: llama3-8b under Megatron-FSDP (TP 1) via megatron_args, bf16/fp8 (~6 min)
 #   bash bench/gpu_session.sh moe                # MoE on one GPU: SequentialMLP vs grouped-GEMM experts, moe-3b + Mixtral-like (~5 min)
+#   bash bench/gpu_session.sh moe_ops            # one GPU: the experts' memory-bound ops (bench/moe_ops.py) and their GPU tests (~1-2 min)
+#   bash bench/gpu_session.sh moe_sweep          # one GPU: MoE recipes over micro-batches (MOE_SWEEP), the planner's speed model's points
 #   bash bench/gpu_session.sh post_training      # one GPU: 1B DPO beside SFT (same tokens per step), the reference stage (~6 min)
 #   bash bench/gpu_session.sh all                # the lot (only where no time limit applies)
 #
@@ -273,6 +275,29 @@ stage_moe() {  # issue 48: the experts on torch's grouped GEMM beside Megatron's
   tar -czf "$OUT/moe_logs.tgz" -C "$WORK" --exclude runs moe 2>/dev/null || true
 }
 
+stage_moe_ops() {  # issue 48: the way back's gather + sum and SwiGLU x probs, eager beside compiled; then their tests
+  need_liger
+  timeout "${MOE_OPS_S:-150}" "$PY" bench/moe_ops.py --out "$OUT" 2>&1 | tee "$OUT/moe_ops.txt" | grep -vE "warn|Warn" || true
+  timeout "${MOE_OPS_TESTS_S:-150}" "$PY" -m pytest -m gpu tests/gpu/test_moe_fused_gpu.py -s -q -p no:cacheprovider \
+    --basetemp="$OUT/pytest-moe" 2>&1 | tee "$OUT/moe-tests.txt" | grep -E "^\[|passed|failed|error|Error|ms" || true
+}
+
+# MOE_SWEEP: runs separated by ";", each "recipe|global batch|sets (comma-separated)|bench/kernels.py cases"
+MOE_SWEEP_DEFAULT="train/moe-3b|64||auto-mb16,auto-mb8,auto-mb4;train/mixtral-8x7b|16|model.num_layers=2|auto-mb1,auto-mb2"
+stage_moe_sweep() {  # issue 48: MoE recipes end to end at several micro-batches, seq 4096 (the speed model's points)
+  need_liger
+  local run recipe gbs sets cases i=0
+  IFS=';' read -ra runs <<< "${MOE_SWEEP:-$MOE_SWEEP_DEFAULT}"
+  for run in "${runs[@]}"; do
+    IFS='|' read -r recipe gbs sets cases <<< "$run"
+    i=$((i + 1))
+    timeout "${MOE_SWEEP_S:-300}" "$PY" bench/kernels.py --stage e2e --recipe "$recipe" --seq 4096 --gbs "$gbs" \
+      --sets "$sets" --cases "$cases" --iters "${MOE_SWEEP_ITERS:-5}" --timeout "${MOE_SWEEP_S:-300}" \
+      --out "$WORK/moe_sweep/$i" 2>&1 | tee "$OUT/moe_sweep_$i.txt" | grep -v "^  {" || true
+    cp "$WORK/moe_sweep/$i/kernels_e2e.json" "$OUT/moe_sweep_$i.json" 2>/dev/null || true
+  done
+}
+
 stage_post_training() {  # issue 51: DPO's tokens/s beside SFT's (same model, sequence length, tokens per step) and the reference stage's
   rm -rf "$WORK/post_training"
   # shellcheck disable=SC2086
@@ -286,9 +311,9 @@ stage_post_training() {  # issue 51: DPO's tokens/s beside SFT's (same model, se
 [ $# -gt 0 ] || set -- all
 for stage in "$@"; do
   case "$stage" in
-    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e|moe|post_training) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
+    setup|tests|throughput|save|eval|speed|plan|storage|profile|load|staging|kernels|mfu8b|sft|fp8|fp8_8b|fp8loss|fp8tests|fsdp_probe|fsdptests|fsdp_e2e|moe|moe_ops|moe_sweep|post_training) echo "== $stage ($(date +%T))"; "stage_$stage" ;;
     all) for s in setup tests throughput save; do echo "== $s ($(date +%T))"; "stage_$s"; done ;;
-    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, moe, post_training, all)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (setup, tests, throughput, save, eval, speed, plan, storage, profile, load, staging, kernels, mfu8b, sft, fp8, fp8_8b, fp8loss, fp8tests, fsdp_probe, fsdptests, fsdp_e2e, moe, moe_ops, moe_sweep, post_training, all)" >&2; exit 2 ;;
   esac
 done
 # Run directories with checkpoints are large: keep only logs and results in $OUT.

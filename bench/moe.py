@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, list[str], dict[str, str]]] = {  # experts class, ov
     "sequential": ("sequential", [], {}),
     "grouped": ("grouped", [], {}),
     "unfused": ("grouped", [], {"MEGALAUNCH_MOE_FUSED": "off"}),  # grouped GEMMs, Megatron's permute, unfused SwiGLU
+    "eagerbag": ("grouped", [], {"MEGALAUNCH_MOE_BAG": "eager"}),  # the way back's gather and sum not compiled
     "fp8-dense": ("grouped", FP8, {"MEGALAUNCH_FP8_EXPERTS": "off"}),
     "fp8": ("grouped", FP8, {"MEGALAUNCH_FP8_EXPERTS": "on"}),  # forced: fine-grained experts stay bf16 by default
     "fp8-auto": ("grouped", FP8, {}),

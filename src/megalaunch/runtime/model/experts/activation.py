@@ -29,7 +29,8 @@ def applies(h: Any, config: Any) -> bool:
                 and not getattr(config, "glu_linear_offset", 0.0) and fusion_on())
 
 
-def _kernels() -> tuple[Any, Any]:
+def _kernels(dynamic: bool | None = True) -> tuple[Any, Any]:
+    """The compiled forward and backward (`dynamic`: torch.compile's; bench/moe_ops.py compares the settings)."""
     import torch
     import torch.nn.functional as F
 
@@ -50,7 +51,7 @@ def _kernels() -> tuple[Any, Any]:
         dgate = gp * up * sig * (1.0 + gate * (1.0 - sig))
         return torch.cat([dgate, gp * silu], dim=-1).to(h.dtype), dprobs.to(probs.dtype)
 
-    return torch.compile(forward, dynamic=True), torch.compile(backward, dynamic=True)
+    return torch.compile(forward, dynamic=dynamic), torch.compile(backward, dynamic=dynamic)
 
 
 def _function() -> Any:
