@@ -1,7 +1,8 @@
 """The memory-bound operations around the grouped experts, one GPU, side by side in one run: the way back's gather
-and sum (runtime/model/experts/permute.py: eager `index_select` + `sum` beside the torch.compile'd kernel, dynamic
-and static shapes) and the SwiGLU x routing probabilities (activation.py: autograd's unfused arithmetic beside the
-compiled forward + backward, dynamic and static). Each op's time (median of `--reps` after warm-up) and its
+and sum (runtime/model/experts/permute.py's eager `index_select` + `sum` beside the same sum torch.compile'd into
+one kernel, dynamic and static shapes) and the SwiGLU x routing probabilities (activation.py: autograd's unfused
+arithmetic beside the compiled forward + backward: any row count with the width fixed (used), all sizes dynamic,
+static). Each op's time (median of `--reps` after warm-up) and its
 bandwidth: the bytes it must move at the least (read each input once, write each output once) over the time,
 against the card's HBM bandwidth (`--hbm`, 4.8 TB/s for an H200).
 
@@ -58,12 +59,15 @@ def routing(tokens: int, k: int, experts: int) -> tuple[Any, Any]:
 def bag_cases(tokens: int, k: int, hidden: int, experts: int, reps: int) -> dict[str, tuple[float, float]]:
     import torch
 
-    from megalaunch.runtime.model.experts import permute
+    def eager(x: Any, inv: Any) -> Any:  # runtime/model/experts/permute.py's
+        return x.index_select(0, inv.reshape(-1)).view(*inv.shape, x.shape[-1]).sum(1)
+
+    def one_kernel(x: Any, inv: Any) -> Any:  # the same, for torch.compile to fuse
+        return x[inv].float().sum(1).to(x.dtype)
 
     _, inv = routing(tokens, k, experts)
     x = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
-    eager, dynamic = permute._bags(True)
-    _, static = permute._bags(False)
+    dynamic, static = torch.compile(one_kernel, dynamic=True), torch.compile(one_kernel, dynamic=False)
     ref = eager(x, inv)
     least = float((tokens * k * hidden + tokens * hidden) * 2 + tokens * k * 8)
     out: dict[str, tuple[float, float]] = {}
@@ -99,8 +103,9 @@ def swiglu_cases(rows: int, ffn: int, reps: int) -> dict[str, tuple[float, float
     # forward: h and probs in, the product out; backward: grad, h, probs in, d h and d probs out
     least = 1.0 * rows * (2 * 2 * ffn + 4 + 2 * ffn) + rows * (2 * ffn + 2 * 2 * ffn + 4 + 2 * 2 * ffn + 4)
     return {"unfused (autograd)": (timed(unfused, reps), least),
-            "compiled, dynamic": (timed(compiled(*activation._kernels(True)), reps), least),
-            "compiled, static": (timed(compiled(*activation._kernels(False)), reps), least)}
+            "compiled, any rows": (timed(compiled(*activation._kernels("rows")), reps), least),
+            "compiled, dynamic": (timed(compiled(*activation._kernels("all")), reps), least),
+            "compiled, static": (timed(compiled(*activation._kernels("static")), reps), least)}
 
 
 def main() -> int:

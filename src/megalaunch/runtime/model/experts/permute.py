@@ -18,7 +18,6 @@ Heavy imports (torch, megatron) happen inside functions: importing this module i
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -27,32 +26,15 @@ _INSTALLED: list[bool] = []
 INVERSE = "_megalaunch_inverse"
 
 
-def _bags(dynamic: bool | None = True) -> tuple[Any, Any]:
-    """out[t] = sum_j x[inv[t, j]], summed in fp32 and rounded once: eager (a gather into a [T, k, H] copy, then a
-    sum) and torch.compile'd (one kernel: each output element loads its k rows through the index; no copy: the
-    eager pair writes and reads T x k x H elements more). Not `embedding_bag`: its bf16 kernel ran at ~1/20 of the
-    memory bandwidth on an H200 (docs/results.md)."""
-    import torch
-
-    def eager(x: Any, inv: Any) -> Any:
-        return x.index_select(0, inv.reshape(-1)).view(*inv.shape, x.shape[-1]).sum(1)
-
-    def fused(x: Any, inv: Any) -> Any:
-        return x[inv].float().sum(1).to(x.dtype)
-
-    return eager, torch.compile(fused, dynamic=dynamic)
-
-
 def _functions() -> tuple[Any, Any]:
     import torch
 
-    eager, compiled = _bags()
-    use_compiled = os.environ.get("MEGALAUNCH_MOE_BAG", "compiled").strip().lower() != "eager"
-
     def bag(x: Any, inv: Any) -> Any:
-        """The way back's gather and sum: compiled on CUDA (`MEGALAUNCH_MOE_BAG=eager`, for comparisons: not),
-        eager elsewhere."""
-        return compiled(x, inv) if x.is_cuda and use_compiled else eager(x, inv)
+        """out[t] = sum_j x[inv[t, j]]: a gather and a sum over k (fp32 accumulation, rounded once). Not
+        `embedding_bag`: its bf16 kernel ran at ~1/20 of the memory bandwidth on an H200 (docs/results.md). Not
+        torch.compile'd into one kernel either: its indirect loads ran slower than the pair for moe-3b on an H200
+        (2.70 ms against 1.96 for 65k tokens, top-8; bench/moe_ops.py)."""
+        return x.index_select(0, inv.reshape(-1)).view(*inv.shape, x.shape[-1]).sum(1)
 
     class Scatter(torch.autograd.Function):
         """tokens[T, H] -> tokens[order] ([T k, H]); backward: each token's k gradients summed by gather."""
