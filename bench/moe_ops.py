@@ -1,8 +1,8 @@
 """The memory-bound operations around the grouped experts, one GPU, side by side in one run: the way back's gather
 and sum (runtime/model/experts/permute.py's eager `index_select` + `sum` beside the same sum torch.compile'd into
 one kernel, dynamic and static shapes) and the SwiGLU x routing probabilities (activation.py: autograd's unfused
-arithmetic beside the compiled forward + backward: any row count with the width fixed (used), all sizes dynamic,
-static). Each op's time (median of `--reps` after warm-up) and its
+arithmetic beside the compiled forward + backward: torch.compile's automatic shapes (used), any row count with the width
+fixed, all sizes dynamic, static). Each op's time (median of `--reps` after warm-up) and its
 bandwidth: the bytes it must move at the least (read each input once, write each output once) over the time,
 against the card's HBM bandwidth (`--hbm`, 4.8 TB/s for an H200).
 
@@ -103,6 +103,7 @@ def swiglu_cases(rows: int, ffn: int, reps: int) -> dict[str, tuple[float, float
     # forward: h and probs in, the product out; backward: grad, h, probs in, d h and d probs out
     least = 1.0 * rows * (2 * 2 * ffn + 4 + 2 * ffn) + rows * (2 * ffn + 2 * 2 * ffn + 4 + 2 * 2 * ffn + 4)
     return {"unfused (autograd)": (timed(unfused, reps), least),
+            "compiled, auto (used)": (timed(compiled(*activation._kernels("auto")), reps), least),
             "compiled, any rows": (timed(compiled(*activation._kernels("rows")), reps), least),
             "compiled, dynamic": (timed(compiled(*activation._kernels("all")), reps), least),
             "compiled, static": (timed(compiled(*activation._kernels("static")), reps), least)}
