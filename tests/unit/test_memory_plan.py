@@ -156,9 +156,10 @@ def test_plan_prefers_no_tensor_parallelism_when_it_fits() -> None:
 def test_plan_cli_table_apply_and_write(tmp_path: Path, capsys) -> None:
     main(["plan", "llama3-8b", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "H100", "--top", "3"])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("llama3-8b on 1 x 4 H100") and len(out) == 8
+    assert out[0].startswith("llama3-8b on 1 x 4 H100") and len(out) == 9
     assert out[1].startswith("checkpoint (any layout): 112 GB (8.03 B parameters x 14 bytes")  # issue 23
     assert out[2].startswith("disk peak: ")
+    assert out[3].startswith("memory with liger-kernel's fused loss at TP 1 (training.kernels: auto; the job refuses")
     main(["plan", "llama3-8b", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "H100", "--apply"])
     line = capsys.readouterr().out.strip()
     assert line.startswith("--set parallel.tensor_model_parallel_size=")

@@ -53,6 +53,12 @@ def plan(
         f"({result.memory_gib:.0f} GiB each): {len(result.candidates)} layouts, {fitting} fit")
     for line in peak_lines(recipe_peak(loaded.recipe, tokenizer_vocab_size(loaded.recipe))):
         say(line.replace("checkpoint:", "checkpoint (any layout):", 1))
+    first = result.candidates[0].layout
+    counted = [what for what, on in (("liger-kernel's fused loss at TP 1", first.fused_loss),
+                                     ("the grouped experts' fused dispatch", first.grouped_experts)) if on]
+    if counted:
+        say(f"memory with {' and '.join(counted)} (training.kernels: {loaded.recipe.training.kernels}; the job "
+            "refuses a node without them where its layout fits only with them)")
     for line in table(result.candidates, top):
         say(line)
     if result.best is not None:

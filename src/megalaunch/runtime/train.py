@@ -39,7 +39,7 @@ from megalaunch.runtime.health.health import UnhealthyNode
 from megalaunch.runtime.loop.step import megatron_argv, run_pretrain
 from megalaunch.runtime.model import wgrad_fusion
 from megalaunch.runtime.model.fp8 import Fp8Choice, node_fp8
-from megalaunch.runtime.model.kernels import KernelChoice, keep_experts, resolve_kernels, with_wgrad_fusion
+from megalaunch.runtime.model.kernels import KernelChoice, node_kernels
 from megalaunch.runtime.observation.startup_profile import StartupProfile
 from megalaunch.runtime.rank.dist_env import export_rank_env
 from megalaunch.runtime.rank.failures import (
@@ -150,8 +150,8 @@ def _setup(session: Session, settings: RuntimeSettings) -> tuple[list[str], str,
     for note in check_kernels(argv, attention):  # a missing library: config_error, now
         ctx.log(note)
         ctx.ledger("kernel", note=note)
-    kernels = resolve_kernels(settings.kernels, argv, cpu=cpu, flow=settings.flow)  # no library: config_error
-    kernels = with_wgrad_fusion(keep_experts(kernels, argv, ctx.paths), argv, cpu=cpu)
+    kernels = node_kernels(settings.kernels, argv, cpu=cpu, flow=settings.flow, paths=ctx.paths,
+                           fits_with=settings.fits_with)  # no library, or none the layout's fit needs: config_error
     if kernels.wgrad_on:
         argv = wgrad_fusion.enable(argv)
     ctx.log(f"kernels: {kernels.library} ({kernels.why})" + "".join(

@@ -1,6 +1,7 @@
 """Does a recipe's layout fit its GPUs? The recipe's side of the memory model (config/planner/memory.py):
-its shape and layout, the GPU's memory from the cluster profile, and preflight's refusal with the
-estimate's breakdown and the changes that would fit."""
+its shape and layout with the kernels the job will run on its GPUs (liger's fused loss, the grouped experts), the
+GPU's memory from the cluster profile, preflight's refusal with the estimate's breakdown and the changes that would
+fit, and what a layout fits only with (`fit_needs`: the job refuses a node without it)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def mla_shape(m: Any) -> dict:
 
 
 def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
+    """The recipe's layout as the memory and speed models see it, with the kernels the job will run on the
+    cluster's GPUs (`liger_loss`, `grouped_experts`, `speed_kernels`)."""
     p, t = recipe.parallel, recipe.training
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
                   dp=dp, vpp=p.virtual_pipeline_model_parallel_size, micro_batch=t.micro_batch_size,
@@ -49,24 +52,54 @@ def recipe_layout(recipe: Recipe, dp: int, num_microbatches: int) -> Layout:
                   distributed_optimizer=p.use_distributed_optimizer, precision=t.precision, fp8_recipe=t.fp8_recipe,
                   sharding=p.data_sharding, **expert_layout(recipe),
                   attention="local" if t.attention == "local" else "sdpa", fused=fused_kernels(recipe),
-                  fused_loss=t.kernels == "liger",  # not auto: the node may lack liger-kernel
-                  kernels=speed_kernels(recipe))
+                  fused_loss=liger_loss(recipe), kernels=speed_kernels(recipe))
 
 
 def expert_layout(recipe: Recipe) -> dict:
-    """The Layout's EP and expert TP (Megatron's: expert TP null means TP); none for a dense model."""
+    """The Layout's EP, expert TP (Megatron's: expert TP null means TP) and experts; none for a dense model."""
     from megalaunch.config.model.moe import expert_tensor_parallel_size, is_moe
 
     if not is_moe(recipe.model):
         return {}
-    return {"ep": recipe.parallel.expert_model_parallel_size, "etp": expert_tensor_parallel_size(recipe)}
+    return {"ep": recipe.parallel.expert_model_parallel_size, "etp": expert_tensor_parallel_size(recipe),
+            "grouped_experts": grouped_experts(recipe)}
+
+
+def liger_loss(recipe: Recipe, gpus_per_node: int | None = None) -> bool:
+    """Whether the job computes the output layer's loss with liger's fused linear cross entropy (at TP 1: the
+    memory model applies it there only), as runtime/model/kernels.py decides on a GPU node: under training.kernels
+    liger, and under auto (liger-kernel comes with megalaunch[train]: a node without it is refused where the
+    layout fits only with this loss, `fit_needs`), unless transformer_impl is transformer_engine (auto takes TE's
+    layers), a training flow reads per-token losses, or multi-token prediction computes its own. Never on CPUs."""
+    from megalaunch.runtime.model.kernels import LIGER_FASTER
+
+    t = recipe.training
+    gpus = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    if gpus == 0 or t.kernels not in ("auto", "liger") or t.transformer_impl == "transformer_engine":
+        return False
+    if t.flow or recipe.post_training.flow or "mtp_num_layers" in recipe.megatron_args:
+        return False
+    return t.kernels == "liger" or "linear_ce" in LIGER_FASTER
+
+
+def grouped_experts(recipe: Recipe, gpu: str | None = None, gpus_per_node: int | None = None) -> bool:
+    """Whether the job builds megalaunch's grouped experts for an MoE model (runtime/model/kernels.py's
+    experts_choice) on GPUs named `gpu` (default cluster.gpu): training.kernels auto or liger, local layers, no
+    biases, a GPU of compute capability 9.0 or more. A GPU the planner does not know counts as not (SequentialMLP
+    keeps more). The job refuses a node that builds others where the layout fits only with them (`fit_needs`)."""
+    from megalaunch.runtime.model.kernels import GROUPED_MIN_CAPABILITY
+
+    t, spec = recipe.training, gpu_spec(gpu or recipe.cluster.gpu)
+    gpus = recipe.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    return (gpus > 0 and t.kernels in ("auto", "liger") and t.transformer_impl == "local"
+            and recipe.model.disable_bias_linear and spec is not None and spec.capability >= GROUPED_MIN_CAPABILITY)
 
 
 def speed_kernels(recipe: Recipe) -> str:
     """The kernels the speed model assumes (config/planner/plan.py): liger's (its RoPE, SwiGLU and, at TP 1, fused
     loss, and the gradient-accumulation fusion) for training.kernels auto and liger: liger-kernel comes with
-    megalaunch[train] on the GPU nodes. The memory model assumes Megatron's loss under auto (`fused_loss`):
-    a node without liger-kernel falls back to it and must still fit."""
+    megalaunch[train] on the GPU nodes. The memory model counts liger's loss where the job computes it
+    (`liger_loss`)."""
     return "liger" if recipe.training.kernels in ("auto", "liger") else "megatron"
 
 
@@ -153,3 +186,36 @@ def check_memory(recipe: Recipe, dp: int, num_microbatches: int, vocab_size: int
         "NCCL and fragmentation",
         field="parallel", valid=f"a layout that fits {mem.gib:.0f} GiB (see `megalaunch plan {recipe.name}`)",
         fix=fix)
+
+
+# What `fit_needs` names, and the job's check of each (runtime/model/kernels.py check_fit)
+NEEDS = {"liger_loss": "fused_loss", "grouped_experts": "grouped_experts"}
+
+
+def fit_needs(recipe: Recipe, vocab_size: int | None) -> dict[str, str]:
+    """What the layout fits the GPUs' memory only with, of the kernels the memory model counts under
+    training.kernels auto (`liger_loss`, `grouped_experts`; "liger_loss+grouped_experts": either, where each alone
+    fits but not neither), each with the figures (a clause): the job refuses a node that would run without it
+    (RuntimeSettings.fits_with), before it runs out of memory at its first step or hours later."""
+    from megalaunch.config.topology import topology
+
+    mem = gpu_memory(recipe)
+    if mem is None or recipe.workload:
+        return {}
+    topo = topology(recipe)
+    shape, layout = model_shape(recipe, vocab_size), recipe_layout(recipe, topo.dp, topo.num_microbatches)
+    est = estimate(shape, layout)
+    used = {need: field for need, field in NEEDS.items() if getattr(layout, field)}
+    if not used or not fits(est, mem.gib):
+        return {}
+
+    def without(*fields: str) -> MemoryEstimate:
+        off: dict[str, Any] = dict.fromkeys(fields, False)
+        return estimate(shape, dataclasses.replace(layout, **off))
+
+    needs = {need: f"~{alt.needed_gib():.0f} GiB per GPU without it" for need, alt in
+             ((need, without(field)) for need, field in used.items()) if not fits(alt, mem.gib)}
+    if not needs and len(used) > 1 and not fits(both := without(*used.values()), mem.gib):  # either will do
+        needs = {"+".join(used): f"~{both.needed_gib():.0f} GiB per GPU without both"}
+    return {need: f"{text}, ~{est.needed_gib():.0f} as planned, of {mem.gib:.0f} GiB ({mem.source})"
+            for need, text in needs.items()}

@@ -17,24 +17,25 @@ class GPUSpec:
     memory_gib: float  # what torch.cuda.get_device_properties().total_memory reports, in GiB
     hbm_tbps: float  # memory bandwidth, TB/s
     nvlink_gbps: float  # achievable ring bus bandwidth inside a node per GPU, GB/s (NCCL all-reduce)
+    capability: tuple[int, int]  # CUDA compute capability: which MoE experts the job builds (fit.grouped_experts)
 
 
 # First match wins: a more specific name comes before the name it contains ("H100 PCIe" before "H100").
 GPUS: tuple[GPUSpec, ...] = (
-    GPUSpec("GH200", 989.0, 94.5, 4.0, 360.0),
-    GPUSpec("H200", 989.0, 139.8, 4.8, 360.0),
-    GPUSpec("H100 PCIe", 756.0, 79.2, 2.0, 50.0),
-    GPUSpec("H100 NVL", 835.0, 93.1, 3.9, 300.0),
-    GPUSpec("H100", 989.0, 79.2, 3.35, 360.0),
-    GPUSpec("H800", 989.0, 79.2, 3.35, 160.0),
-    GPUSpec("GB200", 2500.0, 184.0, 8.0, 720.0),
-    GPUSpec("B200", 2250.0, 178.4, 8.0, 720.0),
-    GPUSpec("A100-40GB", 312.0, 39.4, 1.55, 230.0),
-    GPUSpec("A100 40GB", 312.0, 39.4, 1.55, 230.0),
-    GPUSpec("A100-SXM4-40GB", 312.0, 39.4, 1.55, 230.0),
-    GPUSpec("A100", 312.0, 79.2, 2.0, 230.0),
-    GPUSpec("A800", 312.0, 79.2, 2.0, 160.0),
-    GPUSpec("L40S", 362.0, 44.4, 0.86, 25.0),
+    GPUSpec("GH200", 989.0, 94.5, 4.0, 360.0, (9, 0)),
+    GPUSpec("H200", 989.0, 139.8, 4.8, 360.0, (9, 0)),
+    GPUSpec("H100 PCIe", 756.0, 79.2, 2.0, 50.0, (9, 0)),
+    GPUSpec("H100 NVL", 835.0, 93.1, 3.9, 300.0, (9, 0)),
+    GPUSpec("H100", 989.0, 79.2, 3.35, 360.0, (9, 0)),
+    GPUSpec("H800", 989.0, 79.2, 3.35, 160.0, (9, 0)),
+    GPUSpec("GB200", 2500.0, 184.0, 8.0, 720.0, (10, 0)),
+    GPUSpec("B200", 2250.0, 178.4, 8.0, 720.0, (10, 0)),
+    GPUSpec("A100-40GB", 312.0, 39.4, 1.55, 230.0, (8, 0)),
+    GPUSpec("A100 40GB", 312.0, 39.4, 1.55, 230.0, (8, 0)),
+    GPUSpec("A100-SXM4-40GB", 312.0, 39.4, 1.55, 230.0, (8, 0)),
+    GPUSpec("A100", 312.0, 79.2, 2.0, 230.0, (8, 0)),
+    GPUSpec("A800", 312.0, 79.2, 2.0, 160.0, (8, 0)),
+    GPUSpec("L40S", 362.0, 44.4, 0.86, 25.0, (8, 9)),
 )
 
 

@@ -30,7 +30,7 @@ def expert_parallel(shape: ModelShape, tp: int, cp: int, dp: int) -> list[int]:
 def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: int, attention: str = "sdpa",
             precision: str = "bf16", distributed_optimizer: bool = True, fused: bool = False,
             fused_loss: bool = False, kernels: str = "megatron", fp8_recipe: str = "tensorwise",
-            fsdp: bool = True) -> list[Layout]:
+            fsdp: bool = True, grouped_experts: bool = False) -> list[Layout]:
     """Every layout Megatron accepts for this model on `world` GPUs: TP within a node dividing the heads,
     the KV heads and the MLP; PP dividing the layers; VPP for PP > 1; CP (not with torch SDPA); the
     micro-batch dividing the batch per DP rank; SP on or off with TP (MoE: on, Megatron's MoE layer needs it);
@@ -65,5 +65,5 @@ def layouts(shape: ModelShape, *, world: int, gpus_per_node: int, global_batch: 
                                           recompute=rc, sequence_parallel=sp, distributed_optimizer=distributed_optimizer,
                                           precision=precision, attention=attention, fused=fused, fused_loss=fused_loss,
                                           kernels=kernels, fp8_recipe=fp8_recipe, sharding=sh, ep=ep,
-                                          etp=1 if shape.moe else None))
+                                          etp=1 if shape.moe else None, grouped_experts=grouped_experts and shape.moe))
     return out

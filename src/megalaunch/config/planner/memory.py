@@ -135,7 +135,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, moe: bool = False)
     rep = shape.hidden * 4 / (t if sp else 1)
     q, kv = shape.q_size, shape.kv_size
     mlp = 0 if moe else ((3 if layout.fused else 5) if shape.swiglu else 2) * shape.ffn
-    sharded = ((q + 2 * kv) + (q + kv) + q + mlp) / t
+    sharded = ((q + 2 * kv) + (q + kv) + q + qk_norm_copy(shape) + mlp) / t
     full = (rep + sharded) * 2 * tokens + (moe_mlp_bytes(shape, layout) if moe else 0.0)
     running = full
     if layout.attention == "local":  # softmax probabilities, [b, heads/t, s, s] in bf16 (causal: all stored)
@@ -149,6 +149,15 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, moe: bool = False)
         full += FP8_SAVED_FRACTION * tokens * (2 * (shape.hidden - 2 * shape.hidden / (t if sp else 1))
                                                - (0 if moe else shape.ffn) / t)
     return full, running
+
+
+def qk_norm_copy(shape: ModelShape) -> int:
+    """Elements per token the query norm (`qk_layernorm`) keeps beyond the terms above: with grouped KV heads
+    Megatron reshapes the queries out of the QKV output into a copy (attention.py, get_query_key_value_tensors),
+    which the norm saves for its backward; the keys stay views of the QKV output. Without the norm the copy only
+    feeds RoPE, which keeps none. moe-3b (16 heads, 4 KV heads) on one H200: with it the estimate is 0.2-0.7 %
+    under the peaks measured at micro-batches 4-16, without it 1.1-2.6 % (docs/results.md, "Mixture-of-experts")."""
+    return shape.q_size if shape.qk_norm and shape.kv_heads < shape.heads and not shape.mla else 0
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -218,7 +227,8 @@ def loss_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
     cannot write over that copy: 2 + 4 + 4 bytes per logit, 2 + 4 unfused. Measured on one H200, llama3-8b's
     width at TP 1: 2004 + 4008 + 4008 MiB alive at the peak (8192 tokens), 6012 MiB unfused; at micro-batch
     2, twice that (docs/results.md, "The memory model at TP 1"). 6 bytes for the fused loss were 3.9 GiB short at
-    TP 1 (the 8B), which the activations' overcount hid. liger's fused loss (TP 1): fused_loss_bytes."""
+    TP 1 (the 8B), which the activations' overcount hid. liger's fused loss at TP 1 (`layout.fused_loss`: where the
+    job computes it, fit.liger_loss; `training.kernels` auto or liger on GPUs): fused_loss_bytes."""
     if layout.fused_loss and layout.tp == 1:
         return fused_loss_bytes(shape, tokens)
     sp = layout.sequence_parallel and layout.tp > 1

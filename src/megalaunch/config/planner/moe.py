@@ -19,9 +19,12 @@ TP > 1; t without the / TP at TP 1). What a GPU keeps, in bf16 elements unless n
   share over the mean: the capacity factor when set (it drops the rest), else `DROPLESS_LOAD` (dropless; a
   calibration constant), never more than EP; with ETP > 1 the tokens are also gathered over ETP (x ETP tokens,
   / ETP width: the expert activations are the same, the dispatch input x ETP);
-- alltoall: the dispatched input (r x hidden x ETP) and the combined output (r x hidden), kept for the backward
-  (the experts' first linear, the routing weights' gradient), and the experts' activations r x (3 or 5) x
-  expert ffn (FC1's output and the SwiGLU output, as a dense MLP's; unfused 5);
+- alltoall: the dispatched input (r x hidden x ETP), kept for the experts' first linear, and the experts'
+  activations r x (3 or 5) x expert ffn (FC1's output and the SwiGLU output, as a dense MLP's; unfused 5); on
+  Megatron's paths (SequentialMLP, token dropping, MEGALAUNCH_MOE_FUSED=off) also the combined output (r x hidden).
+  megalaunch's grouped experts with dropless routing (`fused_dispatch`: runtime/model/experts/permute.py's Combine
+  keeps only the token order, activation.py's SwiGLU x probabilities only its input) keep no combined output:
+  measured on one H200, moe-3b at seq 4096, 3.3-3.5 GiB per sequence against 4.1 counted with it (docs/results.md);
 - allgather: every token of the EP x TP group gathered (t x EP x TP x hidden), then as alltoall without the
   dispatched copy (r x hidden each for the permuted input and the output).
 
@@ -82,6 +85,12 @@ def layer_tokens(shape: ModelShape, layout: Layout) -> float:
     return layout.micro_batch * shape.seq / layout.cp / (layout.tp if sp else 1)
 
 
+def fused_dispatch(shape: ModelShape, layout: Layout) -> bool:
+    """Whether the routed tokens come back through the grouped experts' fused Combine (module docstring): the
+    all-to-all dispatcher with dropless routing (runtime/model/experts/permute.py takes no other)."""
+    return layout.grouped_experts and shape.dispatcher == "alltoall" and shape.capacity is None
+
+
 def moe_mlp_bytes(shape: ModelShape, layout: Layout) -> float:
     """Bytes an MoE layer's MLP part (router, shared expert, routed experts, dispatch) keeps for its backward,
     one micro-batch on one GPU (module docstring)."""
@@ -95,7 +104,7 @@ def moe_mlp_bytes(shape: ModelShape, layout: Layout) -> float:
         tp_sp = layout.tp if layout.sequence_parallel else 1
         dispatch = (t * layout.ep * tp_sp * shape.hidden + 2 * r * shape.hidden) * 2
     else:
-        dispatch = r * shape.hidden * (etp + 1) * 2
+        dispatch = r * shape.hidden * (etp + (0 if fused_dispatch(shape, layout) else 1)) * 2
     router = t * shape.experts * 8
     return router + shared + experts + dispatch
 

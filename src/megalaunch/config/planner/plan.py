@@ -205,12 +205,13 @@ def rank_key(c: Candidate) -> tuple[bool, float, float]:
 def rank(shape: ModelShape, gpu: GPUSpec, memory_gib: float, *, world: int, gpus_per_node: int, global_batch: int,
          attention: str = "sdpa", precision: str = "bf16", distributed_optimizer: bool = True,
          fused: bool = False, fused_loss: bool = False, kernels: str = "megatron",
-         fp8_recipe: str = "tensorwise", fsdp: bool = True) -> list[Candidate]:
+         fp8_recipe: str = "tensorwise", fsdp: bool = True, grouped_experts: bool = False) -> list[Candidate]:
     """Every layout, fastest first; layouts that do not fit come after all that do."""
     out = []
     for layout in layouts(shape, world=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           attention=attention, precision=precision, distributed_optimizer=distributed_optimizer,
-                          fused=fused, fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe, fsdp=fsdp):
+                          fused=fused, fused_loss=fused_loss, kernels=kernels, fp8_recipe=fp8_recipe, fsdp=fsdp,
+                          grouped_experts=grouped_experts):
         mem = estimate(shape, layout)
         parts = predict(shape, layout, gpu, gpus_per_node=gpus_per_node)
         parts["memory_pressure"] = sum(parts.values()) * memory_pressure(mem.needed_gib() / memory_gib)
@@ -261,7 +262,7 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     """The ranked layouts of `recipe` on `nodes` x `gpus_per_node` GPUs of type `gpu` (defaults: the
     recipe's cluster profile). One-line PreflightError when the GPU is unknown or there are no GPUs."""
     from megalaunch.config.megatron_args import fused_kernels
-    from megalaunch.config.planner.fit import model_shape, speed_kernels
+    from megalaunch.config.planner.fit import grouped_experts, liger_loss, model_shape, speed_kernels
 
     cl = recipe.cluster
     nodes = nodes or cl.nodes
@@ -281,10 +282,11 @@ def plan_recipe(recipe: Recipe, vocab_size: int | None, *, nodes: int | None = N
     cands = list(_ranked(model_shape(recipe, vocab_size), spec, memory, world=nodes * gpn, gpus_per_node=gpn,
                          global_batch=t.global_batch_size, attention=attention, precision=t.precision,
                          distributed_optimizer=recipe.parallel.use_distributed_optimizer,
-                         fused=fused_kernels(recipe, gpn), fused_loss=t.kernels == "liger",
+                         fused=fused_kernels(recipe, gpn), fused_loss=liger_loss(recipe, gpn),
                          kernels=speed_kernels(recipe), fp8_recipe=t.fp8_recipe,
                          fsdp=recipe.parallel.use_distributed_optimizer and recipe.checkpoint.async_save is not True
-                         and recipe.checkpoint.ckpt_format == "torch_dist"))
+                         and recipe.checkpoint.ckpt_format == "torch_dist",
+                         grouped_experts=grouped_experts(recipe, spec.name, gpn)))
     if recipe.post_training.method != "none" or recipe.training.flow:  # flows: PP 1, CP 1 (config/schema.py)
         cands = [c for c in cands if c.layout.pp == 1 and c.layout.cp == 1
                  and (c.layout.micro_batch % 2 == 0 or recipe.post_training.method not in ("dpo", "ipo"))]  # pairs

@@ -174,12 +174,13 @@ class Layout:
     precision: str = "bf16"
     attention: str = "sdpa"  # local keeps seq x seq probabilities; sdpa/te/flash do not
     fused: bool = False  # training.fused_kernels: 4 h + 3 f per token and layer kept, not 6 h + 4 f
-    fused_loss: bool = False  # training.kernels: liger: its fused linear cross entropy (TP 1) keeps no logits
+    fused_loss: bool = False  # liger's fused linear cross entropy (TP 1; fit.liger_loss: kernels auto|liger): no logits
     kernels: str = "megatron"  # speed only (config/planner/plan.py): "liger" = training.kernels auto|liger on GPUs
     fp8_recipe: str = "tensorwise"  # with precision fp8: training.fp8_recipe
     sharding: str = "optimizer"  # parallel.data_sharding: optimizer | optimizer_grads | optimizer_grads_params (FSDP)
     ep: int = 1  # MoE: expert parallelism (experts split over EP ranks)
     etp: int | None = None  # MoE: expert TP (None: a dense model)
+    grouped_experts: bool = False  # MoE: megalaunch's grouped experts and fused dispatch (fit.grouped_experts)
 
     @property
     def fp8(self) -> str | None:

@@ -5,7 +5,7 @@ RUN/runtime.json (`runtime_settings`), and the context of the job script (templa
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         startup_timeout_s=recipe.chain.startup_timeout_s, save_time_estimate_s=recipe.checkpoint.save_time_estimate_s,
         keep_last=recipe.checkpoint.keep_last, milestone_interval=recipe.checkpoint.milestone_interval,
         cpu=recipe.cluster.gpus_per_node == 0, attention=recipe.training.attention, kernels=recipe.training.kernels,
+        fits_with=fits_with(recipe, tokenizer),
         fp8=recipe.training.fp8_recipe if recipe.training.precision == "fp8" else None,
         allow_blend_change=recipe.checkpoint.allow_blend_change, profile_window=recipe.debug.nsys,
         run_name=recipe.name, wandb_project=recipe.logging.wandb_project, wandb_entity=recipe.logging.wandb_entity,
@@ -70,6 +71,25 @@ def runtime_settings(recipe: Recipe, paths: RunPaths | None = None, tokenizer: T
         chat_files=recipe.data.chat_files, export_hf=recipe.chain.export_hf,
         post_training={**asdict(recipe.post_training), **job_reference(recipe), **job_teacher(recipe)}
         if recipe.post_training.flow else None)
+
+
+def fits_with(recipe: Recipe, tokenizer: TokenizerSpec | None = None) -> dict[str, str] | None:
+    """What the layout fits the GPUs' memory only with (config/planner/fit.py fit_needs), for the job's check: at
+    the recipe's nodes and, as preflight checks it, at the fewest a shrink may run on (more state per GPU); None
+    when nothing (or when it cannot be told: preflight has refused what does not fit)."""
+    from megalaunch.config.planner.fit import fit_needs
+    from megalaunch.config.preflight import tokenizer_vocab_size
+    from megalaunch.errors import MegalaunchError
+
+    try:
+        vocab = tokenizer_vocab_size(recipe, tokenizer)
+        needs = fit_needs(recipe, vocab)
+        if recipe.cluster.min_nodes is not None:
+            fewest = replace(recipe.cluster, nodes=node_counts(recipe)[-1], min_nodes=None)
+            needs = {**fit_needs(replace(recipe, cluster=fewest), vocab), **needs}
+        return needs or None
+    except (MegalaunchError, ValueError, OSError):
+        return None
 
 
 def eval_submit_command(recipe: Recipe, paths: RunPaths) -> list[str]:

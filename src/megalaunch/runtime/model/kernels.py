@@ -45,6 +45,9 @@ LIGER_FASTER: frozenset[str] = frozenset({"rope", "swiglu", "linear_ce"})
 EXPERTS = ("grouped", "sequential")
 EXPERTS_ENV = "MEGALAUNCH_MOE_EXPERTS"
 GROUPED_MIN_CAPABILITY = (9, 0)  # sm90: torch's CUTLASS grouped kernels, where grouped_mm was measured faster
+# What the planner's memory fit may rely on (RuntimeSettings.fits_with, config/planner/fit.py fit_needs), in words
+FIT_NEEDS = {"liger_loss": "liger-kernel's fused loss",
+             "grouped_experts": "megalaunch's grouped experts and their fused dispatch"}
 LIGER_FIX = ("pip install liger-kernel in the job's environment (it comes with megalaunch[train]), "
              "or --set training.kernels=auto (Megatron's kernels where liger-kernel is missing)")
 
@@ -249,6 +252,51 @@ def with_wgrad_fusion(choice: KernelChoice, argv: list[str], *, cpu: bool, torch
         blocked = (torch_why or wgrad_fusion.supported)()
         why = f"off: {blocked}" if blocked else "on: torch's fp32-output matmul into main_grad (no apex needed)"
     return replace(choice, wgrad_fusion=why)
+
+
+def node_kernels(requested: str, argv: list[str], *, cpu: bool, flow: str | None, paths: RunPaths,
+                 fits_with: dict[str, str] | None) -> KernelChoice:
+    """This node's kernels for the job (`resolve_kernels`, the experts of the run's checkpoint kept, the layout's
+    memory fit checked, the gradient-accumulation fusion decided): a ConfigFailure before Megatron starts for a
+    library the recipe asks for and this node lacks, or one the layout fits the GPUs' memory only with."""
+    choice = keep_experts(resolve_kernels(requested, argv, cpu=cpu, flow=flow), argv, paths)
+    return with_wgrad_fusion(check_fit(choice, fits_with, str(paths.root)), argv, cpu=cpu)
+
+
+def check_fit(choice: KernelChoice, fits_with: dict[str, str] | None, run_dir: str) -> KernelChoice:
+    """The choice, unless the planner found that the run's layout fits the GPUs' memory only with a kernel this
+    node runs without (`fits_with`: what, "a+b" for either, and the figures): under `kernels: auto` a node without
+    liger-kernel would fall back to Megatron's loss (a torch without grouped_mm to SequentialMLP) and run out of
+    memory at the first step, or hours later. A ConfigFailure instead, before Megatron starts: the chain stops
+    after this segment (outcome config_error), with the fix."""
+    for needs, figures in (fits_with or {}).items():
+        whys = [why for need in needs.split("+") if (why := _without(choice, need)) is not None]
+        if len(whys) < len(needs.split("+")):
+            continue
+        what = " or ".join(FIT_NEEDS.get(need, need) for need in needs.split("+"))
+        cap = ".".join(map(str, GROUPED_MIN_CAPABILITY))
+        install = ("install liger-kernel on the nodes (pip install 'megalaunch[train]')" if "liger_loss" in needs else
+                   f"build the grouped experts (megalaunch[train]'s torch, with grouped_mm, on compute capability "
+                   f"{cap}+ GPUs; {EXPERTS_ENV} and MEGALAUNCH_MOE_FUSED unset)")
+        raise ConfigFailure(f"training.kernels: {choice.requested}: this run's layout fits the GPUs' memory only with "
+                            f"{what} ({figures}), but this node runs without {'either' if len(whys) > 1 else 'it'} "
+                            f"({'; '.join(whys)})",
+                            f"{install}, or plan for Megatron's kernels: megalaunch resume {run_dir} "
+                            "--set training.kernels=megatron --set parallel=auto")
+    return choice
+
+
+def _without(choice: KernelChoice, need: str) -> str | None:
+    """Why this node's choice lacks what the layout's fit needs (None: it has it)."""
+    if need == "liger_loss":
+        return None if "linear_ce" in choice.liger_ops else choice.fallbacks.get("linear_ce") or choice.why
+    if need == "grouped_experts":
+        from megalaunch.runtime.model.experts.activation import fusion_on
+
+        if choice.experts != "grouped":
+            return choice.experts_why or "no grouped experts"
+        return None if fusion_on() else "MEGALAUNCH_MOE_FUSED=off keeps Megatron's dispatch"
+    return f"{need} is not a kernel this job knows"
 
 
 def _bench_ops() -> tuple[frozenset[str], str]:

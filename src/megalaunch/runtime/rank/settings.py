@@ -26,6 +26,9 @@ class RuntimeSettings:
     cpu: bool = False  # gpus_per_node == 0: the job hides any GPU and runs on the CPU (gloo)
     attention: str = "local"
     kernels: str = "megatron"  # training.kernels, resolved in the job (runtime/model/kernels.py); runs made before it: megatron
+    # what the layout fits the GPUs' memory only with (config/planner/fit.py fit_needs): liger_loss, grouped_experts
+    # -> the figures; the job refuses a node that would run without it (runtime/model/kernels.py check_fit)
+    fits_with: dict[str, str] | None = None
     fp8: str | None = None  # training.fp8_recipe when training.precision is fp8 (runtime/model/fp8.py); None: no FP8
     allow_blend_change: bool = False
     profile_window: bool = False  # --profile-step-start/end count from the iteration resumed from
