@@ -29,14 +29,15 @@ TP > 1; t without the / TP at TP 1). What a GPU keeps, in bf16 elements unless n
   dispatched copy (r x hidden each for the permuted input and the output).
 
 Speed (plan.py): the active parameters' FLOPs (Megatron's count, `flops_parts`: top-k experts and the shared
-expert in MoE layers, no router) at the dense GEMM efficiency, the experts' share slowed by
-`expert_gemm_ratio` (narrow grouped GEMMs); the token exchange: per MoE layer and micro-batch, t x top-k x
-hidden x 2 bytes each way (dispatch and combine), forward and backward (x 2 x 2), at the NVLink bandwidth when the
-EP x ETP group fits in a node (`EP_NVLINK_FRACTION` of it: all-to-all, not a ring) and `INTERNODE_GBPS` across.
-Calibrated on one H200 (docs/results.md, "Mixture-of-experts"): `MOE_STEP_CALIBRATION` slows the experts' GEMMs
-further, and `ROUTED_BYTES` charges every routed element (token x top-k x hidden, per MoE layer) with the memory
-traffic of Megatron's permutation, unpermutation, the routing weights and the fp32 gradient accumulation, at the
-GPU's memory bandwidth (the profile of moe-3b: 40 % of the step in copies, gathers and elementwise kernels)."""
+expert in MoE layers, no router) at the dense GEMM efficiency, the experts' share x `MOE_STEP_CALIBRATION`; the
+routed rows' copies (`ROUTED_BYTES` per token x top-k x hidden element and MoE layer, at the HBM bandwidth); the
+experts' weight gradients added to their fp32 main_grad after every micro-batch (`EXPERT_WGRAD_BYTES` a parameter:
+the grouped GEMMs have no gradient-accumulation fusion); `MOE_LAYER_US` per MoE layer and micro-batch (the
+dispatcher's host sync for the tokens per expert, and the small kernels around the experts); the token exchange:
+per MoE layer and micro-batch, t x top-k x hidden x 2 bytes each way (dispatch and combine), forward and backward
+(x 2 x 2), at the NVLink bandwidth when the EP x ETP group fits in a node (`EP_NVLINK_FRACTION` of it: all-to-all,
+not a ring) and `INTERNODE_GBPS` across. Fitted with the grouped experts and their fused dispatch on one H200
+(bench/moe_fit.py, docs/results.md "Mixture-of-experts")."""
 
 from __future__ import annotations
 
@@ -48,20 +49,19 @@ if TYPE_CHECKING:
 # Dropless routing: the most loaded EP rank receives this multiple of its even share of the routed tokens at the
 # memory peak (aux-loss balanced routing). Not measured: a guess to replace with the first measured MoE peak.
 DROPLESS_LOAD = 1.25
-# Grouped expert GEMMs against dense ones on one H200 (FACTS.md, torch grouped_mm, one SwiGLU expert layer, fwd +
-# bwd): expert ffn 768: 385 TFLOP/s, 1408: 457, 8192: 573, 14336: 568, where a dense GEMM of that width runs ~600.
-# Fitted as ffn / (ffn + EXPERT_FFN_HALF), relative to a 14336-wide one: 768 -> 0.70 (measured 385/568 = 0.68),
-# 1408 -> 0.82 (0.80), 8192 -> 0.98 (1.01). The EP x ETP group is consecutive ranks (Megatron's expert order).
-EXPERT_FFN_HALF = 360.0
 # NCCL's all-to-all inside an NVSwitch node, of the ring bus bandwidth (gpus.py), for the MB-sized messages of a
 # micro-batch: not measured here, a guess (every pair of GPUs talks at full link rate; a ring's pipelining is lost).
 EP_NVLINK_FRACTION = 0.9
-# Fitted on two H200 runs at their planner layouts, 2026-12-02 (moe-3b micro-batch 4 x 16, 3.98 s a step; 2 layers
-# of Mixtral 8x7B micro-batch 2 x 8, 0.97 s): the experts' GEMM time x 1.49, and 69 bytes of memory traffic per
-# routed element. Held out: Mixtral-like micro-batch 1 -7.4 %, micro-batch 1 with Megatron's loss +5.6 %; moe-3b
-# micro-batch 1 with Megatron's loss over its 152k vocabulary -23.7 % (docs/results.md).
-MOE_STEP_CALIBRATION = 1.49
-ROUTED_BYTES = 69.0
+# Fitted on four runs with the grouped experts and their fused dispatch, one H200, 2026-12-02 (bench/moe_fit.py: moe-3b
+# at micro-batch 16 and 4, global batch 64; 2 layers of Mixtral 8x7B at 2, global batch 16; deepseek-v3-3b at 4, global
+# batch 32; seq 4096, liger's loss), with plan.py's MLA_LAYER_US. Held out: moe-3b micro-batch 8 +1.7 %, Mixtral-like
+# micro-batch 1 +0.7 %, deepseek-v3-3b micro-batch 2 -4.3 %; each of the seven left out of a fit on the other six
+# within 4.2 %. The grouped GEMMs of narrow experts (ffn 768) ran no slower end to end than the dense ones: the
+# narrower-is-slower factor the micro-benchmarks suggested (385 of 568 TFLOP/s, FACTS.md) fitted to nothing.
+MOE_STEP_CALIBRATION = 1.066
+ROUTED_BYTES = 42.0  # measured: the copies of moe-3b's profile at micro-batch 16 (300 ms a step) at nominal bandwidth
+MOE_LAYER_US = 723.0
+EXPERT_WGRAD_BYTES = 19.0  # plan.py's WGRAD_ACCUM_BYTES (measured in profiles of the fp32 adds)
 
 
 def expert_shard(layout: Layout) -> int:
@@ -109,12 +109,6 @@ def moe_mlp_bytes(shape: ModelShape, layout: Layout) -> float:
     return router + shared + experts + dispatch
 
 
-def expert_gemm_ratio(shape: ModelShape) -> float:
-    """The routed experts' GEMM efficiency relative to a dense layer's (module docstring)."""
-    f = shape.expert_ffn
-    return min(1.0, f / (f + EXPERT_FFN_HALF) / (14336 / (14336 + EXPERT_FFN_HALF)))
-
-
 def expert_flops_per_token(shape: ModelShape) -> float:
     """The routed experts' FLOPs of one training token, forward + backward, all layers (Megatron's count)."""
     return 6.0 * shape.moe_layers * shape.topk * shape.mlp_params(shape.expert_ffn)
@@ -140,17 +134,20 @@ def moe_step_parts(shape: ModelShape, layout: Layout, *, flop_rate: float, recom
                    nvlink_gbps: float, internode_gbps: float, gpus_per_node: int, dp_gbps: float,
                    hbm_tbps: float) -> dict[str, float]:
     """What an MoE model adds to one GPU's step (plan.py's dense parts are of the active parameters): `compute`,
-    the experts' GEMMs slower than dense ones (`flop_rate`: the dense FLOP/s); `ep`, the token exchange (full
+    the experts' GEMMs against dense ones (`flop_rate`: the dense FLOP/s) and the terms around them; `ep`, the token exchange (full
     recompute exchanges again in its forward); `dp`, the experts' gradient reduce-scatter and weight all-gather
     over the expert data-parallel group; `optimizer`, the step over their shard (40 bytes a parameter)."""
     L, m = layout, layout.num_microbatches
     tokens = L.micro_batch * shape.seq / L.cp
     expert = expert_flops_per_token(shape) / L.pp * recompute_factor / L.tp * tokens * m / flop_rate
-    compute = expert * (1 / expert_gemm_ratio(shape) - 1)
-    compute += (expert + compute) * (MOE_STEP_CALIBRATION - 1)
+    compute = expert * (MOE_STEP_CALIBRATION - 1)
     passes = 1.5 if L.recompute == "full" else 1.0
     routed = tokens * m * shape.topk * shape.hidden * shape.moe_layers / L.pp / L.tp * passes
     compute += routed * ROUTED_BYTES / (hbm_tbps * 1e12)
+    compute += 1e-6 * MOE_LAYER_US * shape.moe_layers / L.pp * m * passes
+    # the experts' weight gradients, added to their fp32 main_grad after each micro-batch (no gradient-accumulation
+    # fusion for grouped GEMMs; the dense layers' is plan.py's `wgrad`)
+    compute += EXPERT_WGRAD_BYTES * expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp * m / (hbm_tbps * 1e12)
     ep = a2a_seconds(shape, L, shape.moe_layers / L.pp, nvlink_gbps, internode_gbps, gpus_per_node) * m * passes
     ne = expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp
     g = L.expert_dp

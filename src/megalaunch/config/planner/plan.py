@@ -66,6 +66,10 @@ WGRAD_ACCUM_BYTES = 19.0
 FP8_GEMM_TIME = 0.52
 FP8_CAST_BYTES = {"tensorwise": 19.5, "rowwise": 24.0}
 FP8_LAYER_US = 736.0  # microseconds per layer and micro-batch (forward and backward): the casts' launches and amax syncs
+# Multi-latent attention (runtime/model/mla.py: Megatron's projections, latent norms and interleaved rotary embedding
+# around megalaunch's SDPA): a fixed time per layer and micro-batch for its many small kernels, fitted with the MoE
+# constants (config/planner/moe.py) on deepseek-v3-3b at micro-batch 4; micro-batch 2 held out: -4.3 %.
+MLA_LAYER_US = 4596.0
 PRESSURE_FROM, PRESSURE_COST = 0.90, 0.05  # memory pressure: see memory_pressure()
 # Megatron-FSDP (parallel.data_sharding): ZeRO-3 gathers a layer's weights in each micro-batch's forward and
 # backward and reduce-scatters its gradients beside the compute; the step waits for the traffic the compute does
@@ -126,6 +130,8 @@ def predict(shape: ModelShape, layout: Layout, gpu: GPUSpec, *, gpus_per_node: i
         compute -= (1 - FP8_GEMM_TIME) * linear_flops * tokens_mb * m / (gpu.peak_tflops * 1e12 * eff)
         compute += 1e-6 * FP8_LAYER_US * shape.layers / L.pp * recompute_factor * m
     layers = shape.layers / L.pp
+    if shape.mla:  # multi-latent attention's many small kernels (runtime/model/mla.py), per layer and micro-batch
+        compute += 1e-6 * MLA_LAYER_US * layers * recompute_factor * m
     compute += memory_bound(shape, L, layers * recompute_factor, tokens_mb * m) / (gpu.hbm_tbps * 1e12)
     act_bytes = 2 * tokens_mb * shape.hidden
     forwards = 2 if L.recompute == "full" else 1
