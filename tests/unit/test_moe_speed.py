@@ -54,7 +54,9 @@ def test_the_planner_picks_a_measured_40_percent_layout_for_moe_3b_on_an_h200() 
     (38.3 %): the planner's first is 16 or 8, and it ranks 16 before 8 before 4 as measured."""
     loaded = load_recipe("moe-3b")
     p = plan_recipe(loaded.recipe, loaded.recipe.data.vocab_size, gpu="H200")
-    assert p.best is not None and p.best.layout.micro_batch in (8, 16), p.best.layout.describe()
+    best = p.best
+    assert best is not None
+    assert best.layout.micro_batch in (8, 16), best.layout.describe()
     one_gpu = [c for c in p.candidates if c.fits and c.layout.tp == c.layout.pp == 1 and c.layout.recompute == "none"
                and c.layout.sharding == "optimizer"]
     step = {c.layout.micro_batch: c.step_s for c in one_gpu}
