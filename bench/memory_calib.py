@@ -103,8 +103,27 @@ def prepare(root: Path, recipe: str, gpus: int, sets: list[str], name: str) -> t
     loaded = load_recipe(recipe, all_sets, name=run_name(name), cluster="local")
     r = loaded.recipe
     topo = topology(r)
-    est = estimate(model_shape(r, r.data.vocab_size), recipe_layout(r, topo.dp, topo.num_microbatches))
+    on_gpu = on_this_gpu(r)
+    est = estimate(model_shape(on_gpu, r.data.vocab_size), recipe_layout(on_gpu, topo.dp, topo.num_microbatches))
     return write_run(prepare_run(loaded, root=root)).root, est
+
+
+def on_this_gpu(recipe: Any) -> Any:
+    """The recipe with `cluster.gpu` naming this machine's GPU, for the estimate only (the runs keep cluster.gpu null so
+    that preflight's memory check lets every case run): what the job builds on it (the grouped experts on compute
+    capability 9.0+, config/planner/fit.py) counts in the estimate as it does where a cluster profile names the GPU."""
+    import dataclasses
+
+    from megalaunch.config.planner.gpus import gpu_spec
+
+    try:
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        name = None
+    spec = gpu_spec(name)
+    return dataclasses.replace(recipe, cluster=dataclasses.replace(recipe.cluster, gpu=spec.name)) if spec else recipe
 
 
 def run_name(case: str) -> str:
