@@ -61,3 +61,16 @@ def test_the_planner_picks_a_measured_40_percent_layout_for_moe_3b_on_an_h200() 
                and c.layout.sharding == "optimizer"]
     step = {c.layout.micro_batch: c.step_s for c in one_gpu}
     assert step[16] < step[8] < step[4]
+
+
+def test_plan_says_when_the_step_times_assume_grouped_experts_the_gpu_does_not_get(capsys) -> None:
+    """On an A100 (compute capability 8.0) the job builds Megatron's SequentialMLP, which the step model does not
+    price: `plan` says so; on an H100 it does not."""
+    from megalaunch.cli.main import main
+
+    main(["plan", "moe-3b", "--gpu", "A100", "--top", "1"])
+    a100 = capsys.readouterr().out
+    main(["plan", "moe-3b", "--gpu", "H100", "--top", "1"])
+    h100 = capsys.readouterr().out
+    assert "Megatron's SequentialMLP runs instead" in a100 and "grouped experts' fused dispatch" not in a100
+    assert "SequentialMLP" not in h100 and "grouped experts' fused dispatch" in h100

@@ -59,6 +59,10 @@ def plan(
     if counted:
         say(f"memory with {' and '.join(counted)} (training.kernels: {loaded.recipe.training.kernels}; the job "
             "refuses a node without them where its layout fits only with them)")
+    if first.etp is not None and not first.grouped_experts:  # an MoE model on Megatron's SequentialMLP
+        say("speed: the step times assume megalaunch's grouped experts, which this GPU or recipe does not get "
+            "(compute capability 9.0+ and training.kernels auto|liger): Megatron's SequentialMLP runs instead, measured "
+            "x2-x5 slower a step on an H200 (docs/moe.md)")
     for line in table(result.candidates, top):
         say(line)
     if result.best is not None:
