@@ -30,14 +30,16 @@ from megalaunch.rundir.files import read_jsonl
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 GBS = 8
-PER_ROUND = 16  # 4 prompts x 4 completions = 2 iterations
+PROMPTS = 4  # a round's prompts by default: 4 prompts x 4 completions = 16 = 2 iterations
+# Each round is tokenized by a process of its own (`megalaunch data rollouts`: a fresh interpreter importing
+# torch through transformers, ~3.7 CPU-s): tests whose claim is not about many rounds use few, larger ones.
 
 
-def write_round(directory: Path, k: int, *, seed: int) -> Path:
+def write_round(directory: Path, k: int, *, seed: int, prompts: int = PROMPTS) -> Path:
     """Round k: per prompt two good completions (the words reversed, reward 1), two bad (reward 0)."""
     rng = random.Random(seed * 1000 + k)
     rows = []
-    for p in range(PER_ROUND // 4):
+    for p in range(prompts):
         words = rng.choices(WORDS, k=3)
         good = " ".join(reversed(words))
         rows.append({"prompt": " ".join(words), "completions": [good, "fish fish fish", good, "rock rock"],
@@ -77,8 +79,8 @@ def _metrics(log: Path) -> dict[int, dict[str, float]]:
 
 def test_grpo_trains_toward_the_rewarded_completions(prep: dict[str, Path], tmp_path: Path) -> None:
     rounds = tmp_path / "rounds"
-    for k in range(1, 11):
-        write_round(rounds, k, seed=1)
+    for k in range(1, 5):  # 4 rounds of 10 prompts x 4 completions: 5 iterations each
+        write_round(rounds, k, seed=1, prompts=10)
     paths = _run(tmp_path / "run", prep, rounds, 20, "post_training.old_logprobs=current")
     log = tmp_path / "loss.jsonl"
     t = Trainer(paths, job_id="11", env={"MEGALAUNCH_LOSS_LOG": str(log)})
@@ -92,7 +94,7 @@ def test_grpo_trains_toward_the_rewarded_completions(prep: dict[str, Path], tmp_
     assert sum(score[-4:]) / 4 > sum(score[:4]) / 4 + 0.05, score  # good completions got likelier than bad ones
     record = read_jsonl(paths.root / "rollouts" / "record.jsonl")
     assert [(r["round"], r["first_iteration"], r["last_iteration"]) for r in record] == \
-        [(k, 2 * k - 1, 2 * k) for k in range(1, 11)]
+        [(k, 5 * k - 4, 5 * k) for k in range(1, 5)]
     assert all(len(r["sha256"]) == 64 for r in record)
 
 
@@ -129,8 +131,8 @@ def test_the_kl_to_the_reference_starts_at_zero_and_grows(prep: dict[str, Path],
     import shutil
 
     rounds = tmp_path / "rounds"
-    for k in range(1, 4):
-        write_round(rounds, k, seed=4)
+    for k in (1, 2):  # 6 prompts x 4 completions: 3 iterations each; round 2 comes in (and is scored) mid-run
+        write_round(rounds, k, seed=4, prompts=6)
     sets = [f"training.micro_batch_size={GBS // 2}", f"training.global_batch_size={GBS}", "training.log_interval=1",
             "chain.hang_timeout_s=120", "training.train_iters=6", "training.lr=1e-3", "training.min_lr=1e-3",
             "checkpoint.save_interval=100", f"checkpoint.from_hf={prep['hf']}", f"post_training.rollouts={rounds}",
@@ -144,31 +146,32 @@ def test_the_kl_to_the_reference_starts_at_zero_and_grows(prep: dict[str, Path],
     assert t.outcome()["status"] == "finished", t.outcome()
     kl = [m["kl"] for _i, m in sorted(_metrics(log).items())]
     assert len(kl) == 6 and abs(kl[0]) < 1e-5 and kl[-1] > 1e-3, kl
-    for k in range(1, 4):
+    for k in (1, 2):
         meta = json.loads((paths.root / "scores" / "reference" / f"round-{k:06d}" / "meta.json").read_text())
         assert meta["complete"] and meta["kind"] == "logprobs" and meta["model"]["source"] == str(prep["hf"])
 
 
-@pytest.mark.parametrize("layout", [("2", "1"), ("1", "2")], ids=["dp2", "tp2"])
-def test_two_ranks_read_the_same_rounds_as_one(prep: dict[str, Path], tmp_path: Path, layout: tuple[str, str]) -> None:
-    """Two ranks (data parallel 2, or tensor parallel 2): rank 0 brings the rounds in while the other waits on
-    its state; the step's loss and advantage x logp equal one rank's at every iteration."""
+def test_two_ranks_read_the_same_rounds_as_one(prep: dict[str, Path], tmp_path: Path) -> None:
+    """Two ranks (data parallel 2, and tensor parallel 2): rank 0 brings the rounds in while the other waits on
+    its state; the step's loss and advantage x logp equal one rank's at every iteration (one single-rank run
+    is the reference of both layouts)."""
     rounds = tmp_path / "rounds"
     for k in range(1, 3):
         write_round(rounds, k, seed=5)
     out = {}
-    for name, world, tp in (("one", 1, "1"), ("two", 2, layout[1])):
+    for name, world, tp in (("one", 1, "1"), ("dp2", 2, "1"), ("tp2", 2, "2")):
         paths = _run(tmp_path / name, prep, rounds, 4, f"parallel.tensor_model_parallel_size={tp}",
                      f"cluster.tasks_per_node={world}", "training.micro_batch_size=2")
         log = tmp_path / f"{name}.jsonl"
-        t = Trainer(paths, world=world, job_id=f"4{world}",
+        t = Trainer(paths, world=world, job_id=f"4{world}{tp}",
                     env={"MEGALAUNCH_LOSS_LOG": str(log), "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-        assert t.wait(600) == [0] * world, t.log()[-3000:]
+        assert t.wait(600) == [0] * world, (name, t.log()[-3000:])
         out[name] = {i: (r["loss"], r["metrics"]["advantage x logp"]) for i, r in
                      ((r["iteration"], r) for r in read_jsonl(log))}
-    assert sorted(out["one"]) == sorted(out["two"]) == [1, 2, 3, 4]
-    for i, (loss, score) in out["one"].items():
-        assert out["two"][i] == pytest.approx((loss, score), rel=1e-4, abs=1e-5), (i, out)
+    for layout in ("dp2", "tp2"):
+        assert sorted(out["one"]) == sorted(out[layout]) == [1, 2, 3, 4], (layout, out)
+        for i, (loss, score) in out["one"].items():
+            assert out[layout][i] == pytest.approx((loss, score), rel=1e-4, abs=1e-5), (layout, i, out)
 
 
 def test_old_logprobs_given_by_the_generator_line_up_with_the_policy(prep: dict[str, Path], tmp_path: Path) -> None:
