@@ -51,7 +51,10 @@ def test_a_healthy_check_records_its_figure_and_a_slow_forward_rank_is_the_strag
     assert out["status"] == "finished" and out["health_check"]["healthy"], out
     (end,) = [e for e in ledger(paths, "stragglers") if e["at"] == "end"]
     assert [e["at"] for e in ledger(paths, "stragglers")] == ["save", "save", "end"]  # saves at 6 and 12
-    assert end["slowest"]["rank"] == 1 and end["straggling"] and end["spread"] > 0.5, end
+    # rank 1 sleeps 0.3 s in each forward step: its mean step that much longer than rank 0's, whatever the load
+    # (a spread over a fixed figure failed on a busy CI machine, where every step is slower: 0.487)
+    assert end["slowest"]["rank"] == 1 and end["straggling"], end
+    assert end["slowest"]["mean_s"] - end["fastest"]["mean_s"] > 0.25, end
     assert out["stragglers"]["slowest"]["rank"] == 1
     # what Megatron imported after the health check, recorded for the next segment's (warm_imports.py)
     modules = json.loads((paths.state / "startup-modules.json").read_text())["modules"]

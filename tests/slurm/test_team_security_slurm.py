@@ -86,10 +86,14 @@ def test_a_member_cannot_run_code_as_the_owner_read_her_files_or_stall_her_job(s
     assert _as_bob(f"cat {q(str(private))}", slurm_tmp).returncode != 0  # only the owner's job could read it
     plants = [("symlink", f"ln -s {q(str(private))} {q(str(trig / 'save'))}"),
               ("fifo", f"mkfifo {q(str(trig / 'exit'))}"),
-              ("oversized", f"head -c 1000000 /dev/zero | tr '\\0' x > {q(str(trig / 'abort'))}"),
+              # written beside, then renamed in: a file that appears empty and grows is an empty trigger first
+              # (a trigger without details, which a member may plant: CI run of 12-02 aborted on it), not oversized
+              ("oversized", f"head -c 1000000 /dev/zero | tr '\\0' x > {q(str(slurm_tmp / 'big'))} && "
+                            f"mv {q(str(slurm_tmp / 'big'))} {q(str(trig / 'abort'))}"),
               ("hardlink", f"echo '{{}}' > {q(str(slurm_tmp / 'bob.json'))} && "
                            f"ln {q(str(slurm_tmp / 'bob.json'))} {q(str(trig / 'save'))}"),
-              ("binary", f"printf '\\377\\376\\000' > {q(str(trig / 'exit'))}"),
+              ("binary", f"printf '\\377\\376\\000' > {q(str(slurm_tmp / 'bin'))} && "
+                         f"mv {q(str(slurm_tmp / 'bin'))} {q(str(trig / 'exit'))}"),
               ("directory", f"mkdir {q(str(trig / 'abort'))} && echo x > {q(str(trig / 'abort' / 'f'))}")]
     for n, (kind, plant) in enumerate(plants, 1):
         res = _as_bob(plant, slurm_tmp)
