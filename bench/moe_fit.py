@@ -53,7 +53,6 @@ UNEXPLAINED: list[Run] = [
     _run("train/mixtral-8x7b", (*L2, *S2K, "data.vocab_size=32000"), 8, 4, 0.2936, "mixtral 2 layers s2k mb4 (loss run)"),
 ]
 KNOBS = ["MOE_STEP_CALIBRATION", "MOE_LAYER_US", "MLA_LAYER_US"]
-GRID: dict[str, range] = {}  # knobs searched over a range (none now: every knob enters the step linearly)
 FIXED = {"ROUTED_BYTES": 42.0}
 
 
@@ -66,30 +65,26 @@ def predicted(run: Run) -> float:
     return sum(plan.predict(shape, layout, gpu, gpus_per_node=run.gpus).values())
 
 
-def _set(name: str, value: float) -> None:
+def _module(name: str) -> object:
+    """The planner module that holds the constant `name` (plan.py MLA_LAYER_US, the rest config/planner/moe.py)."""
     from megalaunch.config.planner import moe, plan
 
-    setattr(plan if name == "MLA_LAYER_US" else moe, name, value)
+    return plan if name == "MLA_LAYER_US" else moe
+
+
+def get(name: str) -> float:
+    return float(getattr(_module(name), name))
+
+
+def _set(name: str, value: float) -> None:
+    setattr(_module(name), name, value)
 
 
 def fit(runs: list[Run]) -> dict[str, float]:
-    """GRID's knobs by a search, KNOBS' for each point by non-negative least squares on the relative error: the
-    point with the smallest sum of squared relative errors on `runs`; FIXED as given."""
+    """KNOBS by non-negative least squares on the relative errors of `runs`, FIXED as given; the constants set."""
     for name, v in FIXED.items():
         _set(name, v)
-    best: tuple[float, dict[str, float]] | None = None
-    for point in itertools.product(*GRID.values()):
-        knobs = {name: float(v) for name, v in zip(GRID, point, strict=True)}
-        for name, v in knobs.items():
-            _set(name, v)
-        knobs |= _linear(runs)
-        sse = sum((predicted(r) / r.step_s - 1) ** 2 for r in runs)
-        if best is None or sse < best[0]:
-            best = (sse, knobs)
-    assert best is not None
-    for name, v in best[1].items():
-        _set(name, v)
-    return best[1]
+    return _linear(runs)
 
 
 def _linear(runs: list[Run]) -> dict[str, float]:

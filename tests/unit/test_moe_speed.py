@@ -15,7 +15,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import moe_fit
 from megalaunch.config.loader import load_recipe
-from megalaunch.config.planner import moe, plan
 from megalaunch.config.planner.plan import plan_recipe
 
 KNOBS = [*moe_fit.KNOBS, *moe_fit.FIXED]
@@ -23,7 +22,7 @@ KNOBS = [*moe_fit.KNOBS, *moe_fit.FIXED]
 
 @contextlib.contextmanager
 def _constants_restored() -> Iterator[None]:
-    saved = {name: getattr(plan if name == "MLA_LAYER_US" else moe, name) for name in KNOBS}
+    saved = {name: moe_fit.get(name) for name in KNOBS}
     try:
         yield
     finally:
@@ -38,7 +37,7 @@ def test_each_measured_moe_step_is_predicted_within_10_percent(run: Any) -> None
 
 def test_the_refit_reproduces_the_shipped_constants_and_each_run_left_out_is_predicted_within_10_percent() -> None:
     pytest.importorskip("numpy")
-    shipped = {name: getattr(plan if name == "MLA_LAYER_US" else moe, name) for name in moe_fit.KNOBS}
+    shipped = {name: moe_fit.get(name) for name in moe_fit.KNOBS}
     with _constants_restored():
         fitted = moe_fit.fit(moe_fit.FIT)
         for name, value in fitted.items():

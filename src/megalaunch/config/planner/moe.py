@@ -54,7 +54,7 @@ DROPLESS_LOAD = 1.25
 EP_NVLINK_FRACTION = 0.9
 # Fitted on four runs with the grouped experts and their fused dispatch, one H200, 2026-12-02 (bench/moe_fit.py: moe-3b
 # at micro-batch 16 and 4, global batch 64; 2 layers of Mixtral 8x7B at 2, global batch 16; deepseek-v3-3b at 4, global
-# batch 32; seq 4096, liger's loss), with plan.py's MLA_LAYER_US. Held out: moe-3b micro-batch 8 +1.7 %, Mixtral-like
+# batch 32; seq 4096, liger's loss), with plan.py's MLA_LAYER_US. Held out: moe-3b micro-batch 8 +1.6 %, Mixtral-like
 # micro-batch 1 +0.7 %, deepseek-v3-3b micro-batch 2 -4.3 %; each of the seven left out of a fit on the other six
 # within 4.2 %. The grouped GEMMs of narrow experts (ffn 768) ran no slower end to end than the dense ones: the
 # narrower-is-slower factor the micro-benchmarks suggested (385 of 568 TFLOP/s, FACTS.md) fitted to nothing.
@@ -134,8 +134,8 @@ def moe_step_parts(shape: ModelShape, layout: Layout, *, flop_rate: float, recom
                    nvlink_gbps: float, internode_gbps: float, gpus_per_node: int, dp_gbps: float,
                    hbm_tbps: float) -> dict[str, float]:
     """What an MoE model adds to one GPU's step (plan.py's dense parts are of the active parameters): `compute`,
-    the experts' GEMMs against dense ones (`flop_rate`: the dense FLOP/s) and the terms around them; `ep`, the token exchange (full
-    recompute exchanges again in its forward); `dp`, the experts' gradient reduce-scatter and weight all-gather
+    the experts' GEMMs against dense ones (`flop_rate`: the dense FLOP/s) and the terms around them; `ep`, the
+    token exchange (full recompute exchanges again in its forward); `dp`, the experts' gradient reduce-scatter and weight all-gather
     over the expert data-parallel group; `optimizer`, the step over their shard (40 bytes a parameter)."""
     L, m = layout, layout.num_microbatches
     tokens = L.micro_batch * shape.seq / L.cp
@@ -145,11 +145,11 @@ def moe_step_parts(shape: ModelShape, layout: Layout, *, flop_rate: float, recom
     routed = tokens * m * shape.topk * shape.hidden * shape.moe_layers / L.pp / L.tp * passes
     compute += routed * ROUTED_BYTES / (hbm_tbps * 1e12)
     compute += 1e-6 * MOE_LAYER_US * shape.moe_layers / L.pp * m * passes
+    ne = expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp
     # the experts' weight gradients, added to their fp32 main_grad after each micro-batch (no gradient-accumulation
     # fusion for grouped GEMMs; the dense layers' is plan.py's `wgrad`)
-    compute += EXPERT_WGRAD_BYTES * expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp * m / (hbm_tbps * 1e12)
+    compute += EXPERT_WGRAD_BYTES * ne * m / (hbm_tbps * 1e12)
     ep = a2a_seconds(shape, L, shape.moe_layers / L.pp, nvlink_gbps, internode_gbps, gpus_per_node) * m * passes
-    ne = expert_params_per_gpu(shape, L, shape.moe_layers) / L.pp
     g = L.expert_dp
     dp = _ring(4 * ne, g, dp_gbps) / 2 + _ring(2 * ne, g, dp_gbps) / 2 if L.distributed_optimizer \
         else _ring(4 * ne, g, dp_gbps)

@@ -29,13 +29,12 @@ def applies(h: Any, config: Any) -> bool:
                 and not getattr(config, "glu_linear_offset", 0.0) and fusion_on())
 
 
-def _kernels(shapes: str = "auto") -> tuple[Any, Any]:
-    """The compiled forward and backward. `shapes`: the sizes the kernels are compiled for (bench/moe_ops.py
-    compares them on the GPU). "auto" (used): torch.compile's default, the row count of the first call, then any
-    row count once it changes (EP > 1: an EP rank receives a different count each micro-batch), the width always
-    fixed; "rows": any row count from the first call; "all" (dynamic=True): the width symbolic too; "static": one
-    compilation per row count. On an H200, forward + backward: moe-3b's 524k rows of ffn 768 2.73 ms static,
-    2.88 any rows, 7.11 all dynamic; a Mixtral-like 16k rows of 14336 1.59 ms static, 3.93 any rows."""
+def _kernels(dynamic: bool | None = None) -> tuple[Any, Any]:
+    """The compiled forward and backward. `dynamic` is torch.compile's: None (used) compiles for the first call's row
+    count, then for any row count once it changes (EP > 1: an EP rank receives a different count each micro-batch),
+    the width always fixed; True makes the width symbolic too. On an H200, forward + backward (bench/moe_ops.py):
+    moe-3b's 524k rows of ffn 768 2.73 ms static, 2.88 with the rows marked dynamic, 7.11 with dynamic=True; a
+    Mixtral-like 16k rows of 14336 1.59 ms static, 3.93 with the rows marked dynamic."""
     import torch
     import torch.nn.functional as F
 
@@ -56,21 +55,7 @@ def _kernels(shapes: str = "auto") -> tuple[Any, Any]:
         dgate = gp * up * sig * (1.0 + gate * (1.0 - sig))
         return torch.cat([dgate, gp * silu], dim=-1).to(h.dtype), dprobs.to(probs.dtype)
 
-    if shapes != "rows":
-        dynamic = {"auto": None, "all": True, "static": False}[shapes]
-        return torch.compile(forward, dynamic=dynamic), torch.compile(backward, dynamic=dynamic)
-    fwd, bwd = torch.compile(forward), torch.compile(backward)
-    mark = torch._dynamo.maybe_mark_dynamic
-
-    def rows_forward(h: Any, probs: Any) -> Any:
-        mark(h, 0), mark(probs, 0)
-        return fwd(h, probs)
-
-    def rows_backward(grad: Any, h: Any, probs: Any) -> tuple[Any, Any]:
-        mark(grad, 0), mark(h, 0), mark(probs, 0)
-        return bwd(grad, h, probs)
-
-    return rows_forward, rows_backward
+    return torch.compile(forward, dynamic=dynamic), torch.compile(backward, dynamic=dynamic)
 
 
 def _function() -> Any:
